@@ -1,0 +1,37 @@
+"""hoad: a higher-order automatic differentiation compiler for PyTorch.
+
+``hoad.compile(f, order=N, wrt=...)`` traces ``f`` to ATen, builds one program computing the
+value and every derivative block of orders 1..N between the wrt inputs (canonical blocks only,
+by Schwarz symmetry), and runs it.
+"""
+
+from hoad.api import Compiled, compile
+from hoad.derivatives import Derivatives
+from hoad.errors import (
+    BatchCouplingError,
+    CaptureError,
+    DataDependentControlFlowError,
+    HoadError,
+    HoadInternalError,
+    InvalidArgumentError,
+    OutputError,
+    RandomnessError,
+    UnsupportedOperatorError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compile",
+    "Compiled",
+    "Derivatives",
+    "HoadError",
+    "InvalidArgumentError",
+    "CaptureError",
+    "DataDependentControlFlowError",
+    "RandomnessError",
+    "UnsupportedOperatorError",
+    "OutputError",
+    "BatchCouplingError",
+    "HoadInternalError",
+]

@@ -1,0 +1,206 @@
+"""``hoad.compile``: the public entry point."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from hoad.derivatives import Derivatives
+from hoad.errors import InvalidArgumentError
+from hoad.passes.capture import CallLayout, bind_layout, positional_names
+from hoad.pipeline import Build, Config, build
+from hoad.printing import ProgramView
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("eager",)
+MODES = ("auto", "forward")
+
+
+def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str = "eager",
+            mode: str = "auto") -> Compiled | Callable[[Callable], Compiled]:
+    """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
+
+    ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple of them;
+    the result is indexed with the same keys (``res[0]``, ``res[0, 1]``, ``res["x", "w"]``). Every
+    canonical block of orders 1..order between them is computed in one program (Schwarz symmetry:
+    ``res[1, 0]`` is a permuted view of ``res[0, 1]``).
+
+    Used as ``hoad.compile(f, order=2)`` or as a decorator ``@hoad.compile(order=2)``.
+    ``backend``: "eager" runs the generated program as an fx GraphModule.
+    ``mode``: "auto" picks the propagation direction; "forward" forces pure forward propagation.
+    """
+    _check_options(order, wrt, backend, mode)
+    if fn is None:
+        return lambda f: Compiled(f, order, wrt, backend=backend, mode=mode)
+    if not callable(fn):
+        raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}")
+    return Compiled(fn, order, wrt, backend=backend, mode=mode)
+
+
+def _check_options(order, wrt, backend, mode) -> None:
+    if order is None:
+        raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
+    entries = wrt if isinstance(wrt, tuple) else (wrt,)
+    if not entries:
+        raise InvalidArgumentError("wrt must name at least one input")
+    for w in entries:
+        if isinstance(w, bool) or not isinstance(w, (int, str)) or (isinstance(w, int) and w < 0):
+            raise InvalidArgumentError(f"wrt entries must be argnums (int >= 0) or argument names (str), got {w!r}")
+    if len(set(entries)) != len(entries):
+        raise InvalidArgumentError(f"wrt names an input twice: {wrt!r}")
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+class Compiled:
+    """A compiled derivative function. Call it like the original; it returns :class:`Derivatives`.
+
+    Programs are cached per call signature (tensor shapes, dtypes and devices, and the values
+    of non-tensor arguments); a new signature traces and compiles again.
+    """
+
+    def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str = "eager", mode: str = "auto"):
+        _check_options(order, wrt, backend, mode)
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.order = order
+        self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
+        self.config = Config(order=order, backend=backend, mode=mode)
+        self._positional = positional_names(fn)
+        self._check_wrt_against_signature()
+        self._cache: dict[Hashable, _Entry] = {}
+        self._last: _Entry | None = None
+
+    # ------------------------------------------------------------------------------- calling
+    def __call__(self, *args, **kwargs) -> Derivatives:
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, kwargs)
+            self._cache[key] = entry
+        self._last = entry
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return entry.result(tensors)
+
+    def _compile(self, args: tuple, kwargs: dict) -> _Entry:
+        layout, tensors = bind_layout(self.fn, args, kwargs)
+        wrt_leaves = [self._resolve_wrt(w, layout, args, kwargs) for w in self.wrt]
+        for w, leaf in zip(self.wrt, wrt_leaves):
+            t = tensors[leaf]
+            if not t.dtype.is_floating_point:
+                raise InvalidArgumentError(
+                    f"wrt input {w!r} has dtype {t.dtype}; derivatives need a floating-point tensor "
+                    "(convert it with .double() or .float())")
+        log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
+        b = build(self.fn, layout, tensors, wrt_leaves, self.config)
+        return _Entry(b, self.wrt, self._aliases(layout, wrt_leaves))
+
+    # ----------------------------------------------------------------------------------- wrt
+    def _check_wrt_against_signature(self) -> None:
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):
+            return
+        var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+        var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for w in self.wrt:
+            if isinstance(w, int) and w >= len(self._positional) and not var_positional:
+                raise InvalidArgumentError(
+                    f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
+                    f"positional arguments {tuple(self._positional)}")
+            if isinstance(w, str) and w not in params and not var_keyword:
+                raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function; "
+                                           f"its arguments are {tuple(params)}")
+
+    def _resolve_wrt(self, w, layout: CallLayout, args: tuple, kwargs: dict) -> int:
+        """The tensor-leaf index of wrt entry ``w`` in this call."""
+        if isinstance(w, int):
+            if w < len(args):
+                where, value = ("pos", w), args[w]
+            elif w < len(self._positional) and self._positional[w] in kwargs:
+                where, value = ("kw", self._positional[w]), kwargs[self._positional[w]]
+            else:
+                raise InvalidArgumentError(f"wrt={w} but the call passes only {len(args)} positional arguments")
+        else:
+            if w in kwargs:
+                where, value = ("kw", w), kwargs[w]
+            elif w in self._positional and self._positional.index(w) < len(args):
+                where, value = ("pos", self._positional.index(w)), args[self._positional.index(w)]
+            else:
+                raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__}; hoad differentiates with "
+                                       "respect to tensors only (pass a torch.Tensor)")
+        for i, top in enumerate(layout.tops):
+            if top == where:
+                return i
+        raise InvalidArgumentError(f"wrt input {w!r} must be a tensor argument itself, not inside a container")
+
+    def _aliases(self, layout: CallLayout, wrt_leaves: list[int]) -> dict:
+        """Every way a user may name a wrt entry in a result key: as given, by argnum, by name."""
+        aliases: dict = {}
+        for pos, (w, leaf) in enumerate(zip(self.wrt, wrt_leaves)):
+            aliases[w] = pos
+            kind, ident = layout.tops[leaf]
+            if kind == "pos":
+                aliases.setdefault(ident, pos)
+                if ident < len(self._positional):
+                    aliases.setdefault(self._positional[ident], pos)
+            else:
+                aliases.setdefault(ident, pos)
+                if ident in self._positional:
+                    aliases.setdefault(self._positional.index(ident), pos)
+        return aliases
+
+    # ------------------------------------------------------------------------------ inspect
+    @property
+    def graph(self) -> ProgramView:
+        """The derivative program of the most recent call signature (print it to read it)."""
+        if self._last is None:
+            raise InvalidArgumentError("call the compiled function once before asking for its graph "
+                                       "(the program depends on the shapes of the arguments)")
+        return ProgramView(self._last.build.program, self._last.build.stats)
+
+    def __repr__(self) -> str:
+        return f"<hoad.compile({getattr(self.fn, '__name__', self.fn)!s}, order={self.order}, wrt={self.wrt!r})>"
+
+
+class _Entry:
+    """One compiled signature: the program and how to wrap its outputs."""
+
+    def __init__(self, b: Build, wrt: tuple, aliases: dict):
+        self.build = b
+        self.program = b.program
+        self.run = b.run
+        self.wrt = wrt
+        self.aliases = aliases
+
+    def result(self, tensors: list[torch.Tensor]) -> Derivatives:
+        outs = self.run(*tensors)
+        p = self.program
+        blocks = dict(zip(p.keys, outs[1:]))
+        return Derivatives(outs[0], blocks, p.zeros, self.wrt, self.aliases, p.slot_shapes, p.order)
+
+
+def _leaf_key(leaf) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return ("T", tuple(leaf.shape), leaf.dtype, leaf.device)
+    try:
+        hash(leaf)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"a non-tensor argument of type {type(leaf).__name__} is not hashable; hoad caches programs by "
+            "the values of non-tensor arguments, so pass it as a tensor or as a hashable value") from None
+    return ("S", type(leaf), leaf)

@@ -1,0 +1,133 @@
+"""The result of a compiled call: the value and every derivative block, indexed by wrt keys."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+
+import torch
+
+from hoad.errors import InvalidArgumentError
+from hoad.multiindex import MultiIndex
+
+
+class Derivatives(Mapping):
+    """Value and derivative blocks of orders 1..N.
+
+    ``res[k]`` is ∂f/∂k; ``res[i, j, ...]`` the mixed block, in torch.func's dense layout
+    ``f.shape + shape(i) + shape(j) + …`` (equal to nested ``jacfwd(jacrev(f, i), j)``). Keys are
+    the wrt entries as given to :func:`hoad.compile` (argnums or names); any ordering works and a
+    non-canonical one returns a permuted view of the stored block. Iterating yields the canonical
+    keys, lower orders first; :meth:`order` gives one order's canonical blocks.
+    """
+
+    def __init__(self, value: torch.Tensor, blocks: dict[MultiIndex, torch.Tensor], zeros: Sequence[MultiIndex],
+                 wrt: Sequence[Hashable], aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]],
+                 order: int):
+        self.value = value
+        self._blocks = blocks
+        self._zeros = set(zeros)
+        self._wrt = list(wrt)
+        self._aliases = dict(aliases)
+        self._slot_shapes = [tuple(s) for s in slot_shapes]
+        self._max_order = order
+        self._zero_cache: dict[MultiIndex, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------------------------- keys
+    @property
+    def max_order(self) -> int:
+        return self._max_order
+
+    @property
+    def wrt(self) -> list:
+        return list(self._wrt)
+
+    def _position(self, k: Hashable) -> int:
+        if isinstance(k, bool) or k not in self._aliases:
+            raise KeyErrorWithHelp(f"{k!r} is not a wrt key; valid keys are {self._wrt}")
+        return self._aliases[k]
+
+    def _resolve(self, key) -> tuple[MultiIndex, list[int]]:
+        """(canonical multi-index, positions as requested)."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if not 1 <= len(key) <= self._max_order:
+            raise KeyErrorWithHelp(f"key {key!r} has order {len(key)}; this result holds orders 1..{self._max_order}")
+        positions = [self._position(k) for k in key]
+        return tuple(sorted(positions)), positions
+
+    def _canonical_key(self, K: MultiIndex) -> tuple:
+        return tuple(self._wrt[p] for p in K)
+
+    # ------------------------------------------------------------------------------- access
+    def __getitem__(self, key) -> torch.Tensor:
+        K, positions = self._resolve(key)
+        block = self._block(K)
+        if positions == list(K):
+            return block
+        return block.permute(self._slot_permutation(K, positions))
+
+    def is_structural_zero(self, key) -> bool:
+        """True when the block is zero by the structure of the program (no tensor was computed)."""
+        K, _ = self._resolve(key)
+        return K in self._zeros
+
+    def order(self, k: int) -> dict[tuple, torch.Tensor]:
+        """The canonical blocks of order ``k``, keyed by wrt entries in wrt order."""
+        if not isinstance(k, int) or not 1 <= k <= self._max_order:
+            raise InvalidArgumentError(f"order must be an int in 1..{self._max_order}, got {k!r}")
+        keys = itertools.combinations_with_replacement(range(len(self._wrt)), k)
+        return {self._canonical_key(K): self._block(K) for K in keys}
+
+    def __iter__(self) -> Iterator[tuple]:
+        for k in range(1, self._max_order + 1):
+            for K in itertools.combinations_with_replacement(range(len(self._wrt)), k):
+                yield self._canonical_key(K)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key) -> bool:
+        try:
+            self._resolve(key)
+        except KeyError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {tuple(self[k].shape)}" for k in self)
+        return f"Derivatives(value={tuple(self.value.shape)}, order={self._max_order}, {{{shapes}}})"
+
+    # ----------------------------------------------------------------------------- internals
+    def _block(self, K: MultiIndex) -> torch.Tensor:
+        if K in self._blocks:
+            return self._blocks[K]
+        if K not in self._zero_cache:
+            self._zero_cache[K] = self.value.new_zeros(self._zero_shape(K))
+        return self._zero_cache[K]
+
+    def _zero_shape(self, K: MultiIndex) -> tuple[int, ...]:
+        shape = list(self.value.shape)
+        for p in K:
+            shape += self._slot_shapes[p]
+        return tuple(shape)
+
+    def _slot_permutation(self, K: MultiIndex, positions: list[int]) -> list[int]:
+        """Axis permutation taking the canonical block to the requested slot order."""
+        r = self.value.ndim
+        ranks = [len(self._slot_shapes[p]) for p in K]
+        offsets = [r + sum(ranks[:i]) for i in range(len(K))]
+        used = [False] * len(K)
+        perm = list(range(r))
+        for p in positions:
+            i = next(i for i in range(len(K)) if K[i] == p and not used[i])
+            used[i] = True
+            perm += range(offsets[i], offsets[i] + ranks[i])
+        return perm
+
+
+class KeyErrorWithHelp(KeyError, InvalidArgumentError):
+    """A bad key into :class:`Derivatives` (a KeyError that prints its message plainly)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,50 @@
+"""Errors raised by hoad.
+
+Every failure a user can cause surfaces as a subclass of :class:`HoadError` whose message names
+the cause and the fix. Internal invariants that fail raise :class:`HoadInternalError`, which asks
+for a bug report instead of leaking a bare ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+
+class HoadError(Exception):
+    """Base class of every error hoad raises."""
+
+
+class InvalidArgumentError(HoadError, ValueError):
+    """A bad argument to ``hoad.compile`` or to a compiled callable (order, wrt, dtype, ...)."""
+
+
+class CaptureError(HoadError):
+    """The function could not be traced to an ATen graph."""
+
+
+class DataDependentControlFlowError(CaptureError):
+    """Python control flow depends on tensor values, so one graph cannot represent the function."""
+
+
+class RandomnessError(CaptureError):
+    """The function draws random numbers (e.g. dropout in training mode)."""
+
+
+class UnsupportedOperatorError(HoadError):
+    """An ATen operator on a differentiated path has no derivative rule."""
+
+
+class OutputError(HoadError):
+    """The function's output is not a single floating-point tensor."""
+
+
+class BatchCouplingError(HoadError):
+    """``batch_dim`` promised independent samples, but an operator mixes them."""
+
+
+class HoadInternalError(HoadError, RuntimeError):
+    """An invariant of hoad itself failed: please report it with the function that triggered it."""
+
+
+def internal_check(condition: bool, message: str) -> None:
+    """Raise :class:`HoadInternalError` when an internal invariant does not hold."""
+    if not condition:
+        raise HoadInternalError(f"{message} (this is a bug in hoad; please report it)")

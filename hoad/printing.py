@@ -1,0 +1,85 @@
+"""Readable listings of derivative programs: ``print(cf.graph)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+def _fmt(a) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, torch.dtype):
+        return str(a)
+    if isinstance(a, float):
+        return repr(a)
+    return repr(a)
+
+
+def _op(target) -> str:
+    name = str(target)
+    if name.startswith("aten."):
+        parts = name.split(".")
+        return ".".join(parts[:2]) if parts[-1] in ("default", "Tensor", "int", "Scalar") else name
+    return getattr(target, "__name__", name)
+
+
+def _shape(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return "[" + ", ".join(str(s) for s in val.shape) + "]"
+    return ""
+
+
+def _comment(node: fx.Node) -> str:
+    parts = []
+    block = node.meta.get("hoad_block")
+    source = node.meta.get("custom", {}).get("hoad")
+    rule = node.meta.get("custom", {}).get("rule")
+    if block:
+        parts.append(block)
+    if source and source != "output":
+        parts.append(f"from {source}" + (f" by {rule}" if rule else " (primal)"))
+    return "  # " + "; ".join(parts) if parts else ""
+
+
+def format_program(gm: fx.GraphModule, title: str = "program") -> str:
+    """The program as Python-like text, one ATen call per line, with the block each line computes."""
+    nodes = list(gm.graph.nodes)
+    args = [n.name for n in nodes if n.op == "placeholder"]
+    lines = [f"def {title}({', '.join(args)}):"]
+    for n in nodes:
+        if n.op == "call_function":
+            call = f"{_op(n.target)}({', '.join([_fmt(a) for a in n.args] + [f'{k}={_fmt(v)}' for k, v in n.kwargs.items()])})"
+            lines.append(f"    {n.name}: {_shape(n)} = {call}{_comment(n)}")
+        elif n.op == "get_attr":
+            lines.append(f"    {n.name}: {_shape(n)} = <constant {n.target}>")
+        elif n.op == "output":
+            lines.append(f"    return {_fmt(n.args[0])}")
+    return "\n".join(lines)
+
+
+class ProgramView:
+    """What ``cf.graph`` returns: prints as the program; ``.module`` is the fx.GraphModule."""
+
+    def __init__(self, program, stats: dict | None = None):
+        self.program = program
+        self.module: fx.GraphModule = program.gm
+        self.stats = stats or {}
+
+    @property
+    def nodes(self) -> int:
+        """Number of ATen calls in the program."""
+        return sum(1 for n in self.module.graph.nodes if n.op == "call_function")
+
+    def __str__(self) -> str:
+        p = self.program
+        header = (f"# hoad derivative program: order {p.order}, wrt {', '.join(p.wrt_names)}; "
+                  f"returns value + {len(p.keys)} blocks ({len(p.zeros)} structural zeros omitted); {self.nodes} ATen calls")
+        return header + "\n" + format_program(self.module)
+
+    def __repr__(self) -> str:
+        return f"<hoad program: order {self.program.order}, {self.nodes} ATen calls>"

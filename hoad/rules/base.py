@@ -1,0 +1,124 @@
+"""What a rule sees: jets of its arguments and a context naming the blocks to produce.
+
+A rule is a pure function ``rule(ctx, *args, **kwargs) -> {multi-index: Block}`` over the op's
+own arguments, with every tensor argument replaced by a :class:`Jet`. It is written in plain
+torch, so it runs eagerly in a test and emits ATen nodes when the derivative program is traced.
+A multi-index missing from the returned dict is a structural zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from hoad.blocks import Block
+from hoad.errors import HoadInternalError
+from hoad.multiindex import MultiIndex, closure
+
+
+class Jet:
+    """A primal value with its derivative blocks (absent multi-index = structural zero)."""
+
+    __slots__ = ("primal", "blocks")
+
+    def __init__(self, primal: Any, blocks: dict[MultiIndex, Block] | None = None):
+        self.primal = primal
+        self.blocks = blocks if blocks is not None else {}
+
+    def __getitem__(self, K: MultiIndex) -> Block | None:
+        if not K:
+            return Block.dense(self.primal)
+        return self.blocks.get(K)
+
+    @property
+    def constant(self) -> bool:
+        return not self.blocks
+
+    @property
+    def ndim(self) -> int:
+        return self.primal.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.primal.shape)
+
+    def __repr__(self) -> str:
+        return f"Jet({tuple(self.primal.shape)}, blocks={sorted(self.blocks)})"
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a rule is asked for: the multi-indices ``keys`` of the node whose value is ``out``."""
+
+    keys: tuple[MultiIndex, ...]
+    slot_shapes: tuple[tuple[int, ...], ...]
+    out: Any
+
+    @property
+    def max_order(self) -> int:
+        return max((len(K) for K in self.keys), default=0)
+
+    def inner(self, out: Any) -> Ctx:
+        """Context for an intermediate value of a composite rule: every lower block is needed."""
+        return replace(self, keys=tuple(closure(self.keys)), out=out)
+
+    def slots(self, K: MultiIndex, positions: Sequence[int] | None = None) -> list:
+        """Einsum labels of the slot axes of ``K`` at ``positions`` (all slots by default)."""
+        if positions is None:
+            positions = range(len(K))
+        return [("s", p, a) for p in positions for a in range(len(self.slot_shapes[K[p]]))]
+
+    def slot_shape(self, K: MultiIndex) -> tuple[int, ...]:
+        return tuple(n for k in K for n in self.slot_shapes[k])
+
+    def permute_slots(self, blk: Block, r: int, K: MultiIndex, sigma: Sequence[int]) -> Block:
+        """Reorder the slot groups of a block: slot ``p`` of the result is slot ``sigma[p]``."""
+        if list(sigma) == list(range(len(K))):
+            return blk
+        offsets, at = [], r
+        for k in K:
+            offsets.append(at)
+            at += len(self.slot_shapes[k])
+        perm = list(range(r))
+        for p in range(len(K)):
+            q = sigma[p]
+            perm += range(offsets[q], offsets[q] + len(self.slot_shapes[K[q]]))
+        return blk.permute(perm)
+
+
+def out_labels(r: int) -> list:
+    return [("o", i) for i in range(r)]
+
+
+Rule = Callable[..., Any]
+
+
+class RuleTable(dict):
+    """A table of rules keyed by ATen overload; registering a key twice is an error."""
+
+    def __init__(self, family: str):
+        super().__init__()
+        self.family = family
+
+    def register(self, *ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
+        def deco(fn: Rule) -> Rule:
+            for op in ops:
+                if op in self:
+                    raise HoadInternalError(f"two {self.family} rules for {op}")
+                self[op] = fn
+            return fn
+
+        return deco
+
+
+def merge_tables(*tables: RuleTable) -> dict:
+    merged: dict = {}
+    for table in tables:
+        for op, fn in table.items():
+            if op in merged:
+                raise HoadInternalError(f"{op} has rules in two families ({table.family} and another)")
+            merged[op] = fn
+    return merged

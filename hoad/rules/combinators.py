@@ -1,0 +1,113 @@
+"""The three combinators that carry the maths of every rule.
+
+- :func:`chain` (Faà di Bruno) for elementwise nonlinear ops, given the scalar derivatives;
+- :func:`leibniz` for multilinear ops, given each factor's einsum labels;
+- :func:`linear` for ops linear in one argument, given the op on a single block.
+
+Each produces only the multi-indices in ``ctx.keys`` and reads only the arguments' blocks, so the
+same rule serves forward propagation and, with the top-order blocks of the arguments left out,
+the remainder terms of the adjoint form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hoad.blocks import Block, add, contract, expand_out
+from hoad.multiindex import distribution_terms, partition_terms
+from hoad.rules.base import Ctx, Jet, out_labels
+
+Coefficient = torch.Tensor | float | int | None
+
+
+def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
+    """Blocks of φ(u) for elementwise φ, from ``coeffs[m-1] = φ^(m)(u)`` (None: a structural zero).
+
+    Faà di Bruno with terms grouped by the multiset partition of the slots: each distinct product
+    φ^(m)(u) ⊙ Π D^{K_B}u is contracted once and its slot permutations are added.
+    """
+    r = u.ndim
+    o = out_labels(r)
+    result = {}
+    for K in ctx.keys:
+        terms = []
+        for term in partition_terms(K):
+            coeff = coeffs[len(term.parts) - 1]
+            if coeff is None:
+                continue
+            factors = [u.blocks.get(sub) for sub in term.sub_indices(K)]
+            if any(f is None for f in factors):
+                continue
+            operands = [(f, o + ctx.slots(K, part)) for f, part in zip(factors, term.parts)]
+            scalar = 1.0
+            if isinstance(coeff, torch.Tensor):
+                operands.insert(0, (_on_output(coeff, u.shape), o))
+            else:
+                scalar = coeff
+            prod = contract(operands, o + ctx.slots(K)).scale(scalar)
+            terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
+        if terms:
+            result[K] = add(terms)
+    return result
+
+
+def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, out_shape: Sequence[int]) -> dict:
+    """Blocks of a multilinear op: the einsum of ``factors`` (each a jet with the labels of its
+    axes) into ``out``. Each slot distribution among the factors is one Leibniz term."""
+    r = len(out)
+    result = {}
+    for K in ctx.keys:
+        terms = []
+        for term in distribution_terms(K, len(factors)):
+            blocks = [jet[sub] for (jet, _labels), sub in zip(factors, term.sub_indices(K))]
+            if any(b is None for b in blocks):
+                continue
+            operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
+            prod = contract(operands, list(out) + ctx.slots(K), sizes=dict(zip(out, out_shape)))
+            terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
+        if terms:
+            result[K] = add(terms)
+    return result
+
+
+def linear(ctx: Ctx, x: Jet, fn: Callable[[Block], Block]) -> dict:
+    """Blocks of an op linear in ``x``: the op applied to each block, slots carried along."""
+    return {K: fn(x.blocks[K]) for K in ctx.keys if K in x.blocks}
+
+
+def broadcast(x: Jet, shape: Sequence[int]) -> Jet:
+    """``x`` broadcast to ``shape`` (blocks keep broadcast axes compact)."""
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    r = x.ndim
+    primal = x.primal.expand(shape)
+    return Jet(primal, {K: expand_out(b, r, shape) for K, b in x.blocks.items()})
+
+
+def _on_output(coeff: torch.Tensor, shape: Sequence[int]) -> Block:
+    """A coefficient over the output axes as a block, compact along broadcast axes."""
+    if tuple(coeff.shape) == tuple(shape):
+        return Block.dense(coeff)
+    return expand_out(Block.dense(coeff), coeff.ndim, shape)
+
+
+def sum_blocks(*parts: dict) -> dict:
+    """Blockwise sum of several rule results (structural zeros skipped)."""
+    result: dict = {}
+    for part in parts:
+        for K, b in part.items():
+            result.setdefault(K, []).append(b)
+    return {K: add(bs) for K, bs in result.items()}
+
+
+def scaled(ctx: Ctx, x: Jet, coeff: torch.Tensor | float, out_shape: Sequence[int]) -> dict:
+    """Blocks of ``coeff * x`` with ``coeff`` constant (broadcasting both to ``out_shape``)."""
+    xb = broadcast(x, out_shape)
+    if not isinstance(coeff, torch.Tensor):
+        return {K: b.scale(coeff) for K, b in xb.blocks.items() if K in ctx.keys}
+    c = _on_output(coeff, out_shape)
+    o = out_labels(len(out_shape))
+    return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K)) for K, b in xb.blocks.items() if K in ctx.keys}

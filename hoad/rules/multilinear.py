@@ -1,0 +1,93 @@
+"""Multilinear ops: Leibniz over the factors, each factor named by its einsum labels."""
+
+from __future__ import annotations
+
+import torch
+
+from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
+from hoad.rules.combinators import broadcast, chain, leibniz, scaled
+from hoad.rules.elementwise import reciprocal
+
+aten = torch.ops.aten
+RULES = RuleTable("multilinear")
+
+
+def _varies(x) -> bool:
+    return isinstance(x, Jet) and not x.constant
+
+
+def _value(x):
+    return x.primal if isinstance(x, Jet) else x
+
+
+def _product(ctx: Ctx, a, b) -> dict:
+    """Elementwise a ⊙ b with broadcasting."""
+    shape = tuple(ctx.out.shape)
+    if not _varies(a):
+        return scaled(ctx, b, _value(a), shape)
+    if not _varies(b):
+        return scaled(ctx, a, _value(b), shape)
+    o = out_labels(len(shape))
+    return leibniz(ctx, [(broadcast(a, shape), o), (broadcast(b, shape), o)], o, shape)
+
+
+@RULES.register(aten.mul.Tensor)
+def mul_rule(ctx: Ctx, a, b):
+    return _product(ctx, a, b)
+
+
+@RULES.register(aten.mul.Scalar)
+def mul_scalar_rule(ctx: Ctx, a: Jet, s):
+    return scaled(ctx, a, s, tuple(ctx.out.shape))
+
+
+@RULES.register(aten.div.Tensor)
+def div_rule(ctx: Ctx, a, b):
+    """a / b: linear in a when b is constant; otherwise a ⊙ reciprocal(b)."""
+    if not _varies(b):
+        return scaled(ctx, a, 1.0 / _value(b) if not isinstance(_value(b), torch.Tensor) else _value(b).reciprocal(),
+                      tuple(ctx.out.shape))
+    inner = ctx.inner(b.primal.reciprocal())
+    rb = Jet(inner.out, chain(inner, b, reciprocal(inner.max_order, b.primal, inner.out)))
+    return _product(ctx, a, rb)
+
+
+@RULES.register(aten.div.Scalar)
+def div_scalar_rule(ctx: Ctx, a: Jet, s):
+    return scaled(ctx, a, 1.0 / s, tuple(ctx.out.shape))
+
+
+def _contraction(ctx: Ctx, a, b, la: str, lb: str, lo: str) -> dict:
+    a = a if isinstance(a, Jet) else Jet(a)
+    b = b if isinstance(b, Jet) else Jet(b)
+    return leibniz(ctx, [(a, list(la)), (b, list(lb))], list(lo), tuple(ctx.out.shape))
+
+
+@RULES.register(aten.mm.default)
+def mm_rule(ctx: Ctx, a, b):
+    return _contraction(ctx, a, b, "ik", "kj", "ij")
+
+
+@RULES.register(aten.bmm.default)
+def bmm_rule(ctx: Ctx, a, b):
+    return _contraction(ctx, a, b, "bik", "bkj", "bij")
+
+
+def _pick(ctx: Ctx, a, b, take_a: torch.Tensor) -> dict:
+    """Blocks of an elementwise choice between a and b; ``take_a`` weighs a (ties share)."""
+    from hoad.rules.linear import _combine
+
+    return _combine(ctx, [(a, take_a), (b, 1 - take_a)])
+
+
+@RULES.register(aten.maximum.default)
+def maximum_rule(ctx: Ctx, a, b):
+    """Ties give each side half the derivative, as torch's backward does."""
+    va, vb = _value(a), _value(b)
+    return _pick(ctx, a, b, (va > vb).to(ctx.out.dtype) + 0.5 * (va == vb).to(ctx.out.dtype))
+
+
+@RULES.register(aten.minimum.default)
+def minimum_rule(ctx: Ctx, a, b):
+    va, vb = _value(a), _value(b)
+    return _pick(ctx, a, b, (va < vb).to(ctx.out.dtype) + 0.5 * (va == vb).to(ctx.out.dtype))

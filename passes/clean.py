@@ -1,0 +1,112 @@
+"""Clean-up passes over a derivative program: fold layout ops, drop identities, CSE, DCE.
+
+Each pass is ``GraphModule -> GraphModule`` and preserves the program's outputs exactly (they
+only remove or merge nodes that compute the same values).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from hoad.rules import RANDOM
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def fold_layout(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove identity views/permutes/expands and collapse chains of views and of permutes."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not node.args:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            continue
+        target = node.target
+        if target in _VIEWS | {aten.expand.default, aten.alias.default} and _shape(node) == _shape(src) \
+                and _shape(node) is not None and not node.kwargs:
+            node.replace_all_uses_with(src)
+            changed = True
+        elif target == aten.permute.default and list(node.args[1]) == list(range(len(node.args[1]))):
+            node.replace_all_uses_with(src)
+            changed = True
+        elif target in _VIEWS and src.op == "call_function" and src.target in _VIEWS:
+            node.args = (src.args[0],) + tuple(node.args[1:])
+            changed = True
+        elif target == aten.permute.default and src.op == "call_function" and src.target == aten.permute.default:
+            inner, outer = list(src.args[1]), list(node.args[1])
+            node.args = (src.args[0], [inner[p] for p in outer])
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _key(node: fx.Node):
+    def norm(a):
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(norm(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, norm(v)) for k, v in a.items()))
+        if isinstance(a, fx.Node):
+            return ("node", id(a))
+        if isinstance(a, float) and a != a:
+            return ("nan",)
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(a)
+        return (type(a).__name__, a)
+
+    return (node.target, norm(node.args), norm(node.kwargs))
+
+
+def cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge call_function nodes with the same op and the same arguments."""
+    seen: dict = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target in RANDOM:
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        try:
+            key = _key(node)
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            keep = seen[key]
+            if "hoad_block" in node.meta and "hoad_block" not in keep.meta:
+                keep.meta["hoad_block"] = node.meta["hoad_block"]
+            node.replace_all_uses_with(keep)
+            gm.graph.erase_node(node)
+            changed = True
+        else:
+            seen[key] = node
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def dce(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def clean(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fold layout ops and merge duplicates until nothing changes."""
+    before = None
+    while before != len(gm.graph.nodes):
+        before = len(gm.graph.nodes)
+        gm = dce(cse(fold_layout(gm)))
+    return gm

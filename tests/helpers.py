@@ -1,0 +1,78 @@
+"""Reference derivatives from nested torch.func, and the comparison every correctness test uses."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.func import jacfwd, jacrev
+
+import hoad
+
+DT = torch.float64
+
+
+def reference(f, args, wrt, order):
+    """{canonical multi-index (over wrt positions): block} for orders 1..order.
+
+    ``jacrev`` innermost, then ``jacfwd`` per further order: block[k1, …, kn] is
+    jacfwd(…jacfwd(jacrev(f, k1), k2)…, kn), the layout hoad promises.
+    """
+    argnums = tuple(wrt)
+    g = jacrev(f, argnums=argnums)
+    levels = {1: g(*args)}
+    for n in range(2, order + 1):
+        g = jacfwd(g, argnums=argnums)
+        levels[n] = g(*args)
+    out = {}
+    for n in range(1, order + 1):
+        for K in itertools.combinations_with_replacement(range(len(argnums)), n):
+            t = levels[n]
+            for k in K:
+                t = t[k]
+            out[K] = t
+    return out
+
+
+def assert_close(got, ref, what=""):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-9, atol=1e-9 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def check(f, args, wrt=(0,), order=3, **options):
+    """Compile ``f`` with hoad and compare every canonical block (and permuted keys) to torch.func."""
+    wrt = tuple(wrt)
+    cf = hoad.compile(f, order=order, wrt=wrt, **options)
+    res = cf(*args)
+    assert_close(res.value, f(*args), "value")
+    ref = reference(f, args, wrt, order)
+    for K, expected in ref.items():
+        key = tuple(wrt[k] for k in K)
+        assert_close(res[key], expected, f"block {key}")
+        if len(set(K)) > 1:  # a non-canonical ordering is a permuted view of the same block
+            rkey = key[::-1]
+            rref = reference_block(ref, K[::-1], args, wrt)
+            assert_close(res[rkey], rref, f"block {rkey}")
+    return res, cf
+
+
+def reference_block(ref, positions, args, wrt):
+    """A non-canonical block from the canonical reference by permuting slot groups."""
+    K = tuple(sorted(positions))
+    t = ref[K]
+    ranks = [args[wrt[k]].ndim for k in K]
+    r = t.ndim - sum(ranks)
+    offsets = [r + sum(ranks[:i]) for i in range(len(K))]
+    used, perm = [False] * len(K), list(range(r))
+    for p in positions:
+        i = next(i for i in range(len(K)) if K[i] == p and not used[i])
+        used[i] = True
+        perm += range(offsets[i], offsets[i] + ranks[i])
+    return t.permute(perm)
+
+
+def rand(*shape, positive=False, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 1000)
+    t = torch.randn(*shape, dtype=DT, generator=g)
+    return t.abs() + 0.5 if positive else t

@@ -1,0 +1,142 @@
+"""The compact block algebra against dense reference computations."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hoad.blocks import Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out, unsqueeze_out
+
+
+def dense_of(blk: Block) -> torch.Tensor:
+    """Reference densification by explicit indexing (independent of Block.materialize)."""
+    out = torch.zeros(blk.shape, dtype=blk.data.dtype)
+    for idx in itertools.product(*[range(n) for n in blk.shape]):
+        cls = {}
+        ok = True
+        for a, i in enumerate(idx):
+            c = blk.dims[a]
+            if cls.setdefault(c, i) != i:
+                ok = False
+                break
+        if ok:
+            didx = tuple(0 if blk.data.shape[c] == 1 else cls[c] for c in range(blk.data.ndim))
+            out[idx] = blk.data[didx]
+    return out
+
+
+def random_block(rng: random.Random, shape, ties=True, broadcast=True) -> Block:
+    dims, sizes = [], []
+    for n in shape:
+        same = [c for c in range(len(sizes)) if sizes[c] == n]
+        if ties and same and rng.random() < 0.4:
+            dims.append(rng.choice(same))
+        else:
+            dims.append(len(sizes))
+            sizes.append(n)
+    data_shape = [1 if broadcast and rng.random() < 0.25 else n for n in sizes]
+    data = torch.randn(data_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
+    from hoad.blocks import _canonical
+    return _canonical(data, dims, shape)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_contract_matches_dense_einsum(seed):
+    rng = random.Random(seed)
+    letters = "abcd"
+    sizes = {l: rng.choice([1, 2, 3]) for l in letters}
+    ops = []
+    for _ in range(rng.choice([1, 2, 3])):
+        labels = rng.sample(letters, rng.choice([1, 2, 3]))
+        ops.append((random_block(rng, [sizes[l] for l in labels]), labels))
+    used = sorted({l for _b, ls in ops for l in ls})
+    out = rng.sample(used, rng.randrange(len(used) + 1))
+    got = contract(ops, out)
+    ref = torch.einsum(",".join("".join(ls) for _b, ls in ops) + "->" + "".join(out), *[dense_of(b) for b, _ in ops])
+    assert got.shape == tuple(ref.shape)
+    torch.testing.assert_close(dense_of(got), ref)
+    torch.testing.assert_close(got.materialize(), ref)
+
+
+def test_contract_keeps_diagonals_compact():
+    x = torch.randn(5, dtype=torch.float64)
+    seed = Block.identity(x, (5,))
+    coeff = Block.dense(torch.cos(x))
+    d1 = contract([(coeff, ["o"]), (seed, ["o", "s0"])], ["o", "s0"])
+    d2 = contract([(coeff, ["o"]), (seed, ["o", "s0"]), (seed, ["o", "s1"])], ["o", "s0", "s1"])
+    assert d1.data.shape == (5,) and d2.data.shape == (5,)
+    assert d2.dims == (0, 0, 0)
+    hess = sum_out(d2, 1, [0])
+    torch.testing.assert_close(hess.materialize(), torch.diag(torch.cos(x)))
+
+
+def test_repeated_output_label_builds_a_diagonal():
+    v = Block.dense(torch.randn(3, dtype=torch.float64))
+    got = contract([(v, ["i"])], ["i", "i"])
+    torch.testing.assert_close(got.materialize(), torch.diag(v.data))
+
+
+def test_broadcast_sum_scales_by_size():
+    ones = Block.identity(torch.zeros(()), (4,))  # dense eye(4), stored as one entry
+    got = contract([(ones, ["i", "j"])], [])
+    assert float(got.data) == 4.0
+    torch.testing.assert_close(dense_of(ones), torch.eye(4))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_add_of_different_structures(seed):
+    rng = random.Random(seed)
+    shape = [rng.choice([1, 2, 3]) for _ in range(rng.choice([2, 3, 4]))]
+    blocks = [random_block(rng, shape) for _ in range(rng.choice([2, 3]))]
+    got = add(blocks)
+    torch.testing.assert_close(dense_of(got), sum(dense_of(b) for b in blocks))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_output_maps(seed):
+    rng = random.Random(seed)
+    r = rng.choice([1, 2, 3])
+    shape = [rng.choice([1, 2, 3]) for _ in range(r + rng.choice([0, 1, 2]))]
+    blk = random_block(rng, shape)
+    dense = dense_of(blk)
+    out = shape[:r]
+    # permute
+    perm = list(range(r))
+    rng.shuffle(perm)
+    torch.testing.assert_close(dense_of(permute_out(blk, r, perm)), dense.permute(perm + list(range(r, len(shape)))))
+    # sum
+    axes = rng.sample(range(r), rng.randrange(r + 1))
+    for keepdim in (False, True):
+        got = sum_out(blk, r, axes, keepdim)
+        ref = dense.sum(axes, keepdim=keepdim) if axes else dense
+        torch.testing.assert_close(dense_of(got), ref)
+    # unsqueeze / squeeze
+    d = rng.randrange(r + 1)
+    torch.testing.assert_close(dense_of(unsqueeze_out(blk, r, d)), dense.unsqueeze(d))
+    ones = [a for a in range(r) if shape[a] == 1]
+    torch.testing.assert_close(dense_of(squeeze_out(blk, r, ones)), dense.reshape([n for a, n in enumerate(shape) if a not in ones]))
+    # expand (with a new leading axis)
+    new_out = [2] + [n if n != 1 else rng.choice([1, 3]) for n in out]
+    ref = dense.reshape([1] + shape).expand(new_out + shape[r:])
+    torch.testing.assert_close(dense_of(expand_out(blk, r, new_out)), ref)
+    # reshape: flatten and a split that keeps the first axis
+    n = 1
+    for s in out:
+        n *= s
+    torch.testing.assert_close(dense_of(reshape_out(blk, r, [n])), dense.reshape([n] + shape[r:]))
+    new = [out[0], n // out[0]] if r > 1 else [1, n]
+    torch.testing.assert_close(dense_of(reshape_out(blk, r, new)), dense.reshape(new + shape[r:]))
+    # a generic map: flip along the first output axis
+    got = map_out(blk, r, lambda t: t.flip(0), out)
+    torch.testing.assert_close(dense_of(got), dense.flip(0))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_materialize_keep_ties(seed):
+    rng = random.Random(seed)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    seed_blk = Block.identity(x, (3, 2))
+    # keep axis 0 tied to slot axis 0: per-row Jacobian, i.e. the diagonal over rows
+    got = seed_blk.materialize(keep=[0, 2])
+    torch.testing.assert_close(got, torch.eye(2, dtype=torch.float64).expand(3, 2, 2))

@@ -1,0 +1,44 @@
+"""Every rule-table entry against nested torch.func in float64, at orders 1..4 (5 where cheap)."""
+
+import pytest
+
+import hoad
+from hoad.rules import RULES
+from helpers import check
+from op_cases import CASES
+
+
+def test_table_and_cases_cover_each_other():
+    assert set(RULES) - set(CASES) == set(), "rules without a test case"
+    assert set(CASES) - set(RULES) == set(), "test cases without a rule"
+
+
+@pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
+def test_rule(op, monkeypatch):
+    case = CASES[op]
+    calls = []
+    rule = RULES[op]
+
+    def recording(ctx, *args, **kwargs):
+        calls.append(ctx.keys)
+        return rule(ctx, *args, **kwargs)
+
+    monkeypatch.setitem(RULES, op, recording)
+    options = {}
+    if case.tol is not None:
+        import helpers
+
+        monkeypatch.setattr(helpers, "assert_close", _loose(case.tol))
+    check(case.fn, case.args, wrt=case.wrt, order=case.order, **options)
+    assert calls, f"{op} never reached its rule: the case does not exercise it"
+    assert max(len(K) for keys in calls for K in keys) == case.order
+
+
+def _loose(tol):
+    import torch
+
+    def assert_close(got, ref, what=""):
+        assert got.shape == ref.shape, what
+        torch.testing.assert_close(got, ref.to(got.dtype), rtol=tol, atol=tol)
+
+    return assert_close
