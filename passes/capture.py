@@ -146,6 +146,12 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     if not val.dtype.is_floating_point:
         raise OutputError(f"the function's output has dtype {val.dtype}; derivatives need a floating-point output")
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
+            where = locate(fn, layout, tensors, node)
+            raise DataDependentControlFlowError(
+                f"the function reads a tensor value into Python (.item(), float(t), int(t)){where}; the derivative "
+                "program cannot follow values through Python numbers. Keep the computation in tensor ops."
+            )
         if node.op == "call_function" and node.target in RANDOM:
             where = locate(fn, layout, tensors, match=lambda func: func in RANDOM)
             raise RandomnessError(
@@ -160,10 +166,25 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     return Captured(gm, list(layout.names), list(wrt_leaves), tuple(val.shape))
 
 
-_INPLACE_VIEWS = {
-    aten.squeeze_.dim: aten.squeeze.dim, aten.squeeze_.dims: aten.squeeze.dims, aten.squeeze_.default: aten.squeeze.default,
-    aten.unsqueeze_.default: aten.unsqueeze.default, aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default,
-}
+def _out_of_place(node: fx.Node) -> tuple:
+    """(target, args) of the out-of-place op an in-place view op stands for, or None."""
+    x, rest = node.args[0], node.args[1:]
+    r = x.meta["val"].ndim
+    t = node.target
+    if t is aten.squeeze_.dim:
+        return aten.squeeze.dims, (x, [rest[0] % max(r, 1)])
+    if t is aten.squeeze_.dims:
+        return aten.squeeze.dims, (x, list(rest[0]))
+    if t is aten.squeeze_.default:
+        return aten.squeeze.dims, (x, [d for d, n in enumerate(x.meta["val"].shape) if n == 1])
+    if t is aten.unsqueeze_.default:
+        return aten.unsqueeze.default, (x, rest[0])
+    if t in (aten.transpose_.default, aten.t_.default):
+        a, b = (rest[0] % r, rest[1] % r) if rest else (0, r - 1)
+        perm = list(range(r))
+        perm[a], perm[b] = perm[b], perm[a]
+        return aten.permute.default, (x, perm)
+    return None
 
 
 def _replace_view_mutations(gm: fx.GraphModule) -> None:
@@ -175,13 +196,17 @@ def _replace_view_mutations(gm: fx.GraphModule) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _INPLACE_VIEWS:
-            src = node.args[0]
-            node.target = _INPLACE_VIEWS[node.target]
-            for user in list(src.users):
-                if user is not node and order[user] > order[node]:
-                    user.replace_input_with(src, node)
-            changed = True
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        replacement = _out_of_place(node) if node.target._schema.name.endswith("_") else None
+        if replacement is None:
+            continue
+        src = node.args[0]
+        node.target, node.args = replacement
+        for user in list(src.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(src, node)
+        changed = True
     if changed:
         gm.recompile()
 
