@@ -20,7 +20,7 @@ from hoad.printing import ProgramView
 log = logging.getLogger(__name__)
 
 BACKENDS = ("eager",)
-MODES = ("auto", "forward")
+MODES = ("auto", "forward", "reverse")
 
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str = "eager",
@@ -34,7 +34,9 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
 
     Used as ``hoad.compile(f, order=2)`` or as a decorator ``@hoad.compile(order=2)``.
     ``backend``: "eager" runs the generated program as an fx GraphModule.
-    ``mode``: "auto" picks the propagation direction; "forward" forces pure forward propagation.
+    ``mode``: "forward" propagates every order forward; "reverse" propagates orders < N forward and
+    gets order N from one first-order adjoint sweep (the adjoint form); "auto" builds both and keeps
+    the one with the lower estimated cost (FLOPs, bytes and calls of the generated program).
     """
     _check_options(order, wrt, backend, mode)
     if fn is None:

@@ -1,4 +1,4 @@
-"""The pipeline, declared once: capture → differentiate → prune → clean → compile.
+"""The pipeline, declared once: capture → differentiate → prune → clean → choose → compile.
 
 Each stage takes the :class:`Build` so far and returns it with its own product filled in; the
 list :data:`PIPELINE` is the architecture. Per-stage node counts and times land in
@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from hoad.passes.capture import CallLayout, Captured, capture, locate
 from hoad.passes.clean import clean
+from hoad.passes.cost import estimate
 from hoad.passes.differentiate import Program, differentiate
 from hoad.passes.prune import prune
 
@@ -27,7 +28,11 @@ log = logging.getLogger(__name__)
 class Config:
     order: int
     backend: str = "eager"
-    mode: str = "auto"
+    mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return ("forward", "reverse") if self.mode == "auto" else (self.mode,)
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Build:
     wrt_leaves: list[int]
     config: Config
     captured: Captured | None = None
+    candidates: dict[str, Program] = field(default_factory=dict)
     program: Program | None = None
     run: Callable | None = None
     stats: dict = field(default_factory=dict)
@@ -51,17 +57,30 @@ def _capture(b: Build) -> Build:
 
 
 def _differentiate(b: Build) -> Build:
-    b.program = differentiate(b.captured, b.config.order, where=lambda node: locate(b.fn, b.layout, b.tensors, node))
+    where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
+    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where) for d in b.config.directions}
     return b
 
 
 def _prune(b: Build) -> Build:
-    b.program.gm = prune(b.program.gm)
+    for p in b.candidates.values():
+        p.gm = prune(p.gm)
     return b
 
 
 def _clean(b: Build) -> Build:
-    b.program.gm = clean(b.program.gm)
+    for p in b.candidates.values():
+        p.gm = clean(p.gm)
+    return b
+
+
+def _choose(b: Build) -> Build:
+    """Keep the candidate with the lowest estimated cost (the only one unless mode="auto")."""
+    for p in b.candidates.values():
+        p.stats["cost"] = estimate(p.gm)
+    b.program = min(b.candidates.values(), key=lambda p: p.stats["cost"]["score"])
+    b.stats["costs"] = {d: p.stats["cost"] for d, p in b.candidates.items()}
+    b.stats["direction"] = b.program.direction
     return b
 
 
@@ -80,6 +99,7 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
     ("differentiate", _differentiate),
     ("prune", _prune),
     ("clean", _clean),
+    ("choose", _choose),
     ("compile", _compile),
 )
 
@@ -89,8 +109,9 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
     for name, stage in PIPELINE:
         start = time.perf_counter()
         b = stage(b)
-        gm = b.program.gm if b.program is not None else (b.captured.gm if b.captured is not None else None)
-        b.stats[name] = {"seconds": time.perf_counter() - start, "nodes": _count(gm)}
+        gms = [p.gm for p in b.candidates.values()] or ([b.captured.gm] if b.captured is not None else [])
+        b.stats[name] = {"seconds": time.perf_counter() - start, "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
+                         if b.candidates else _count(gms[0]) if gms else None}
         log.debug("%s: %.3fs, %s nodes", name, b.stats[name]["seconds"], b.stats[name]["nodes"])
     return b
 

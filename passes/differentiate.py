@@ -5,6 +5,15 @@ The transform is an interpreter over the primal graph that carries a :class:`Jet
 asks the rule table for each node's blocks. Traced with ``make_fx``, the interpreter *is* the
 derivative program: rules are plain torch, so their ops become the program's ATen nodes. Only
 canonical multi-indices are ever requested (Schwarz), and absent blocks are structural zeros.
+
+Two directions, chosen per program:
+
+- ``forward``: propagate blocks of orders 1..N through every node.
+- ``reverse`` (the adjoint form, DESIGN §4): propagate orders 1..N-1 forward, run one
+  first-order reverse sweep for the adjoints ḡ_v = ∂f/∂v (hoad's VJP rules), and get the top
+  order as D^K f = Σ_v ⟨ḡ_v, R^K_v⟩, where the remainder R^K_v is what the node's own rule
+  returns when its arguments' order-N blocks are left out (every term with a second or higher
+  partial of the op). Linear ops have no remainder, so they cost nothing at the top order.
 """
 
 from __future__ import annotations
@@ -18,11 +27,14 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import Block
+from hoad.blocks import Block, add, contract
 from hoad.errors import HoadError, HoadInternalError, UnsupportedOperatorError
-from hoad.multiindex import MultiIndex, all_multi_indices, key_name
-from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, Ctx, Jet
+from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
+from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
+from hoad.rules.base import Contracted, VjpCtx, adjoint_labels, out_labels
 from hoad.passes.capture import Captured, decomposition_table
+
+DIRECTIONS = ("forward", "reverse")
 
 
 @dataclass
@@ -33,6 +45,7 @@ class Program:
     keys: list[MultiIndex]                 # canonical multi-index of each returned block
     zeros: list[MultiIndex]                # canonical multi-indices that are structural zeros
     order: int
+    direction: str
     wrt_names: list[str]
     leaf_names: list[str]
     out_shape: tuple[int, ...]
@@ -40,101 +53,233 @@ class Program:
     stats: dict = field(default_factory=dict)
 
 
-def differentiate(captured: Captured, order: int, where: Callable[[fx.Node], str] = lambda n: "") -> Program:
-    """Build the forward derivative program of ``captured`` up to ``order``.
+def differentiate(captured: Captured, order: int, direction: str = "forward",
+                  where: Callable[[fx.Node], str] = lambda n: "") -> Program:
+    """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
     """
+    if direction not in DIRECTIONS:
+        raise HoadInternalError(f"unknown direction {direction!r}")
     primal = captured.gm
     placeholders = [n for n in primal.graph.nodes if n.op == "placeholder"]
     leaves = [n.meta["val"] for n in placeholders]
     wrt_names = [captured.leaf_names[i] for i in captured.wrt_leaves]
-    slot_shapes = [tuple(leaves[i].shape) for i in captured.wrt_leaves]
-    all_keys = all_multi_indices(len(wrt_names), order)
-    names: list[tuple[fx.Node, str]] = []
-    result: dict = {}
+    interp = _Interpreter(primal, captured.wrt_leaves, [tuple(leaves[i].shape) for i in captured.wrt_leaves],
+                          wrt_names, order, where)
+    run = interp.forward_program if direction == "forward" else interp.reverse_program
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
+                     _allow_non_fake_inputs=True)(*leaves)
+    _apply_names(gm, interp.names, captured.leaf_names)
+    return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
+                   captured.out_shape, interp.slot_shapes)
 
-    def program(*values):
+
+class _Interpreter:
+    """Walks the primal graph with jets; its two ``*_program`` methods are what make_fx traces."""
+
+    def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where):
+        self.primal = primal
+        self.nodes = list(primal.graph.nodes)
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.output = next(n for n in self.nodes if n.op == "output").args[0]
+        self.wrt_of = {leaf: k for k, leaf in enumerate(wrt_leaves)}
+        self.slot_shapes = list(slot_shapes)
+        self.wrt_names = list(wrt_names)
+        self.order = order
+        self.where = where
+        self.deps = self._dependencies()
+        self.names: list[tuple[fx.Node, str]] = []
+        self.keys: list[MultiIndex] = []
+        self.zeros: list[MultiIndex] = []
+
+    # ------------------------------------------------------------------------- analysis
+    def _dependencies(self) -> dict[fx.Node, frozenset]:
+        """wrt positions each node depends on along differentiable paths."""
+        deps: dict[fx.Node, frozenset] = {}
+        for i, node in enumerate(self.placeholders):
+            deps[node] = frozenset({self.wrt_of[i]}) if i in self.wrt_of else frozenset()
+        for node in self.nodes:
+            if node.op != "call_function":
+                deps.setdefault(node, frozenset())
+                continue
+            inputs = frozenset().union(*[deps.get(a, frozenset()) for a in node.all_input_nodes])
+            if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")):
+                inputs = frozenset()
+            deps[node] = inputs
+        return deps
+
+    def _keys(self, node: fx.Node, orders) -> tuple[MultiIndex, ...]:
+        d = self.deps[node]
+        return tuple(K for k in orders for K in multi_indices(len(self.slot_shapes), k) if set(K) <= d)
+
+    # --------------------------------------------------------------------------- phases
+    def _forward(self, values, max_order: int) -> dict:
+        """Primal values and jets of orders 1..max_order for every node."""
         env: dict[fx.Node, object] = {}
-        wrt_of = {leaf: k for k, leaf in enumerate(captured.wrt_leaves)}
-        for i, node in enumerate(placeholders):
-            k = wrt_of.get(i)
+        for i, node in enumerate(self.placeholders):
             t = values[i]
-            env[node] = Jet(t, {(k,): Block.identity(t, t.shape)} if k is not None else None)
-        for node in primal.graph.nodes:
+            k = self.wrt_of.get(i)
+            env[node] = Jet(t, {(k,): Block.identity(t, t.shape)} if k is not None and max_order >= 1 else None,
+                            varies=k is not None)
+        for node in self.nodes:
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "get_attr":
-                env[node] = Jet(getattr(primal, node.target))
-                continue
-            if node.op != "call_function":
+                env[node] = Jet(getattr(self.primal, node.target))
+            elif node.op != "call_function":
                 raise HoadInternalError(f"unexpected {node.op} node {node.name} in a captured graph")
-            if node.target is operator.getitem:
+            elif node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
+            else:
+                with fx_traceback.annotate({"hoad": node.name}):
+                    env[node] = self._apply(node, env, range(1, max_order + 1))
+        return env
+
+    def _apply(self, node: fx.Node, env: dict, orders, adjoint=None):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        if adjoint is None:
+            p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)
+            out = node.target(*p_args, **p_kwargs)
+        else:
+            out = _primal_of(env[node])
+        keys = self._keys(node, orders)
+        varies = bool(self.deps[node])
+        if not keys:
+            return _constant(out, varies)
+        rule = self._rule(RULES, node)
+        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint)
+        blocks = self._call(rule, node, ctx, args, kwargs)
+        if adjoint is not None:
+            return blocks
+        if isinstance(out, (tuple, list)):
+            return tuple(Jet(o, self._checked(b, o, ctx, node), varies=varies and o.dtype.is_floating_point)
+                         if isinstance(o, torch.Tensor) else o for o, b in zip(out, blocks))
+        return Jet(out, self._checked(blocks, out, ctx, node), varies=varies)
+
+    def _rule(self, table: dict, node: fx.Node):
+        rule = table.get(node.target)
+        if rule is None:
+            raise UnsupportedOperatorError(
+                f"no derivative rule for {node.target} (node {node.name}){self.where(node)}. "
+                "Add a rule to the matching family in hoad/rules/ (elementwise ops only need their scalar "
+                "derivatives), or rewrite the function with supported ops; see the supported-op table in the README."
+            )
+        return rule
+
+    def _call(self, rule, node: fx.Node, ctx, args, kwargs):
+        try:
+            with fx_traceback.annotate({"rule": rule.__name__}):
+                return rule(ctx, *args, **kwargs)
+        except HoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug; name the node
+            raise HoadInternalError(f"the {FAMILIES.get(node.target)} rule {rule.__name__} for {node.target} failed on "
+                                    f"node {node.name}{self.where(node)}: {type(e).__name__}: {e}") from e
+
+    def _checked(self, blocks: dict, out: torch.Tensor, ctx: Ctx, node: fx.Node) -> dict:
+        kept = {}
+        for K, b in blocks.items():
+            if K not in ctx.keys:
+                continue
+            expected = tuple(out.shape) + ctx.slot_shape(K)
+            if not isinstance(b, Block) or b.shape != expected:
+                raise HoadInternalError(f"rule for {node.target} gave block {K} = {b!r}, expected shape {expected}")
+            kept[K] = b
+            _remember(self.names, b.data, f"d{len(K)}_{node.name}_{key_name(K, self.wrt_names)}", node.name)
+        return kept
+
+    def _adjoints(self, env: dict, f: torch.Tensor) -> dict:
+        """First-order reverse sweep: ḡ_v = ∂f/∂v for every node f depends on through wrt inputs.
+
+        Each adjoint has the node's axes first, then f's axes (a batch of cotangents, one per
+        entry of f), seeded with the identity of f.
+        """
+        adj: dict[fx.Node, object] = {self.output: Block.identity(f, tuple(f.shape))}
+        owner = {id(v): n for n, v in env.items() if isinstance(v, Jet)}
+        for node in reversed(self.nodes):
+            g = adj.get(node)
+            if g is None or node.op != "call_function" or not self.deps[node]:
+                continue
+            if node.target is operator.getitem:
+                parent, i = node.args
+                slots = adj.setdefault(parent, [None] * len(env[parent]))
+                slots[i] = g if slots[i] is None else add([slots[i], g])
+                continue
+            vjp = self._rule(VJPS, node)
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            with fx_traceback.annotate({"hoad": node.name}):
+                pairs = self._call(vjp, node, VjpCtx(_primal_of(env[node])), (g,) + tuple(args), kwargs)
+            for jet, ga in pairs:
+                src = owner.get(id(jet))
+                if src is None or not self.deps.get(src):
+                    continue
+                adj[src] = ga if src not in adj else add([adj[src], ga])
+        return adj
+
+    # ---------------------------------------------------------------------------- programs
+    def forward_program(self, *values):
+        env = self._forward(values, self.order)
+        out = env[self.output]
+        return self._outputs(out.primal, out.blocks)
+
+    def reverse_program(self, *values):
+        env = self._forward(values, self.order - 1)
+        out = env[self.output]
+        f = out.primal
+        adj = self._adjoints(env, f)
+        blocks = dict(out.blocks)
+        rf = f.ndim
+        if self.order == 1:
+            for i, node in enumerate(self.placeholders):
+                k = self.wrt_of.get(i)
+                if k is not None and node in adj:
+                    g = adj[node]
+                    r = g.ndim - rf
+                    blocks[(k,)] = g.permute(list(range(r, g.ndim)) + list(range(r)))
+            return self._outputs(f, blocks)
+        top: dict[MultiIndex, list] = {}
+        for node in self.nodes:
+            g = adj.get(node)
+            if not isinstance(g, Block) or node.op != "call_function" or node.target is operator.getitem:
                 continue
             with fx_traceback.annotate({"hoad": node.name}):
-                env[node] = _apply(node, env, order, slot_shapes, wrt_names, where, names)
-        out = env[_output_arg(primal)]
-        result["keys"] = [K for K in all_keys if K in out.blocks]
-        result["zeros"] = [K for K in all_keys if K not in out.blocks]
-        outputs = [out.primal]
-        for K in result["keys"]:
+                rem = self._apply(node, env, [self.order], adjoint=g)
+            if not isinstance(rem, dict):  # no top-order keys here, or a multi-output (linear) op
+                continue
+            for K, b in rem.items():
+                if isinstance(b, Contracted):
+                    b = b.block
+                else:
+                    r = g.ndim - rf
+                    o, fo = out_labels(r), adjoint_labels(rf)
+                    slots = [("s", a) for a in range(b.ndim - r)]
+                    b = contract([(g, o + fo), (b, o + slots)], fo + slots)
+                top.setdefault(K, []).append(b)
+        for K, parts in top.items():
+            blocks[K] = add(parts)
+        return self._outputs(f, blocks)
+
+    def _outputs(self, value: torch.Tensor, blocks: dict) -> tuple:
+        all_keys = all_multi_indices(len(self.slot_shapes), self.order)
+        self.keys = [K for K in all_keys if K in blocks]
+        self.zeros = [K for K in all_keys if K not in blocks]
+        outputs = [value]
+        for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):
-                t = out.blocks[K].materialize()
-            _remember(names, t, f"d{len(K)}_f_{key_name(K, wrt_names)}", "output")
+                t = blocks[K].materialize()
+            _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output")
             outputs.append(t)
         return tuple(outputs)
 
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(program, decomposition_table=decomposition_table(), tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*leaves)
-    _apply_names(gm, names, captured.leaf_names)
-    return Program(gm, result["keys"], result["zeros"], order, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, slot_shapes)
 
-
-def _apply(node: fx.Node, env: dict, order: int, slot_shapes, wrt_names, where, names) -> object:
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)
-    out = node.target(*p_args, **p_kwargs)
-    jets = [a for a in _flat(args, kwargs) if isinstance(a, Jet) and a.blocks]
-    if not jets or node.target in PIECEWISE_CONSTANT or not _differentiable(out):
-        return _constant(out)
-    rule = RULES.get(node.target)
-    if rule is None:
-        raise UnsupportedOperatorError(
-            f"no derivative rule for {node.target} (node {node.name}){where(node)}. "
-            "Add a rule to the matching family in hoad/rules/ (elementwise ops only need their scalar "
-            "derivatives), or rewrite the function with supported ops; see the supported-op table in the README."
-        )
-    deps = sorted({k for j in jets for K in j.blocks for k in K})
-    keys = tuple(K for K in all_multi_indices(len(slot_shapes), order) if set(K) <= set(deps))
-    ctx = Ctx(keys, tuple(slot_shapes), out)
-    try:
-        with fx_traceback.annotate({"rule": rule.__name__}):
-            blocks = rule(ctx, *args, **kwargs)
-    except HoadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug; name the node
-        raise HoadInternalError(f"the {FAMILIES.get(node.target)} rule for {node.target} failed on node "
-                                f"{node.name}{where(node)}: {type(e).__name__}: {e}") from e
-    if isinstance(out, (tuple, list)):
-        return tuple(Jet(o, _checked(b, o, ctx, node, names, wrt_names)) if isinstance(o, torch.Tensor) else o
-                     for o, b in zip(out, blocks))
-    return Jet(out, _checked(blocks, out, ctx, node, names, wrt_names))
-
-
-def _checked(blocks: dict, out: torch.Tensor, ctx: Ctx, node: fx.Node, names, wrt_names) -> dict:
-    kept = {}
-    for K, b in blocks.items():
-        if K not in ctx.keys:
-            continue
-        expected = tuple(out.shape) + ctx.slot_shape(K)
-        if b.shape != expected:
-            raise HoadInternalError(f"rule for {node.target} gave block {K} of shape {b.shape}, expected {expected}")
-        kept[K] = b
-        _remember(names, b.data, f"d{len(K)}_{node.name}_{key_name(K, wrt_names)}", node.name)
-    return kept
+def _primal_of(v):
+    if isinstance(v, Jet):
+        return v.primal
+    if isinstance(v, (tuple, list)):
+        return tuple(_primal_of(x) for x in v)
+    return v
 
 
 def _differentiable(out) -> bool:
@@ -145,20 +290,11 @@ def _differentiable(out) -> bool:
     return False
 
 
-def _constant(out) -> object:
+def _constant(out, varies: bool = False) -> object:
+    """Jets without blocks; ``varies`` marks values that depend on wrt inputs all the same."""
     if isinstance(out, (tuple, list)):
-        return tuple(Jet(o) if isinstance(o, torch.Tensor) else o for o in out)
-    return Jet(out) if isinstance(out, torch.Tensor) else out
-
-
-def _flat(args, kwargs) -> list:
-    flat: list = []
-    fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a))
-    return flat
-
-
-def _output_arg(gm: fx.GraphModule) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        return tuple(Jet(o, varies=varies and o.dtype.is_floating_point) if isinstance(o, torch.Tensor) else o for o in out)
+    return Jet(out, varies=varies) if isinstance(out, torch.Tensor) else out
 
 
 # -------------------------------------------------------------------------------- naming

@@ -3,7 +3,7 @@
 import pytest
 
 import hoad
-from hoad.rules import RULES
+from hoad.rules import RULES, VJPS
 from helpers import check
 from op_cases import CASES
 
@@ -13,8 +13,9 @@ def test_table_and_cases_cover_each_other():
     assert set(CASES) - set(RULES) == set(), "test cases without a rule"
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
 @pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
-def test_rule(op, monkeypatch):
+def test_rule(op, mode, monkeypatch):
     case = CASES[op]
     calls = []
     rule = RULES[op]
@@ -24,14 +25,27 @@ def test_rule(op, monkeypatch):
         return rule(ctx, *args, **kwargs)
 
     monkeypatch.setitem(RULES, op, recording)
-    options = {}
+    vjp_calls = []
+    vjp = VJPS[op]
+
+    def recording_vjp(v, g, *args, **kwargs):
+        vjp_calls.append(1)
+        return vjp(v, g, *args, **kwargs)
+
+    monkeypatch.setitem(VJPS, op, recording_vjp)
+    options = {"mode": mode}
     if case.tol is not None:
         import helpers
 
         monkeypatch.setattr(helpers, "assert_close", _loose(case.tol))
     check(case.fn, case.args, wrt=case.wrt, order=case.order, **options)
     assert calls, f"{op} never reached its rule: the case does not exercise it"
-    assert max(len(K) for keys in calls for K in keys) == case.order
+    top = max(len(K) for keys in calls for K in keys)
+    if mode == "forward":
+        assert top == case.order
+    else:  # orders < N forward, the top order from remainders (linear ops have none)
+        assert vjp_calls, f"{op} never reached its VJP in the reverse sweep"
+        assert top >= case.order - 1
 
 
 def _loose(tol):

@@ -7,6 +7,7 @@ from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM
 
 RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES)
+VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, reduction.VJPS)
 
 FAMILIES = {
     op: table.family
@@ -14,4 +15,4 @@ FAMILIES = {
     for op in table
 }
 
-__all__ = ["RULES", "FAMILIES", "PIECEWISE_CONSTANT", "RANDOM", "Ctx", "Jet"]
+__all__ = ["RULES", "VJPS", "FAMILIES", "PIECEWISE_CONSTANT", "RANDOM", "Ctx", "Jet"]

@@ -22,11 +22,14 @@ from hoad.multiindex import MultiIndex, closure
 class Jet:
     """A primal value with its derivative blocks (absent multi-index = structural zero)."""
 
-    __slots__ = ("primal", "blocks")
+    __slots__ = ("primal", "blocks", "varies")
 
-    def __init__(self, primal: Any, blocks: dict[MultiIndex, Block] | None = None):
+    def __init__(self, primal: Any, blocks: dict[MultiIndex, Block] | None = None, varies: bool | None = None):
         self.primal = primal
         self.blocks = blocks if blocks is not None else {}
+        # Whether the value depends on a wrt input: known statically, even when no blocks are
+        # carried (the first-order reverse sweep propagates no forward blocks at all).
+        self.varies = bool(self.blocks) if varies is None else varies
 
     def __getitem__(self, K: MultiIndex) -> Block | None:
         if not K:
@@ -35,7 +38,7 @@ class Jet:
 
     @property
     def constant(self) -> bool:
-        return not self.blocks
+        return not self.varies
 
     @property
     def ndim(self) -> int:
@@ -51,11 +54,18 @@ class Jet:
 
 @dataclass(frozen=True)
 class Ctx:
-    """What a rule is asked for: the multi-indices ``keys`` of the node whose value is ``out``."""
+    """What a rule is asked for: the multi-indices ``keys`` of the node whose value is ``out``.
+
+    ``adjoint`` is set in the remainder phase of the adjoint form: the first-order adjoint ḡ of
+    this node (dense axes: the node's axes, then the program output's axes). The combinators then
+    contract each product term with ḡ as they form it and return :class:`Contracted` blocks, so
+    the remainder R^K is never materialised at the node's size.
+    """
 
     keys: tuple[MultiIndex, ...]
     slot_shapes: tuple[tuple[int, ...], ...]
     out: Any
+    adjoint: Block | None = None
 
     @property
     def max_order(self) -> int:
@@ -63,7 +73,7 @@ class Ctx:
 
     def inner(self, out: Any) -> Ctx:
         """Context for an intermediate value of a composite rule: every lower block is needed."""
-        return replace(self, keys=tuple(closure(self.keys)), out=out)
+        return replace(self, keys=tuple(closure(self.keys)), out=out, adjoint=None)
 
     def slots(self, K: MultiIndex, positions: Sequence[int] | None = None) -> list:
         """Einsum labels of the slot axes of ``K`` at ``positions`` (all slots by default)."""
@@ -91,6 +101,33 @@ class Ctx:
 
 def out_labels(r: int) -> list:
     return [("o", i) for i in range(r)]
+
+
+def adjoint_labels(r: int) -> list:
+    """Labels of the program output's axes carried by an adjoint."""
+    return [("f", i) for i in range(r)]
+
+
+class Contracted:
+    """A remainder block already contracted with the node's adjoint: dense axes are the program
+    output's axes followed by the slots, ready to add into the output's top-order block."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block):
+        self.block = block
+
+
+@dataclass(frozen=True)
+class VjpCtx:
+    """What a VJP rule sees besides its arguments: the node's primal output."""
+
+    out: Any
+
+
+# A VJP rule: vjp(vctx, g, *args, **kwargs) -> [(argument jet, cotangent block), ...].
+# ``g`` has the node's output axes first, then the program output's axes; each returned
+# cotangent has the argument's axes first, then the same program-output axes.
 
 
 Rule = Callable[..., Any]

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hoad.blocks import Block, add, contract, expand_out
+from hoad.blocks import Block, add, contract, expand_out, sum_out
 from hoad.multiindex import distribution_terms, partition_terms
-from hoad.rules.base import Ctx, Jet, out_labels
+from hoad.rules.base import Contracted, Ctx, Jet, adjoint_labels, out_labels
 
 Coefficient = torch.Tensor | float | int | None
 
@@ -28,8 +28,8 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
     Faà di Bruno with terms grouped by the multiset partition of the slots: each distinct product
     φ^(m)(u) ⊙ Π D^{K_B}u is contracted once and its slot permutations are added.
     """
-    r = u.ndim
-    o = out_labels(r)
+    o = out_labels(u.ndim)
+    lead, r = _lead(ctx, o)
     result = {}
     for K in ctx.keys:
         terms = []
@@ -46,17 +46,37 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
                 operands.insert(0, (_on_output(coeff, u.shape), o))
             else:
                 scalar = coeff
-            prod = contract(operands, o + ctx.slots(K)).scale(scalar)
+            prod = contract(_with_adjoint(ctx, operands, o), lead + ctx.slots(K)).scale(scalar)
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
-            result[K] = add(terms)
+            result[K] = _finish(ctx, add(terms))
     return result
+
+
+def _lead(ctx: Ctx, o: list) -> tuple[list, int]:
+    """Labels of the axes before the slots: the node's own, or the program output's under an adjoint."""
+    if ctx.adjoint is None:
+        return o, len(o)
+    rf = ctx.adjoint.ndim - len(o)
+    return adjoint_labels(rf), rf
+
+
+def _with_adjoint(ctx: Ctx, operands: list, o: list) -> list:
+    if ctx.adjoint is None:
+        return operands
+    rf = ctx.adjoint.ndim - len(o)
+    return [(ctx.adjoint, list(o) + adjoint_labels(rf))] + operands
+
+
+def _finish(ctx: Ctx, blk: Block):
+    return blk if ctx.adjoint is None else Contracted(blk)
 
 
 def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, out_shape: Sequence[int]) -> dict:
     """Blocks of a multilinear op: the einsum of ``factors`` (each a jet with the labels of its
     axes) into ``out``. Each slot distribution among the factors is one Leibniz term."""
-    r = len(out)
+    out = list(out)
+    lead, r = _lead(ctx, out)
     result = {}
     for K in ctx.keys:
         terms = []
@@ -65,10 +85,10 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
             if any(b is None for b in blocks):
                 continue
             operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
-            prod = contract(operands, list(out) + ctx.slots(K), sizes=dict(zip(out, out_shape)))
+            prod = contract(_with_adjoint(ctx, operands, out), lead + ctx.slots(K), sizes=dict(zip(out, out_shape)))
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
-            result[K] = add(terms)
+            result[K] = _finish(ctx, add(terms))
     return result
 
 
@@ -111,3 +131,26 @@ def scaled(ctx: Ctx, x: Jet, coeff: torch.Tensor | float, out_shape: Sequence[in
     c = _on_output(coeff, out_shape)
     o = out_labels(len(out_shape))
     return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K)) for K, b in xb.blocks.items() if K in ctx.keys}
+
+
+# ------------------------------------------------------------------------- adjoint helpers
+def scale_out(g: Block, coeff: torch.Tensor | float, shape: Sequence[int]) -> Block:
+    """A cotangent (output axes of ``shape`` first) times a coefficient over the output axes."""
+    if not isinstance(coeff, torch.Tensor):
+        return g.scale(coeff)
+    o = out_labels(len(shape))
+    rest = [("f", i) for i in range(g.ndim - len(shape))]
+    return contract([(_on_output(coeff, shape), o), (g, o + rest)], o + rest)
+
+
+def unbroadcast(g: Block, r: int, shape: Sequence[int]) -> Block:
+    """Sum a cotangent over the axes broadcasting added, back to the input's ``shape``."""
+    shape = tuple(shape)
+    lead = r - len(shape)
+    if lead:
+        g = sum_out(g, r, range(lead))
+        r -= lead
+    grown = [a for a in range(r) if shape[a] == 1 and g.shape[a] != 1]
+    if grown:
+        g = sum_out(g, r, grown, keepdim=True)
+    return g

@@ -13,22 +13,30 @@ import math
 import torch
 
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
-from hoad.rules.combinators import broadcast, chain, leibniz
+from hoad.blocks import Block
+from hoad.rules.combinators import broadcast, chain, leibniz, scale_out, unbroadcast
 
 aten = torch.ops.aten
 RULES = RuleTable("elementwise")
+VJPS = RuleTable("elementwise")
 
 
 def derivatives(*ops):
-    """Register a scalar-derivative function as the elementwise rule of ``ops``."""
+    """Register a scalar-derivative function as the elementwise rule (and VJP) of ``ops``."""
 
     def deco(derivs):
         def rule(ctx: Ctx, x: Jet, *args, **kwargs):
             return chain(ctx, x, derivs(ctx.max_order, x.primal, ctx.out, *args, **kwargs))
 
+        def vjp(v, g: Block, x: Jet, *args, **kwargs):
+            first = derivs(1, x.primal, v.out, *args, **kwargs)[0]
+            return [] if first is None else [(x, scale_out(g, first, x.shape))]
+
         rule.__name__ = rule.__qualname__ = derivs.__name__ + "_rule"
+        vjp.__name__ = vjp.__qualname__ = derivs.__name__ + "_vjp"
         rule.derivatives = derivs  # type: ignore[attr-defined]
         RULES.register(*ops)(rule)
+        VJPS.register(*ops)(vjp)
         return derivs
 
     return deco
@@ -276,3 +284,21 @@ def _polynomial(coeffs: list[int], y: torch.Tensor):
         if c:
             acc = acc + c
     return acc
+
+
+@VJPS.register(aten.pow.Scalar)
+def pow_base_vjp(v, g: Block, base, x: Jet):
+    return [(x, scale_out(g, v.out * math.log(base), x.shape))]
+
+
+@VJPS.register(aten.pow.Tensor_Tensor)
+def pow_tensor_vjp(v, g: Block, a: Jet, b: Jet):
+    """As torch: ∂/∂a = b a^(b-1); ∂/∂b = a^b log a, taken as 0 where a = 0 and b >= 0."""
+    y, r, shape = v.out, v.out.ndim, tuple(v.out.shape)
+    pairs = []
+    if not a.constant:
+        pairs.append((a, unbroadcast(scale_out(g, b.primal * a.primal.pow(b.primal - 1), shape), r, a.shape)))
+    if not b.constant:
+        coeff = torch.where((a.primal == 0) & (b.primal >= 0), torch.zeros_like(y), y * a.primal.log())
+        pairs.append((b, unbroadcast(scale_out(g, coeff, shape), r, b.shape)))
+    return pairs

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from hoad.blocks import Block, expand_out, map_out, permute_out, reshape_out, sum_out
+from hoad.blocks import Block, add, expand_out, map_out, permute_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable
-from hoad.rules.combinators import linear, scaled, sum_blocks
+from hoad.rules.combinators import linear, scale_out, scaled, sum_blocks, unbroadcast
 
 aten = torch.ops.aten
 RULES = RuleTable("linear")
@@ -247,3 +247,226 @@ def sort_rule(ctx: Ctx, x: Jet, dim: int = -1, descending: bool = False):
 def topk_rule(ctx: Ctx, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
     values, indices = ctx.out
     return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
+
+
+# ---------------------------------------------------------------------------------- VJPs
+# Transposes of the maps above: each takes the cotangent g (output axes first, then the program
+# output's axes) and returns the cotangent of each varying argument.
+VJPS = RuleTable("linear")
+
+
+def _zeros_like_input(t: torch.Tensor, x: Jet, r: int) -> torch.Tensor:
+    return t.new_zeros(list(x.shape) + list(t.shape[r:]))
+
+
+@VJPS.register(aten.view.default, aten.squeeze.dims, aten.unsqueeze.default)
+def view_vjp(v, g: Block, x: Jet, *shape_args):
+    return [(x, reshape_out(g, v.out.ndim, x.shape))]
+
+
+@VJPS.register(aten.clone.default, aten.alias.default)
+def identity_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    return [(x, g)]
+
+
+@VJPS.register(aten._to_copy.default)
+def to_copy_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    return [(x, g.to(x.primal.dtype))]
+
+
+@VJPS.register(aten.permute.default)
+def permute_vjp(v, g: Block, x: Jet, dims):
+    r = x.ndim
+    perm = _dims(dims, r)
+    inverse = [perm.index(a) for a in range(r)]
+    return [(x, permute_out(g, r, inverse))]
+
+
+@VJPS.register(aten.expand.default)
+def expand_vjp(v, g: Block, x: Jet, size, implicit: bool = False):
+    return [(x, unbroadcast(g, v.out.ndim, x.shape))]
+
+
+@VJPS.register(aten.slice.Tensor)
+def slice_vjp(v, g: Block, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
+    r = x.ndim
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: aten.slice_scatter(_zeros_like_input(t, x, r), t, d, start, end, step), x.shape))]
+
+
+@VJPS.register(aten.select.int)
+def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
+    r = x.ndim
+    d = dim % r
+    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index), x.shape))]
+
+
+@VJPS.register(aten.index_select.default)
+def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
+    r, idx = x.ndim, index.primal
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: _zeros_like_input(t, x, r).index_add(d, idx, t), x.shape))]
+
+
+@VJPS.register(aten.index.Tensor)
+def index_vjp(v, g: Block, x: Jet, indices):
+    r_out = v.out.ndim
+    idx = [None if i is None else i.primal for i in indices]
+    return [(x, map_out(g, r_out, lambda t: aten.index_put(_zeros_like_input(t, x, r_out), idx, t, True), x.shape))]
+
+
+def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:
+    """Transpose of gathering x along ``dim`` at ``indices``: scatter-add the cotangent back."""
+    r = x.ndim
+    d = dim % r
+
+    def fn(t):
+        rest = list(t.shape[r:])
+        i = indices.reshape(list(indices.shape) + [1] * len(rest)).expand(list(indices.shape) + rest)
+        return _zeros_like_input(t, x, r).scatter_add(d, i, t)
+
+    return map_out(g, r, fn, x.shape)
+
+
+@VJPS.register(aten.gather.default)
+def gather_vjp(v, g: Block, x: Jet, dim: int, index, sparse_grad: bool = False):
+    return [(x, _scatter_along(g, x, dim, index.primal))]
+
+
+@VJPS.register(aten.sort.default)
+def sort_vjp(v, g, x: Jet, dim: int = -1, descending: bool = False):
+    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
+
+
+@VJPS.register(aten.topk.default)
+def topk_vjp(v, g, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
+
+
+@VJPS.register(aten.flip.default)
+def flip_vjp(v, g: Block, x: Jet, dims):
+    r = x.ndim
+    ds = _dims(dims, r)
+    return [(x, map_out(g, r, lambda t: t.flip(ds), x.shape))]
+
+
+@VJPS.register(aten.constant_pad_nd.default)
+def pad_vjp(v, g: Block, x: Jet, pad, value=0):
+    r = x.ndim
+    return [(x, map_out(g, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0), x.shape))]
+
+
+@VJPS.register(aten.cumsum.default)
+def cumsum_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
+    r = x.ndim
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: t.flip(d).cumsum(d).flip(d), x.shape))]
+
+
+@VJPS.register(aten.diagonal.default)
+def diagonal_vjp(v, g: Block, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    r = x.ndim
+    d1, d2 = dim1 % r, dim2 % r
+    return [(x, map_out(g, r - 1, lambda t: aten.diagonal_scatter(_zeros_like_input(t, x, r - 1), t.movedim(r - 2, -1),
+                                                                   offset, d1, d2), x.shape))]
+
+
+def _unsum(g: Block, x: Jet, dim, keepdim: bool) -> Block:
+    """Transpose of a sum over ``dim``: put the summed axes back and broadcast along them."""
+    r = x.ndim
+    axes = _dims(dim, r)
+    kept = [1 if a in axes else n for a, n in enumerate(x.shape)]
+    g = reshape_out(g, r if keepdim else r - len(axes), kept)
+    return expand_out(g, r, x.shape)
+
+
+@VJPS.register(aten.sum.dim_IntList)
+def sum_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    return [(x, _unsum(g, x, dim, keepdim).to(x.primal.dtype))]
+
+
+@VJPS.register(aten.mean.dim, aten.mean.default)
+def mean_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    n = math.prod(x.shape[a] for a in _dims(dim, x.ndim))
+    return [(x, _unsum(g, x, dim, keepdim).scale(1.0 / n).to(x.primal.dtype))]
+
+
+@VJPS.register(aten.neg.default)
+def neg_vjp(v, g: Block, x: Jet):
+    return [(x, g.neg())]
+
+
+def _spread(v, g: Block, terms: list[tuple[object, object]]) -> list:
+    """Cotangents of Σ c_i x_i: g ⊙ c_i summed back to each varying x_i's shape."""
+    r = v.out.ndim
+    shape = tuple(v.out.shape)
+    return [(x, unbroadcast(scale_out(g, c, shape), r, x.shape).to(x.primal.dtype))
+            for x, c in terms if isinstance(x, Jet) and not x.constant]
+
+
+@VJPS.register(aten.add.Tensor)
+def add_vjp(v, g: Block, a, b, alpha=1):
+    return _spread(v, g, [(a, 1.0), (b, alpha)])
+
+
+@VJPS.register(aten.sub.Tensor)
+def sub_vjp(v, g: Block, a, b, alpha=1):
+    return _spread(v, g, [(a, 1.0), (b, -alpha)])
+
+
+@VJPS.register(aten.add.Scalar, aten.sub.Scalar)
+def add_scalar_vjp(v, g: Block, a: Jet, other, alpha=1):
+    return [(a, g)]
+
+
+@VJPS.register(aten.where.self)
+def where_vjp(v, g: Block, cond, a, b):
+    mask = cond.primal if isinstance(cond, Jet) else cond
+    dtype = v.out.dtype
+    return _spread(v, g, [(a, mask.to(dtype)), (b, (~mask).to(dtype))])
+
+
+@VJPS.register(aten.copy.default)
+def copy_vjp(v, g: Block, dst, src, non_blocking: bool = False):
+    return _spread(v, g, [(src, 1.0)])
+
+
+@VJPS.register(aten.cat.default)
+def cat_vjp(v, g: Block, tensors, dim: int = 0):
+    r = v.out.ndim
+    d = dim % r
+    pairs, offset = [], 0
+    for x in tensors:
+        if x.ndim == 1 and x.shape[0] == 0 and r > 1:
+            continue
+        n = x.shape[d]
+        if not x.constant:
+            pairs.append((x, map_out(g, r, lambda t, s=offset, n=n: t.narrow(d, s, n), x.shape)))
+        offset += n
+    return pairs
+
+
+@VJPS.register(aten.split_with_sizes.default)
+def split_vjp(v, g, x: Jet, split, dim: int = 0):
+    r = x.ndim
+    d = dim % r
+    parts, offset = [], 0
+    for piece, gi in zip(v.out, g):
+        n = piece.shape[d]
+        if gi is not None:
+            before, after = offset, x.shape[d] - offset - n
+            spec = lambda t, b=before, a=after: [0, 0] * (t.ndim - d - 1) + [b, a]  # noqa: E731
+            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape))
+        offset += n
+    return [(x, add(parts))] if parts else []
+
+
+@VJPS.register(aten.repeat.default)
+def repeat_vjp(v, g: Block, x: Jet, repeats):
+    r_out = v.out.ndim
+    lead = len(repeats) - x.ndim
+    shape = [1] * lead + list(x.shape)
+    interleaved = [n for rep, s in zip(repeats, shape) for n in (rep, s)]
+    g = reshape_out(g, r_out, interleaved)
+    g = sum_out(g, 2 * r_out, range(0, 2 * r_out, 2))
+    return [(x, reshape_out(g, r_out, x.shape))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hoad.blocks import Block, contract
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import broadcast, chain, leibniz, scaled
 from hoad.rules.elementwise import reciprocal
@@ -91,3 +92,80 @@ def maximum_rule(ctx: Ctx, a, b):
 def minimum_rule(ctx: Ctx, a, b):
     va, vb = _value(a), _value(b)
     return _pick(ctx, a, b, (va < vb).to(ctx.out.dtype) + 0.5 * (va == vb).to(ctx.out.dtype))
+
+
+# ---------------------------------------------------------------------------------- VJPs
+VJPS = RuleTable("multilinear")
+
+
+def _product_vjp(v, g: Block, a, b) -> list:
+    """g ⊙ (the other factor), summed back to each factor's shape."""
+    from hoad.rules.linear import _spread
+
+    return _spread(v, g, [(a, _value(b)), (b, _value(a))])
+
+
+@VJPS.register(aten.mul.Tensor)
+def mul_vjp(v, g: Block, a, b):
+    return _product_vjp(v, g, a, b)
+
+
+@VJPS.register(aten.mul.Scalar)
+def mul_scalar_vjp(v, g: Block, a: Jet, s):
+    return [(a, g.scale(s))]
+
+
+@VJPS.register(aten.div.Tensor)
+def div_vjp(v, g: Block, a, b):
+    from hoad.rules.linear import _spread
+
+    vb = _value(b)
+    inv = vb.reciprocal() if isinstance(vb, torch.Tensor) else 1.0 / vb
+    terms = [(a, inv)]
+    if _varies(b):
+        terms.append((b, -v.out * inv))
+    return _spread(v, g, terms)
+
+
+@VJPS.register(aten.div.Scalar)
+def div_scalar_vjp(v, g: Block, a: Jet, s):
+    return [(a, g.scale(1.0 / s))]
+
+
+def _contraction_vjp(v, g: Block, a, b, la: str, lb: str, lo: str) -> list:
+    """Cotangents of an einsum of two factors: contract g with the other factor's value."""
+    rest = [("f", i) for i in range(g.ndim - len(lo))]
+    pairs = []
+    for x, lx, other, lother in ((a, la, b, lb), (b, lb, a, la)):
+        if _varies(x):
+            got = contract([(g, list(lo) + rest), (Block.dense(_value(other)), list(lother))], list(lx) + rest)
+            pairs.append((x, got))
+    return pairs
+
+
+@VJPS.register(aten.mm.default)
+def mm_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, "ik", "kj", "ij")
+
+
+@VJPS.register(aten.bmm.default)
+def bmm_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, "bik", "bkj", "bij")
+
+
+def _pick_vjp(v, g: Block, a, b, take_a: torch.Tensor) -> list:
+    from hoad.rules.linear import _spread
+
+    return _spread(v, g, [(a, take_a), (b, 1 - take_a)])
+
+
+@VJPS.register(aten.maximum.default)
+def maximum_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    return _pick_vjp(v, g, a, b, (va > vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
+
+
+@VJPS.register(aten.minimum.default)
+def minimum_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    return _pick_vjp(v, g, a, b, (va < vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))

@@ -86,3 +86,60 @@ def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     idx = indices if keepdim else indices.unsqueeze(d)
     one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
     return [_select_max(ctx, x, [d], keepdim, one_hot), {}]
+
+
+# ---------------------------------------------------------------------------------- VJPs
+VJPS = RuleTable("reduction")
+
+
+def _exclusive_product(x: torch.Tensor, d: int) -> torch.Tensor:
+    """Π_{j≠i} x_j along ``d`` for every i, without division (exact where x has zeros)."""
+    n = x.shape[d]
+    ones = torch.ones_like(x.narrow(d, 0, 1))
+    left = torch.cat([ones, x.narrow(d, 0, n - 1)], d).cumprod(d)
+    flipped = x.flip(d)
+    right = torch.cat([ones, flipped.narrow(d, 0, n - 1)], d).cumprod(d).flip(d)
+    return left * right
+
+
+@VJPS.register(aten.prod.dim_int, aten.prod.default)
+def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    from hoad.rules.combinators import scale_out
+    from hoad.rules.linear import _unsum
+
+    if dim is None:
+        flat = x.primal.reshape(-1)
+        coeff = _exclusive_product(flat, 0).reshape(x.shape) if flat.numel() else flat.reshape(x.shape)
+        spread = _unsum(g, x, None, False)
+    else:
+        d = dim % max(x.ndim, 1)
+        coeff = _exclusive_product(x.primal, d)
+        spread = _unsum(g, x, [d], keepdim)
+    return [(x, scale_out(spread, coeff, x.shape).to(x.primal.dtype))]
+
+
+def _max_vjp(g: Block, x: Jet, dims: list[int], keepdim: bool, weight: torch.Tensor) -> list:
+    from hoad.rules.combinators import scale_out
+    from hoad.rules.linear import _unsum
+
+    return [(x, scale_out(_unsum(g, x, dims, keepdim), weight, x.shape))]
+
+
+@VJPS.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
+    dims = _dims(dim, x.ndim)
+    kept = v.out if keepdim else v.out.reshape([1 if a in dims else n for a, n in enumerate(x.shape)])
+    hit = (x.primal == kept).to(x.primal.dtype)
+    weight = hit / hit.sum(dims, keepdim=True) if dims else hit
+    return _max_vjp(g, x, dims, keepdim, weight)
+
+
+@VJPS.register(aten.max.dim, aten.min.dim)
+def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
+    if g[0] is None:
+        return []
+    d = dim % max(x.ndim, 1)
+    values, indices = v.out
+    idx = indices if keepdim else indices.unsqueeze(d)
+    one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
+    return _max_vjp(g[0], x, [d], keepdim, one_hot)
