@@ -99,6 +99,8 @@ class Compiled:
     def _compile(self, args: tuple, kwargs: dict) -> _Entry:
         layout, tensors = bind_layout(self.fn, args, kwargs)
         wrt_leaves = [self._resolve_wrt(w, layout, args, kwargs) for w in self.wrt]
+        if len(set(wrt_leaves)) != len(wrt_leaves):
+            raise InvalidArgumentError(f"wrt={self.wrt!r} names the same argument twice (once by position, once by name)")
         for w, leaf in zip(self.wrt, wrt_leaves):
             t = tensors[leaf]
             if not t.dtype.is_floating_point:

@@ -11,7 +11,8 @@ A :class:`Block` stores only the compact part::
 
 ``dims[a]`` is the data axis (the *class*) of dense axis ``a``. Dense axes that share a class form
 a diagonal: an einsum label used more than once. A data axis of size 1 under dense axes of size
-``n`` means the block is constant (broadcast) along them.
+``n`` means the block is constant (broadcast) along them. Dense axes of size 1 have no class
+(``dims[a] is None``) and no storage, so adding or removing them never touches ``data``.
 
 Everything here is plain torch on ``data``, so it runs eagerly in tests and emits ATen nodes when
 the derivative program is traced.
@@ -36,7 +37,7 @@ class Block:
 
     __slots__ = ("data", "dims", "shape", "unit")
 
-    def __init__(self, data: torch.Tensor, dims: Sequence[int], shape: Sequence[int], unit: bool = False):
+    def __init__(self, data: torch.Tensor, dims: Sequence[int | None], shape: Sequence[int], unit: bool = False):
         self.data = data
         self.dims = tuple(dims)
         self.shape = tuple(int(s) for s in shape)
@@ -47,14 +48,17 @@ class Block:
     @staticmethod
     def dense(t: torch.Tensor) -> Block:
         """A plain tensor as a block whose dense axes are all distinct."""
-        return Block(t, range(t.ndim), t.shape)
+        return _canonical(t, range(t.ndim), t.shape)
 
     @staticmethod
     def identity(like: torch.Tensor, shape: Sequence[int]) -> Block:
         """∂x/∂x for x of ``shape``: a block with shape ``shape + shape``, one diagonal per axis."""
-        r = len(shape)
-        ones = like.new_ones((1,) * r)
-        return Block(ones, tuple(range(r)) * 2, tuple(shape) * 2, unit=True)
+        dims, c = [], 0
+        for n in shape:
+            dims.append(None if n == 1 else c)
+            c += n != 1
+        ones = like.new_ones((1,) * c)
+        return Block(ones, dims * 2, tuple(shape) * 2, unit=True)
 
     # ---------------------------------------------------------------------------------- queries
     @property
@@ -88,50 +92,50 @@ class Block:
         return Block(self.data.to(dtype), self.dims, self.shape, self.unit)
 
     # ----------------------------------------------------------------------------- densifying
-    def refine(self, partition: Sequence[int]) -> Block:
+    def refine(self, partition: Sequence[int | None]) -> Block:
         """The same block stored with a finer class structure.
 
-        ``partition[a]`` names the new class of dense axis ``a``; axes in one new class must share
-        an old class. Where an old class splits, its diagonal is written out with identity factors.
+        ``partition[a]`` names the new class of dense axis ``a`` (None for size-1 axes); axes in
+        one new class must share an old class. Where an old class splits, its diagonal is
+        written out with identity factors.
         """
         internal_check(len(partition) == self.ndim, "refine: partition has the wrong length")
-        new_classes = _first_appearance(partition)
-        if len(new_classes) == self.data.ndim:
-            return _canonical(self.data, partition, self.shape, self.unit)
+        partition = [None if self.dims[a] is None else p for a, p in enumerate(partition)]
+        if len(_first_appearance(partition)) == self.data.ndim:
+            return self  # a refinement with as many classes is the same structure
         # old class -> the new classes it splits into (in order of first appearance)
-        split: dict[int, list[int]] = {}
-        for a, (old, new) in enumerate(zip(self.dims, partition)):
+        split: dict[int, list] = {}
+        for old, new in zip(self.dims, partition):
+            if old is None:
+                continue
             parts = split.setdefault(old, [])
             if new not in parts:
                 parts.append(new)
-        for old, parts in split.items():
-            for new in parts:
-                owners = {self.dims[a] for a in range(self.ndim) if partition[a] == new}
-                internal_check(owners == {old}, "refine: new class spans several old classes")
-        # Build data over the new classes: data axis ``old`` becomes the first of its parts; each
-        # further part is a new axis tied to the first through an identity matrix.
-        data = self.data
+        for a, new in enumerate(partition):
+            if new is not None:
+                internal_check(all(self.dims[b] == self.dims[a] for b in range(self.ndim) if partition[b] == new),
+                               "refine: a new class spans several old classes")
+        # data axis ``old`` becomes the first of its parts; each further part is a new trailing
+        # axis tied to the first through an identity matrix
         order = [split[old][0] for old in range(self.data.ndim)]
         extra = [(split[old][0], new) for old in range(self.data.ndim) for new in split[old][1:]]
-        for _first, _new in extra:
-            data = data.unsqueeze(-1)
-        out = data
+        out = self.data.reshape(list(self.data.shape) + [1] * len(extra))
         for k, (first, _new) in enumerate(extra):
             n = self.shape[partition.index(first)]
-            eye = torch.eye(n, dtype=data.dtype, device=data.device)
+            eye = torch.eye(n, dtype=out.dtype, device=out.device)
             view = [1] * out.ndim
             view[order.index(first)] = n
             view[len(order) + k] = n
             out = out * eye.reshape(view)
         classes = order + [new for _first, new in extra]
         remap = {new: i for i, new in enumerate(classes)}
-        return _canonical(out, [remap[p] for p in partition], self.shape)
+        return _canonical(out, [None if p is None else remap[p] for p in partition], self.shape)
 
     def untie(self, axes: Iterable[int]) -> Block:
         """Give each dense axis in ``axes`` a class of its own, stored at full size."""
-        axes = list(axes)
+        axes = [a for a in axes if self.dims[a] is not None]
         partition = list(self.dims)
-        fresh = max(partition, default=-1) + 1
+        fresh = max((d for d in partition if d is not None), default=-1) + 1
         for a in axes:
             if sum(1 for d in partition if d == partition[a]) > 1:
                 partition[a] = fresh
@@ -145,47 +149,51 @@ class Block:
         return blk
 
     def materialize(self, keep: Sequence[int] = ()) -> torch.Tensor:
-        """The dense tensor (contiguous). Axes in ``keep`` stay tied to their class."""
-        partition = list(range(self.ndim))
+        """The dense tensor (contiguous). Axes in ``keep`` stay tied to the first kept axis of
+        their class, so the result omits the later ones (per-sample blocks)."""
+        partition: list = list(range(self.ndim))
         for a in keep:
-            partition[a] = next(b for b in keep if self.dims[b] == self.dims[a])
+            if self.dims[a] is not None:
+                partition[a] = next(b for b in keep if self.dims[b] == self.dims[a])
         blk = self.refine(_relabel(partition))
-        # now each class is a single dense axis (except kept ties); expand broadcast data
-        keep_first = [a for a in range(self.ndim) if blk.dims.index(blk.dims[a]) == a]
-        sizes = [blk.shape[a] for a in keep_first]
+        firsts = [a for a in range(self.ndim) if blk.dims[a] is None or blk.dims.index(blk.dims[a]) == a]
+        sizes = [blk.shape[a] for a in firsts if blk.dims[a] is not None]
         data = blk.data.expand(sizes) if list(blk.data.shape) != sizes else blk.data
+        shape = [blk.shape[a] for a in firsts]
+        if list(data.shape) != shape:
+            data = data.reshape(shape)
         return data.contiguous()
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _first_appearance(dims: Sequence[int]) -> list[int]:
-    seen: list[int] = []
+def _first_appearance(dims: Sequence) -> list:
+    seen: list = []
     for d in dims:
-        if d not in seen:
+        if d is not None and d not in seen:
             seen.append(d)
     return seen
 
 
-def _relabel(dims: Sequence[int]) -> list[int]:
-    order = _first_appearance(dims)
-    index = {d: i for i, d in enumerate(order)}
-    return [index[d] for d in dims]
+def _relabel(dims: Sequence) -> list:
+    index = {d: i for i, d in enumerate(_first_appearance(dims))}
+    return [None if d is None else index[d] for d in dims]
 
 
-def _canonical(data: torch.Tensor, dims: Sequence[int], shape: Sequence[int], unit: bool = False) -> Block:
-    """Number classes by first appearance among the dense axes and drop classes without axes."""
+def _canonical(data: torch.Tensor, dims: Sequence, shape: Sequence[int], unit: bool = False) -> Block:
+    """Number classes by first appearance, give size-1 axes no class, and drop unused data axes."""
+    dims = [None if n == 1 else d for d, n in zip(dims, shape)]
     order = _first_appearance(dims)
     orphans = [c for c in range(data.ndim) if c not in order]
     internal_check(all(data.shape[c] == 1 for c in orphans), "block data has a full axis that no dense axis uses")
     if orphans:  # size-1 axes left behind by a squeeze or a sum
         data = data.reshape([data.shape[c] for c in range(data.ndim) if c in order])
         shift = {c: c - sum(1 for o in orphans if o < c) for c in order}
-        dims = [shift[d] for d in dims]
+        dims = [None if d is None else shift[d] for d in dims]
         order = [shift[c] for c in order]
     if order != list(range(len(order))):
         data = data.permute(order)
     index = {c: i for i, c in enumerate(order)}
-    return Block(data, [index[d] for d in dims], shape, unit)
+    return Block(data, [None if d is None else index[d] for d in dims], shape, unit)
 
 
 def _squeeze_axes(t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
@@ -218,8 +226,18 @@ def _reduce_private(t: torch.Tensor, labels: list, needed: set) -> tuple[torch.T
     return _squeeze_axes(t, drop), [l for i, l in enumerate(labels) if i not in drop]
 
 
-def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set) -> tuple[torch.Tensor, list]:
-    """Contract two labelled tensors, keeping the labels in ``keep``; emits mul or (b)mm."""
+def _moves(labels: list, target: list) -> int:
+    """1 if arranging ``labels`` into ``target`` order needs a permute, else 0."""
+    present = [l for l in target if l in labels]
+    return int([labels.index(l) for l in present] != sorted(labels.index(l) for l in present))
+
+
+def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order: list | None = None):
+    """Contract two labelled tensors, keeping the labels in ``keep``; emits one mul or (b)mm.
+
+    Among the equivalent layouts (which operand goes left, the order of labels inside each
+    group) it picks the one needing the fewest permutes, ending in ``order`` when given.
+    """
     x, xs = _reduce_private(x, xs, set(ys) | keep)
     y, ys = _reduce_private(y, ys, set(xs) | keep)
     # A shared label of size 1 in one operand: that operand is constant along it, so drop it there.
@@ -232,23 +250,33 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set) -> tu
     x, xs = _reduce_private(x, xs, set(ys) | keep)
     y, ys = _reduce_private(y, ys, set(xs) | keep)
 
-    batch = [l for l in xs if l in ys and l in keep]
     contracted = [l for l in xs if l in ys and l not in keep]
-    left = [l for l in xs if l not in ys]
-    right = [l for l in ys if l not in xs]
-    out = batch + left + right
     if not contracted:
+        out = [l for l in (order or []) if l in xs or l in ys] or xs + [l for l in ys if l not in xs]
         return _arrange(x, xs, out) * _arrange(y, ys, out), out
+
+    best = None
+    for a, as_, b, bs in ((x, xs, y, ys), (y, ys, x, xs)):
+        batch = [l for l in as_ if l in bs and l in keep]
+        left = [l for l in as_ if l not in bs]
+        right = [l for l in bs if l not in as_]
+        for con in (contracted, [l for l in bs if l in contracted]):
+            out = batch + left + right
+            cost = _moves(as_, batch + left + con) + _moves(bs, batch + con + right)
+            cost += int(order is not None and out != [l for l in order if l in out])
+            if best is None or cost < best[0]:
+                best = (cost, a, as_, b, bs, batch, left, con, right)
+    _cost, a, as_, b, bs, batch, left, con, right = best
 
     def sizes(t, ls, names):
         return [t.shape[ls.index(n)] for n in names]
 
-    b, m, n, k = sizes(x, xs, batch), sizes(x, xs, left), sizes(y, ys, right), sizes(x, xs, contracted)
-    lead = [math.prod(b)] if batch else []
-    x2 = _arrange(x, xs, batch + left + contracted).reshape(lead + [math.prod(m), math.prod(k)])
-    y2 = _arrange(y, ys, batch + contracted + right).reshape(lead + [math.prod(k), math.prod(n)])
-    z = torch.bmm(x2, y2) if batch else torch.mm(x2, y2)
-    return z.reshape(b + m + n), out
+    nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
+    lead = [math.prod(nb)] if batch else []
+    a2 = _arrange(a, as_, batch + left + con).reshape(lead + [math.prod(m), math.prod(k)])
+    b2 = _arrange(b, bs, batch + con + right).reshape(lead + [math.prod(k), math.prod(n)])
+    z = torch.bmm(a2, b2) if batch else torch.mm(a2, b2)
+    return z.reshape(nb + m + n), batch + left + right
 
 
 def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor:
@@ -265,11 +293,12 @@ def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> to
         path, _info = opt_einsum.contract_path(expr, *[tuple(t.shape) for t, _ls in terms], shapes=True)
     else:
         path = [(0, 1)] if len(terms) == 2 else []
-    for i, j in path:
+    for step, (i, j) in enumerate(path):
         (x, xs), (y, ys) = terms[i], terms[j]
         rest = [terms[k] for k in range(len(terms)) if k not in (i, j)]
         needed = set(out).union(*[set(ls) for _t, ls in rest])
-        terms = rest + [_pair(x, xs, y, ys, needed)]
+        last = step == len(path) - 1
+        terms = rest + [_pair(x, xs, y, ys, needed, out if last else None)]
     (t, ls), = terms
     t, ls = _reduce_private(t, ls, set(out))
     return _arrange(t, ls, out)
@@ -300,7 +329,7 @@ def contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[La
     Each operand names its dense axes with labels; equal labels across operands are the same
     index. The result's dense axes are named by ``out`` (a label may repeat: a diagonal). Ties
     inside operands are honoured, so a diagonal times a dense block stays compact. ``sizes`` gives
-    the sizes of ``out`` labels that no operand has (broadcast axes).
+    the sizes of ``out`` labels that no operand has (broadcast axes). Size-1 axes take no part.
     """
     size: dict = dict(sizes or {})
     parent: dict = {}
@@ -316,6 +345,8 @@ def contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[La
         owner: dict = {}
         for lab, c, n in zip(labels, blk.dims, blk.shape):
             internal_check(size.setdefault(lab, n) == n, f"contract: label {lab!r} has sizes {size[lab]} and {n}")
+            if c is None:
+                continue
             parent.setdefault(lab, lab)
             if c in owner:
                 a, b = find(owner[c]), find(lab)
@@ -325,16 +356,18 @@ def contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[La
                 owner[c] = lab
     for lab in out:
         internal_check(lab in size, f"contract: output label {lab!r} has no size")
-        parent.setdefault(lab, lab)
+        if size[lab] != 1:
+            parent.setdefault(lab, lab)
 
-    out_roots = [find(l) for l in out]
+    out_roots = [find(l) if size[l] != 1 else None for l in out]
     result_classes = _first_appearance(out_roots)
     terms: list[tuple[torch.Tensor, list]] = []
     unit_data = None
     for blk, labels in operands:
         roots: list = [None] * blk.data.ndim
         for lab, c in zip(labels, blk.dims):
-            roots[c] = find(lab)
+            if c is not None:
+                roots[c] = find(lab)
         if blk.unit:
             unit_data = blk.data
             continue
@@ -358,14 +391,13 @@ def contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[La
     if factor != 1:
         data = data * factor
     index = {r: i for i, r in enumerate(result_classes)}
-    return Block(data, [index[r] for r in out_roots], [size[l] for l in out], unit)
+    return Block(data, [None if r is None else index[r] for r in out_roots], [size[l] for l in out], unit)
 
 
-def meet(partitions: Sequence[Sequence[int]]) -> list[int]:
+def meet(partitions: Sequence[Sequence]) -> list:
     """The coarsest class structure finer than every given one (axes tied in all of them)."""
-    keys = list(zip(*partitions))
     index: dict = {}
-    return [index.setdefault(k, len(index)) for k in keys]
+    return [None if None in key else index.setdefault(key, len(index)) for key in zip(*partitions)]
 
 
 def add(blocks: Sequence[Block]) -> Block:
@@ -387,19 +419,22 @@ def add(blocks: Sequence[Block]) -> Block:
 def map_out(blk: Block, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_out: Sequence[int]) -> Block:
     """Apply a linear map to the first ``r`` dense axes (the output part), carrying the slots.
 
-    ``fn`` receives data whose leading ``r`` axes are the output axes at full size, followed by
-    one axis per other class, and must return data whose leading axes are ``new_out``.
+    ``fn`` receives data whose leading ``r`` axes are the output axes at full size (size-1 axes
+    included), followed by one axis per other class, and must return data whose leading axes
+    are ``new_out``.
     """
     blk = blk.untie(range(r))
     out_classes = [blk.dims[a] for a in range(r)]
     rest = [c for c in range(blk.data.ndim) if c not in out_classes]
-    perm = out_classes + rest
+    perm = [c for c in out_classes if c is not None] + rest
     data = blk.data.permute(perm) if perm != list(range(len(perm))) else blk.data
+    lead = list(blk.shape[:r])
+    data = data.reshape(lead + list(data.shape[r - out_classes.count(None):])) if None in out_classes else data
     new = fn(data)
     r2 = len(new_out)
     internal_check(tuple(new.shape[:r2]) == tuple(new_out), f"map_out: got {tuple(new.shape)}, expected leading {tuple(new_out)}")
     index = {c: r2 + i for i, c in enumerate(rest)}
-    dims = list(range(r2)) + [index[d] for d in blk.dims[r:]]
+    dims = list(range(r2)) + [None if d is None else index[d] for d in blk.dims[r:]]
     return _canonical(new, dims, list(new_out) + list(blk.shape[r:]))
 
 
@@ -416,7 +451,7 @@ def sum_out(blk: Block, r: int, axes: Sequence[int], keepdim: bool = False) -> B
     for a in axes:
         c = dims[a]
         alive.remove(a)
-        if any(dims[b] == c for b in alive):
+        if c is None or any(dims[b] == c for b in alive):
             continue
         if data.shape[c] == 1:
             factor *= blk.shape[a]
@@ -426,35 +461,25 @@ def sum_out(blk: Block, r: int, axes: Sequence[int], keepdim: bool = False) -> B
         data = data.sum(reduce_classes, keepdim=True)
     if factor != 1:
         data = data * factor
+    unit = blk.unit and not reduce_classes and factor == 1
     if keepdim:
-        # each summed output axis becomes a size-1 axis of its own
-        fresh = data.ndim
-        extra = 0
         shape = list(blk.shape)
         for a in axes:
-            dims[a] = fresh + extra
-            extra += 1
-            shape[a] = 1
-        data = data.reshape(list(data.shape) + [1] * extra)
-        return _canonical(data, dims, shape)
+            dims[a], shape[a] = None, 1
+        return _canonical(data, dims, shape, unit)
     keep = [a for a in range(blk.ndim) if a not in axes]
-    unit = blk.unit and not reduce_classes and factor == 1
     return _canonical(data, [dims[a] for a in keep], [blk.shape[a] for a in keep], unit)
 
 
 def unsqueeze_out(blk: Block, r: int, dim: int) -> Block:
     dim = dim % (r + 1)
-    fresh = blk.data.ndim
-    data = blk.data.reshape(list(blk.data.shape) + [1])
-    dims = list(blk.dims[:dim]) + [fresh] + list(blk.dims[dim:])
-    shape = list(blk.shape[:dim]) + [1] + list(blk.shape[dim:])
-    return _canonical(data, dims, shape, blk.unit)
+    return Block(blk.data, blk.dims[:dim] + (None,) + blk.dims[dim:], blk.shape[:dim] + (1,) + blk.shape[dim:], blk.unit)
 
 
 def squeeze_out(blk: Block, r: int, dims_to_drop: Sequence[int]) -> Block:
     drop = {d % r for d in dims_to_drop if blk.shape[d % r] == 1} if r else set()
     keep = [a for a in range(blk.ndim) if a not in drop]
-    return _canonical(blk.data, [blk.dims[a] for a in keep], [blk.shape[a] for a in keep], blk.unit)
+    return Block(blk.data, [blk.dims[a] for a in keep], [blk.shape[a] for a in keep], blk.unit)
 
 
 def expand_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
@@ -468,9 +493,13 @@ def expand_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
     if not grow:
         return blk
     internal_check(all(blk.shape[a] == 1 for a in grow), "expand_out: only size-1 axes can grow")
-    blk = blk.untie(grow)
+    dims, c = list(blk.dims), blk.data.ndim
+    for a in grow:  # each grown axis gets a broadcast class (a stored axis of size 1)
+        dims[a] = c
+        c += 1
+    data = blk.data.reshape(list(blk.data.shape) + [1] * len(grow))
     shape = list(new_out) + list(blk.shape[r:])
-    return Block(blk.data, blk.dims, shape, blk.unit)
+    return _canonical(data, dims, shape, blk.unit)
 
 
 def reshape_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
@@ -482,26 +511,37 @@ def reshape_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
     groups = _view_groups(old_out, new_out)
     if groups is None:
         return map_out(blk, r, lambda d: d.reshape(new_out + list(d.shape[r:])), new_out)
-    moved_old = [a for g_old, g_new in groups if not _same(g_old, g_new, old_out, new_out) for a in g_old]
-    moved_new = [a for g_old, g_new in groups if not _same(g_old, g_new, old_out, new_out) for a in g_new]
+    moved = [(g_old, g_new) for g_old, g_new in groups if not _same(g_old, g_new, old_out, new_out)]
+    moved_old = [a for g_old, _ in moved for a in g_old]
+    moved_new = [b for _, g_new in moved for b in g_new]
     blk = blk.untie(moved_old)
-    moved_classes = [blk.dims[a] for a in moved_old]
+    moved_classes = [blk.dims[a] for a in moved_old if blk.dims[a] is not None]
     rest = [c for c in range(blk.data.ndim) if c not in moved_classes]
-    perm = moved_classes + rest
-    data = blk.data.permute(perm) if perm != list(range(len(perm))) else blk.data
-    data = data.reshape([new_out[a] for a in moved_new] + [blk.data.shape[c] for c in rest])
-    index = {c: len(moved_new) + i for i, c in enumerate(rest)}
-    new_index = {a: i for i, a in enumerate(moved_new)}
-    old_to_new = {}
+    data = blk.data
+    if moved_classes:
+        perm = moved_classes + rest
+        data = data.permute(perm) if perm != list(range(len(perm))) else data
+        data = data.reshape([new_out[b] for b in moved_new if new_out[b] != 1] + [blk.data.shape[c] for c in rest])
+    index = {c: i + sum(1 for b in moved_new if new_out[b] != 1) for i, c in enumerate(rest)}
+    new_class, k = {}, 0
+    for b in moved_new:
+        if new_out[b] != 1:
+            new_class[b] = k
+            k += 1
+    kept = {}
     for g_old, g_new in groups:
         if _same(g_old, g_new, old_out, new_out):
-            for a, b in zip(g_old, g_new):
-                old_to_new[b] = a
+            kept.update(zip(g_new, g_old))
     dims = []
     for b in range(len(new_out)):
-        dims.append(new_index[b] if b in new_index else index[blk.dims[old_to_new[b]]])
-    dims += [index[d] for d in blk.dims[r:]]
-    return _canonical(data, dims, new_out + list(blk.shape[r:]), blk.unit)
+        if b in new_class:
+            dims.append(new_class[b])
+        elif b in kept and blk.dims[kept[b]] is not None:
+            dims.append(index[blk.dims[kept[b]]])
+        else:
+            dims.append(None)
+    dims += [None if d is None else index[d] for d in blk.dims[r:]]
+    return _canonical(data, dims, new_out + list(blk.shape[r:]), blk.unit and not moved_classes)
 
 
 def _same(g_old, g_new, old, new) -> bool:

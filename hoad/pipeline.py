@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from hoad.passes.capture import CallLayout, Captured, capture, locate
 from hoad.passes.clean import clean
+from hoad.passes.compile import compile_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import Program, differentiate
 from hoad.passes.prune import prune
@@ -85,12 +86,7 @@ def _choose(b: Build) -> Build:
 
 
 def _compile(b: Build) -> Build:
-    if b.config.backend == "eager":
-        b.run = b.program.gm
-    else:
-        from hoad.passes.compile import compile_program
-
-        b.run = compile_program(b.program, b.config.backend)
+    b.run = compile_program(b.program, b.config.backend)
     return b
 
 

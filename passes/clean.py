@@ -73,6 +73,13 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict = {}
     changed = False
     for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            keep = seen.setdefault(("get_attr", node.target), node)
+            if keep is not node:
+                node.replace_all_uses_with(keep)
+                gm.graph.erase_node(node)
+                changed = True
+            continue
         if node.op != "call_function" or node.target in RANDOM:
             continue
         schema = getattr(node.target, "_schema", None)

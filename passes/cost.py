@@ -35,12 +35,9 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     ins = [a.meta.get("val") for a in node.all_input_nodes]
     n_in = sum(_numel(v) for v in ins)
     size = out.element_size() if isinstance(out, torch.Tensor) else 8
-    if node.target == aten.mm.default:
-        (m, k), (_, n) = ins[0].shape, ins[1].shape
-        flops = 2 * m * n * k
-    elif node.target == aten.bmm.default:
-        (b, m, k), (_, _, n) = ins[0].shape, ins[1].shape
-        flops = 2 * b * m * n * k
+    if node.target in (aten.mm.default, aten.bmm.default):
+        a, b = (arg.meta["val"] for arg in node.args[:2])
+        flops = 2 * math.prod(a.shape) * b.shape[-1]
     else:
         flops = max(n_out, n_in)
     return flops, (n_out + n_in) * size

@@ -124,19 +124,31 @@ def cosh(n, x, y):
     return [s if k % 2 == 0 else y for k in range(n)]
 
 
+def _autonomous(n: int, y: torch.Tensor, step: list[int]) -> list:
+    """Derivatives of y when y' = step(y): φ' = step(y), φ^(k+1) = P_k'(y) · φ'."""
+    polys = _poly_chain(n, step)
+    first = _polynomial(step, y)
+    out = [first]
+    for p in polys[:-1]:
+        dp = [i * c for i, c in enumerate(p)][1:] or [0]
+        q = _polynomial(dp, y)
+        out.append(None if q is None else q * first)
+    return out
+
+
 @derivatives(aten.tanh.default)
 def tanh(n, x, y):
-    return [_polynomial(p, y) for p in _poly_chain(n, [1, 0, -1])]  # y' = 1 - y²
+    return _autonomous(n, y, [1, 0, -1])  # y' = 1 - y²
 
 
 @derivatives(aten.sigmoid.default)
 def sigmoid(n, x, y):
-    return [_polynomial(p, y) for p in _poly_chain(n, [0, 1, -1])]  # y' = y - y²
+    return _autonomous(n, y, [0, 1, -1])  # y' = y - y²
 
 
 @derivatives(aten.tan.default)
 def tan(n, x, y):
-    return [_polynomial(p, y) for p in _poly_chain(n, [1, 0, 1])]  # y' = 1 + y²
+    return _autonomous(n, y, [1, 0, 1])  # y' = 1 + y²
 
 
 @derivatives(aten.erf.default)
@@ -273,16 +285,41 @@ def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
 
 
 def _polynomial(coeffs: list[int], y: torch.Tensor):
-    """Σ coeffs[i] y^i by Horner; None for the zero polynomial, a number for a constant one."""
+    """Σ coeffs[i] y^i; None for the zero polynomial, a number for a constant one.
+
+    Even and odd polynomials are evaluated in y² (one shared square), and Horner's steps fold
+    ±1 coefficients into additions, so 1 - y² costs two ops.
+    """
+    while len(coeffs) > 1 and coeffs[-1] == 0:
+        coeffs = coeffs[:-1]
     if all(c == 0 for c in coeffs):
         return None
     if len(coeffs) == 1:
         return coeffs[0]
-    acc = coeffs[-1]
+    odd = all(c == 0 for c in coeffs[0::2])
+    even = all(c == 0 for c in coeffs[1::2])
+    if odd or even:
+        inner = _horner(coeffs[1::2] if odd else coeffs[0::2], y * y)
+        return inner * y if odd else inner
+    return _horner(coeffs, y)
+
+
+def _horner(coeffs: list[int], z: torch.Tensor):
+    """Horner in z: ((c_d z + c_{d-1}) z + …) + c_0, with ±1 folded into signs."""
+    acc, sign = coeffs[-1], 1  # acc: a number, or a tensor carrying ``sign``
     for c in reversed(coeffs[:-1]):
-        acc = acc * y
-        if c:
-            acc = acc + c
+        if isinstance(acc, torch.Tensor):
+            term, tsign = acc * z, sign
+        elif acc in (1, -1):
+            term, tsign = z, acc
+        else:
+            term, tsign = z * acc, 1
+        if c == 0:
+            acc, sign = term, tsign
+        else:
+            acc, sign = (term + c if tsign > 0 else c - term), 1
+    if isinstance(acc, torch.Tensor) and sign < 0:
+        acc = -acc
     return acc
 
 

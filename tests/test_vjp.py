@@ -1,0 +1,87 @@
+"""Every VJP rule against torch.func.vjp, node by node, on the graphs of the rule cases."""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.func import vjp as torch_vjp
+
+from hoad.blocks import Block
+from hoad.passes.capture import bind_layout, capture
+from hoad.rules import RULES, VJPS, Jet
+from hoad.rules.base import VjpCtx
+from helpers import assert_close
+from op_cases import CASES
+
+
+# ops torch.func cannot differentiate out of place, with an equivalent reference
+REFERENCE = {torch.ops.aten.copy.default: lambda dst, src, non_blocking=False: src.expand_as(dst).to(dst.dtype) + 0 * dst}
+
+
+def test_every_rule_has_a_vjp():
+    assert set(RULES) == set(VJPS)
+
+
+def _values(gm: fx.GraphModule, args) -> dict:
+    """Every node's concrete value, running the captured graph eagerly."""
+    env, it = {}, iter(args)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(it)
+        elif node.op == "get_attr":
+            env[node] = getattr(gm, node.target)
+        elif node.op == "call_function":
+            a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            env[node] = node.target(*a, **k)
+    return env
+
+
+@pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
+def test_vjp_rule(op):
+    case = CASES[op]
+    layout, tensors = bind_layout(case.fn, case.args, {})
+    gm = capture(case.fn, layout, tensors, list(range(len(tensors)))).gm
+    env = _values(gm, tensors)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+    assert nodes, f"{op} does not appear in its case"
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for node in nodes:
+        out = env[node]
+        # jets for the node's tensor arguments; floating ones vary
+        jets = {}
+
+        def to_jet(n):
+            v = env[n]
+            if not isinstance(v, torch.Tensor):
+                return v
+            jets[n] = Jet(v, varies=v.dtype.is_floating_point)
+            return jets[n]
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), to_jet)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        floating = [isinstance(o, torch.Tensor) and o.dtype.is_floating_point for o in outs]
+        cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) if f else None for o, f in zip(outs, floating)]
+        g = [Block.dense(c) if c is not None else None for c in cots]
+        pairs = VJPS[op](VjpCtx(out), g if isinstance(out, (tuple, list)) else g[0], *args, **kwargs)
+        got = {}
+        for jet, blk in pairs:
+            n = next(k for k, j in jets.items() if j is jet)
+            got[n] = got.get(n, 0) + blk.materialize()
+
+        varying = [n for n, j in jets.items() if j.varies]
+
+        def f(*ts):
+            sub = dict(zip(varying, ts))
+            a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: sub.get(n, env[n]))
+            res = REFERENCE.get(op, node.target)(*a, **k)
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            return tuple(r for r, fl in zip(res, floating) if fl)
+
+        _, vjp_fn = torch_vjp(f, *[env[n] for n in varying])
+        expected = vjp_fn(tuple(c for c in cots if c is not None))
+        for n, e in zip(varying, expected):
+            assert_close(got[n] if n in got else torch.zeros_like(e), e, f"{op} cotangent of {n.name}")
+            checked += 1
+    assert checked
