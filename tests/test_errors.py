@@ -1,0 +1,288 @@
+"""Every failure a user can cause raises a specific ``HoadError`` subclass whose message names the
+cause and the fix (STYLE.md "Errors"); never a bare KeyError/AssertionError/RuntimeError."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hoad
+from helpers import rand
+
+THIS_FILE = os.path.basename(__file__)
+
+
+def f_xy(x, y):
+    return (x.sin() * y).sum()
+
+
+X = rand(2, 3, seed=1)
+Y = rand(2, 3, seed=2)
+
+
+def raises(exc, fn, *fragments):
+    """Run ``fn``; it must raise exactly ``exc`` (or a subclass) and its message must contain each
+    fragment (case-insensitive). Returns the message."""
+    with pytest.raises(hoad.HoadError) as info:
+        fn()
+    e = info.value
+    assert isinstance(e, exc), f"expected {exc.__name__}, got {type(e).__name__}: {e}"
+    assert not isinstance(e, hoad.HoadInternalError), f"a user error surfaced as an internal error: {e}"
+    msg = str(e)
+    for frag in fragments:
+        assert frag.lower() in msg.lower(), f"{frag!r} not in message: {msg}"
+    return msg
+
+
+# ------------------------------------------------------------------------------ hierarchy
+@pytest.mark.parametrize("cls", [
+    hoad.InvalidArgumentError, hoad.CaptureError, hoad.DataDependentControlFlowError, hoad.RandomnessError,
+    hoad.UnsupportedOperatorError, hoad.OutputError, hoad.BatchCouplingError, hoad.HoadInternalError,
+])
+def test_every_error_is_a_hoad_error(cls):
+    assert issubclass(cls, hoad.HoadError)
+    assert issubclass(hoad.HoadError, Exception)
+
+
+def test_capture_errors_share_a_base():
+    assert issubclass(hoad.DataDependentControlFlowError, hoad.CaptureError)
+    assert issubclass(hoad.RandomnessError, hoad.CaptureError)
+
+
+# ---------------------------------------------------------------------------------- order
+@pytest.mark.parametrize("order", [0, -1, True, False, None, "2", 2.0])
+def test_bad_order(order):
+    msg = raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=order), "order")
+    assert "1" in msg, f"the message should say the valid range (>= 1): {msg}"
+
+
+def test_bad_order_in_decorator_form():
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(order=0), "order")
+
+
+def test_missing_order():
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy), "order")
+
+
+def test_not_a_function():
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(3, order=1), "function")
+
+
+# ------------------------------------------------------------------------------------ wrt
+def test_wrt_argnum_out_of_range():
+    msg = raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt=2), "wrt")
+    assert "x" in msg and "y" in msg, f"the message should list the function's arguments: {msg}"
+
+
+def test_wrt_argnum_out_of_range_for_the_call():
+    def f(*ts):
+        return sum(t.sum() for t in ts)
+
+    cf = hoad.compile(f, order=1, wrt=3)
+    raises(hoad.InvalidArgumentError, lambda: cf(X, Y), "wrt", "3")
+
+
+def test_wrt_negative():
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt=-1), "wrt")
+
+
+def test_unknown_wrt_name():
+    msg = raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt="z"), "'z'")
+    assert "x" in msg and "y" in msg, f"the message should list the valid names: {msg}"
+
+
+@pytest.mark.parametrize("wrt", [(0, 0), ("x", "x"), (0, 1, 0)])
+def test_duplicate_wrt(wrt):
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt=wrt), "twice")
+
+
+@pytest.mark.parametrize("wrt", [("x", 0), (1, "y")])
+def test_duplicate_wrt_by_name_and_argnum(wrt):
+    """The same input named once by name and once by argnum is a duplicate too, whether caught at
+    compile time or at the first call; it must not silently produce wrong (zero) blocks."""
+
+    def go():
+        hoad.compile(f_xy, order=2, wrt=wrt)(X, Y)
+
+    raises(hoad.InvalidArgumentError, go, "wrt")
+
+
+@pytest.mark.parametrize("wrt", [[0, 1], 0.0, None, (), ("x", 1.5)])
+def test_wrt_of_wrong_type(wrt):
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt=wrt), "wrt")
+
+
+def test_wrt_argument_is_a_python_float():
+    cf = hoad.compile(f_xy, order=2, wrt=1)
+    raises(hoad.InvalidArgumentError, lambda: cf(X, 2.0), "float", "tensor")
+
+
+def test_wrt_argument_is_an_integer_tensor():
+    cf = hoad.compile(f_xy, order=2, wrt=1)
+    raises(hoad.InvalidArgumentError, lambda: cf(X, torch.ones(2, 3, dtype=torch.int64)), "int64", "float")
+
+
+def test_wrt_argument_not_passed_by_name():
+    def f(x, y=None):
+        return x.sum() if y is None else (x * y).sum()
+
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f, order=2, wrt="y")(X), "'y'", "pass")
+
+
+def test_wrt_argument_not_passed_by_argnum():
+    def f(x, y=None):
+        return x.sum() if y is None else (x * y).sum()
+
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f, order=2, wrt=1)(X), "wrt")
+
+
+def test_wrt_argument_nested_in_a_list():
+    def f(xs):
+        return (xs[0] * xs[1]).sum()
+
+    msg = raises(hoad.InvalidArgumentError, lambda: hoad.compile(f, order=2, wrt=0)([X, Y]), "list")
+    assert "tensor" in msg.lower()
+
+
+def test_unhashable_non_tensor_argument():
+    class Opaque:
+        __hash__ = None
+
+    cf = hoad.compile(lambda x, o: x.sin().sum(), order=1)
+    raises(hoad.InvalidArgumentError, lambda: cf(X, Opaque()), "hashable")
+
+
+# ---------------------------------------------------------------------------------- output
+def test_tuple_output():
+    cf = hoad.compile(lambda x: (x.sin().sum(), x.cos().sum()), order=2)
+    raises(hoad.OutputError, lambda: cf(X), "tuple", "single tensor", "stack")
+
+
+def test_none_output():
+    raises(hoad.OutputError, lambda: hoad.compile(lambda x: None, order=1)(X), "tensor")
+
+
+@pytest.mark.parametrize("fn", [lambda x: (x > 0).sum(), lambda x: x.argmax(), lambda x: x.long()],
+                         ids=["count", "argmax", "cast"])
+def test_integer_output(fn):
+    raises(hoad.OutputError, lambda: hoad.compile(fn, order=2)(X), "int64", "floating")
+
+
+# ---------------------------------------------------------------------------------- capture
+def test_data_dependent_if():
+    def f(x):
+        if x.sum() > 0:
+            return x.sin().sum()
+        return x.cos().sum()
+
+    msg = raises(hoad.DataDependentControlFlowError, lambda: hoad.compile(f, order=2)(X), "torch.where")
+    assert THIS_FILE in msg, f"the message should name the user's source line: {msg}"
+    assert "if x.sum() > 0" in msg
+
+
+def test_item():
+    def f(x):
+        m = x.max().item()
+        return x.sin().sum() * m
+
+    msg = raises(hoad.DataDependentControlFlowError, lambda: hoad.compile(f, order=2)(X), ".item()")
+    assert THIS_FILE in msg and "x.max().item()" in msg, msg
+
+
+def test_boolean_mask_indexing_is_data_dependent():
+    def f(x):
+        return x[x > 0].sin().sum()
+
+    raises(hoad.DataDependentControlFlowError, lambda: hoad.compile(f, order=1)(X), "depends on tensor values")
+
+
+def test_dropout_in_training_mode():
+    def f(x):
+        return F.dropout(x.sin(), 0.5, training=True).sum()
+
+    msg = raises(hoad.RandomnessError, lambda: hoad.compile(f, order=2)(X), "random", "eval")
+    assert THIS_FILE in msg and "F.dropout" in msg, f"the message should name the user's line: {msg}"
+
+
+def test_dropout_module_in_training_mode_but_fine_in_eval():
+    drop = nn.Dropout(0.5)
+
+    def f(x):
+        return drop(x).exp().sum()
+
+    drop.train()
+    msg = raises(hoad.RandomnessError, lambda: hoad.compile(f, order=2)(X), "eval")
+    assert THIS_FILE in msg and "drop(x)" in msg, msg
+    drop.eval()
+    res = hoad.compile(f, order=2)(X)
+    torch.testing.assert_close(res[0, 0], torch.diag(X.exp().reshape(-1)).reshape(2, 3, 2, 3))
+
+
+def test_random_tensor():
+    def f(x):
+        return (x * torch.rand(2, 3, dtype=x.dtype)).sum()
+
+    raises(hoad.RandomnessError, lambda: hoad.compile(f, order=1)(X), "aten.rand", "argument")
+
+
+def test_unsupported_operator():
+    def f(x):
+        return x.sin().cumprod(0).sum()
+
+    msg = raises(hoad.UnsupportedOperatorError, lambda: hoad.compile(f, order=2)(X), "aten.cumprod", "rule")
+    assert THIS_FILE in msg and "x.sin().cumprod(0)" in msg, f"the message should name the user's line: {msg}"
+
+
+def test_unsupported_operator_off_the_differentiated_path_is_fine():
+    def f(x, y):
+        return x.sin().sum() * y.cumprod(0).sum()
+
+    res = hoad.compile(f, order=2, wrt=0)(X, Y)
+    torch.testing.assert_close(res[0], X.cos() * Y.cumprod(0).sum())
+
+
+# ---------------------------------------------------------------------------------- options
+@pytest.mark.parametrize("backend", ["xla", "", None, "EAGER"])
+def test_bad_backend(backend):
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, backend=backend), "backend", "eager")
+
+
+@pytest.mark.parametrize("mode", ["backward", "", None, "Forward"])
+def test_bad_mode(mode):
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, mode=mode), "mode", "auto", "forward")
+
+
+# ------------------------------------------------------------------------------ result keys
+@pytest.fixture(scope="module")
+def res2():
+    return hoad.compile(f_xy, order=2, wrt=(0, 1))(X, Y)
+
+
+@pytest.mark.parametrize("key", [5, "z", (0, 5), True, (1, "w")], ids=repr)
+def test_bad_result_key(res2, key):
+    raises(hoad.InvalidArgumentError, lambda: res2[key], "not a wrt key", "[0, 1]")
+
+
+@pytest.mark.parametrize("key", [(0, 0, 0), (0, 1, 1), ()], ids=repr)
+def test_result_key_of_wrong_order(res2, key):
+    raises(hoad.InvalidArgumentError, lambda: res2[key], "order", "1..2")
+
+
+def test_bad_result_key_is_not_in(res2):
+    assert 5 not in res2 and (0, 0, 0) not in res2 and (0, 1) in res2
+
+
+def test_bad_key_to_is_structural_zero(res2):
+    raises(hoad.InvalidArgumentError, lambda: res2.is_structural_zero((0, 7)), "not a wrt key")
+
+
+@pytest.mark.parametrize("k", [0, 3, "1", 1.0])
+def test_bad_order_argument_to_result(res2, k):
+    raises(hoad.InvalidArgumentError, lambda: res2.order(k), "order", "1..2")
+
+
+def test_graph_before_any_call():
+    cf = hoad.compile(f_xy, order=2)
+    raises(hoad.InvalidArgumentError, lambda: cf.graph, "call")
