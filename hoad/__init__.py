@@ -19,10 +19,18 @@ from hoad.errors import (
     UnsupportedOperatorError,
 )
 
+
+
+def explain(compiled: Compiled, *args, **kwargs):
+    """``compiled.explain(*args, **kwargs)``: a table of blocks, costs and the chosen direction."""
+    return compiled.explain(*args, **kwargs)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
     "compile",
+    "explain",
     "Compiled",
     "Derivatives",
     "HoadError",

@@ -177,6 +177,17 @@ class Compiled:
                                        "(the program depends on the shapes of the arguments)")
         return ProgramView(self._last.build.program, self._last.build.stats)
 
+    def explain(self, *args, **kwargs):
+        """Blocks (dense vs stored entries), both directions' estimated cost and the chosen one,
+        and per-stage node counts, for the program of these arguments (or the last call)."""
+        from hoad.explanation import Explanation
+
+        if args or kwargs:
+            self(*args, **kwargs)
+        if self._last is None:
+            raise InvalidArgumentError("pass the arguments to explain (or call the compiled function first)")
+        return Explanation(self._last.build)
+
     def __repr__(self) -> str:
         return f"<hoad.compile({getattr(self.fn, '__name__', self.fn)!s}, order={self.order}, wrt={self.wrt!r})>"
 

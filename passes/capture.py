@@ -55,6 +55,16 @@ def _std(x, dim=None, *, correction=None, keepdim=False):
     return _var(x, dim, correction=correction, keepdim=keepdim).sqrt()
 
 
+# Core ATen turns mv and dot into an elementwise product and a sum; their derivative blocks
+# would then be materialised at the product's full size. As matrix products they stay contractions.
+def _mv(a, v):
+    return (a @ v.unsqueeze(1)).squeeze(1)
+
+
+def _dot(a, b):
+    return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
+
+
 @functools.lru_cache(maxsize=None)
 def decomposition_table() -> dict:
     """Core ATen decompositions, keeping ``detach`` (a stop-gradient) and splitting composites
@@ -66,6 +76,9 @@ def decomposition_table() -> dict:
         aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,
         aten.baddbmm, aten.linalg_vector_norm, aten.native_group_norm,
     ]))
+    table[aten.mv.default] = _mv
+    table[aten.dot.default] = _dot
+    table[aten.vdot.default] = _dot
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten.std.correction] = _std

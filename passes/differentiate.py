@@ -50,6 +50,7 @@ class Program:
     leaf_names: list[str]
     out_shape: tuple[int, ...]
     slot_shapes: list[tuple[int, ...]]
+    stored: dict[MultiIndex, int] = field(default_factory=dict)   # compact entries of each block
     stats: dict = field(default_factory=dict)
 
 
@@ -73,7 +74,7 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
                      _allow_non_fake_inputs=True)(*leaves)
     _apply_names(gm, interp.names, captured.leaf_names)
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, interp.slot_shapes)
+                   captured.out_shape, interp.slot_shapes, stored=interp.stored)
 
 
 class _Interpreter:
@@ -93,6 +94,7 @@ class _Interpreter:
         self.names: list[tuple[fx.Node, str]] = []
         self.keys: list[MultiIndex] = []
         self.zeros: list[MultiIndex] = []
+        self.stored: dict[MultiIndex, int] = {}
 
     # ------------------------------------------------------------------------- analysis
     def _dependencies(self) -> dict[fx.Node, frozenset]:
@@ -265,6 +267,7 @@ class _Interpreter:
         all_keys = all_multi_indices(len(self.slot_shapes), self.order)
         self.keys = [K for K in all_keys if K in blocks]
         self.zeros = [K for K in all_keys if K not in blocks]
+        self.stored = {K: blocks[K].numel for K in self.keys}
         outputs = [value]
         for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):

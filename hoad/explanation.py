@@ -1,0 +1,71 @@
+"""``cf.explain()``: what a compiled derivative program computes and what it costs.
+
+Tables in the spirit of opt_einsum's PathInfo: one row per canonical block (dense entries vs the
+entries the program stores, structural zeros), the cost of each direction the cost model
+compared, and the node count and time of every pipeline stage.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tabulate import tabulate
+
+from hoad.multiindex import all_multi_indices
+
+
+class Explanation:
+    def __init__(self, build):
+        self.build = build
+        self.program = build.program
+
+    @property
+    def direction(self) -> str:
+        return self.program.direction
+
+    def blocks_table(self) -> list[list]:
+        p = self.program
+        out = math.prod(p.out_shape)
+        rows = []
+        for K in all_multi_indices(len(p.wrt_names), p.order):
+            dense = out * math.prod(math.prod(p.slot_shapes[k]) for k in K)
+            key = "(" + ", ".join(p.wrt_names[k] for k in K) + ")"
+            if K in p.stored:
+                rows.append([len(K), key, dense, p.stored[K], f"{dense / max(p.stored[K], 1):.1f}x"])
+            else:
+                rows.append([len(K), key, dense, 0, "structural zero"])
+        return rows
+
+    def symmetry(self) -> tuple[int, int]:
+        """(ordered blocks a naive nesting computes, canonical blocks hoad computes)."""
+        p = self.program
+        n = len(p.wrt_names)
+        ordered = sum(n**k for k in range(1, p.order + 1))
+        return ordered, len(all_multi_indices(n, p.order))
+
+    def __str__(self) -> str:
+        b, p = self.build, self.program
+        ordered, canonical = self.symmetry()
+        lines = [f"hoad program: order {p.order}, wrt ({', '.join(p.wrt_names)}), output shape {tuple(p.out_shape)}, "
+                 f"direction {p.direction} (mode={b.config.mode}), backend {b.config.backend}",
+                 f"Schwarz symmetry: {canonical} canonical blocks computed instead of {ordered} ordered ones",
+                 "",
+                 tabulate(self.blocks_table(), headers=["order", "block", "dense entries", "stored entries", "saved"],
+                          )]
+        costs = b.stats.get("costs", {})
+        if costs:
+            rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == p.direction else ""]
+                    for d, c in costs.items()]
+            lines += ["", tabulate(rows, headers=["direction", "FLOPs", "bytes", "ATen calls", "score", ""])]
+        stages = []
+        for name, st in b.stats.items():
+            if isinstance(st, dict) and "seconds" in st:
+                nodes = st["nodes"]
+                if isinstance(nodes, dict):
+                    nodes = ", ".join(f"{d}: {n}" for d, n in nodes.items())
+                stages.append([name, f"{st['seconds'] * 1e3:.1f} ms", nodes])
+        lines += ["", tabulate(stages, headers=["stage", "time", "ATen calls after"])]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
