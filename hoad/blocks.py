@@ -416,26 +416,48 @@ def add(blocks: Sequence[Block]) -> Block:
 
 
 # -------------------------------------------------------------- linear maps on the output part
-def map_out(blk: Block, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_out: Sequence[int]) -> Block:
+def map_out(blk: Block, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_out: Sequence[int],
+            keep: dict[int, int] | None = None) -> Block:
     """Apply a linear map to the first ``r`` dense axes (the output part), carrying the slots.
 
     ``fn`` receives data whose leading ``r`` axes are the output axes at full size (size-1 axes
     included), followed by one axis per other class, and must return data whose leading axes
-    are ``new_out``.
+    are ``new_out``. ``keep`` maps output axes the op acts independently along (old position ->
+    new position, same size); they keep their ties, so e.g. slicing features leaves the sample
+    axis of a per-sample block diagonal. Every other output axis is written out densely first.
     """
-    blk = blk.untie(range(r))
+    keep = dict(keep or {})
+    for a in list(keep):
+        c = blk.dims[a]
+        if c is not None and any(blk.dims[b] == c for b in range(r) if b != a):
+            del keep[a]  # tied to another output axis: fn needs it as an axis of its own
+    blk = blk.untie([a for a in range(r) if a not in keep])
+    sizes = list(blk.data.shape)
+    for a in keep:
+        if blk.dims[a] is not None:
+            sizes[blk.dims[a]] = blk.shape[a]
+    data = blk.data.expand(sizes) if sizes != list(blk.data.shape) else blk.data
     out_classes = [blk.dims[a] for a in range(r)]
-    rest = [c for c in range(blk.data.ndim) if c not in out_classes]
+    rest = [c for c in range(data.ndim) if c not in out_classes]
     perm = [c for c in out_classes if c is not None] + rest
-    data = blk.data.permute(perm) if perm != list(range(len(perm))) else blk.data
-    lead = list(blk.shape[:r])
-    data = data.reshape(lead + list(data.shape[r - out_classes.count(None):])) if None in out_classes else data
+    data = data.permute(perm) if perm != list(range(len(perm))) else data
+    if None in out_classes:
+        data = data.reshape(list(blk.shape[:r]) + [data.shape[len(perm) - len(rest) + i] for i in range(len(rest))])
     new = fn(data)
     r2 = len(new_out)
     internal_check(tuple(new.shape[:r2]) == tuple(new_out), f"map_out: got {tuple(new.shape)}, expected leading {tuple(new_out)}")
-    index = {c: r2 + i for i, c in enumerate(rest)}
+    index = {blk.dims[a]: b for a, b in keep.items() if blk.dims[a] is not None}
+    index.update({c: r2 + i for i, c in enumerate(rest)})
     dims = list(range(r2)) + [None if d is None else index[d] for d in blk.dims[r:]]
     return _canonical(new, dims, list(new_out) + list(blk.shape[r:]))
+
+
+def along(r: int, axes: Sequence[int], removed: bool = False) -> dict[int, int]:
+    """``keep`` for an op acting along ``axes`` of an ``r``-axis output: every other axis passes
+    through, shifting left past the acted-on axes when ``removed`` (select, diagonal)."""
+    axes = {a % r for a in axes} if r else set()
+    others = [a for a in range(r) if a not in axes]
+    return {a: (i if removed else a) for i, a in enumerate(others)}
 
 
 def permute_out(blk: Block, r: int, perm: Sequence[int]) -> Block:

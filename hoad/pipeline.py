@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from hoad.errors import InvalidArgumentError
 from hoad.passes.capture import CallLayout, Captured, capture, locate
 from hoad.passes.clean import clean
 from hoad.passes.compile import compile_program
@@ -30,6 +31,7 @@ class Config:
     order: int
     backend: str = "eager"
     mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
+    batch_dim: int | None = None  # 0: dim 0 of the output and of every wrt input indexes samples
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -54,12 +56,24 @@ class Build:
 
 def _capture(b: Build) -> Build:
     b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves)
+    if b.config.batch_dim is not None:
+        out = b.captured.out_shape
+        if not out:
+            raise InvalidArgumentError("batch_dim=0 needs an output whose dim 0 indexes the samples, but the function "
+                                       "returns a scalar; return one value per sample (e.g. drop the final .sum())")
+        for leaf in b.wrt_leaves:
+            shape = tuple(b.tensors[leaf].shape)
+            if not shape or shape[0] != out[0]:
+                raise InvalidArgumentError(
+                    f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
+                    "samples along dim 0; every wrt input must have the same number of samples in dim 0")
     return b
 
 
 def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
-    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where) for d in b.config.directions}
+    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim)
+                    for d in b.config.directions}
     return b
 
 

@@ -109,7 +109,10 @@ class CallLayout:
 
 def user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch and hoad, as 'file:line: code'."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    import hoad
+
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
+                                                os.path.dirname(__file__)))
     found = None
     for frame, lineno in traceback.walk_tb(tb):
         filename = frame.f_code.co_filename
@@ -159,6 +162,13 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     if not val.dtype.is_floating_point:
         raise OutputError(f"the function's output has dtype {val.dtype}; derivatives need a floating-point output")
     for node in gm.graph.nodes:
+        shape = getattr(node.meta.get("val"), "shape", ())
+        if any(isinstance(n, torch.SymInt) for n in shape):
+            where = locate(fn, layout, tensors, node)
+            raise DataDependentControlFlowError(
+                f"a shape depends on tensor values ({node.target}){where}, e.g. boolean-mask indexing or nonzero(); "
+                "one derivative program must serve every input value. Use torch.where(mask, x, 0) instead of x[mask]."
+            )
         if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
             where = locate(fn, layout, tensors, node)
             raise DataDependentControlFlowError(

@@ -28,7 +28,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
 from hoad.blocks import Block, add, contract
-from hoad.errors import HoadError, HoadInternalError, UnsupportedOperatorError
+from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
 from hoad.rules.base import Contracted, VjpCtx, adjoint_labels, out_labels
@@ -51,14 +51,18 @@ class Program:
     out_shape: tuple[int, ...]
     slot_shapes: list[tuple[int, ...]]
     stored: dict[MultiIndex, int] = field(default_factory=dict)   # compact entries of each block
+    batch_dim: int | None = None           # blocks are per sample along this axis (slot_shapes per sample)
     stats: dict = field(default_factory=dict)
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
-                  where: Callable[[fx.Node], str] = lambda n: "") -> Program:
+                  where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
+    With ``batch_dim=0`` the blocks come back per sample: the output's first axis must stay
+    tied (diagonal) to the first axis of every slot, else :class:`BatchCouplingError` names the
+    op that coupled the samples.
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
@@ -67,20 +71,22 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     leaves = [n.meta["val"] for n in placeholders]
     wrt_names = [captured.leaf_names[i] for i in captured.wrt_leaves]
     interp = _Interpreter(primal, captured.wrt_leaves, [tuple(leaves[i].shape) for i in captured.wrt_leaves],
-                          wrt_names, order, where)
+                          wrt_names, order, where, batch_dim)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     with fx_traceback.preserve_node_meta():
         gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
                      _allow_non_fake_inputs=True)(*leaves)
     _apply_names(gm, interp.names, captured.leaf_names)
+    slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, interp.slot_shapes, stored=interp.stored)
+                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim)
 
 
 class _Interpreter:
     """Walks the primal graph with jets; its two ``*_program`` methods are what make_fx traces."""
 
-    def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where):
+    def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
+                 batch_dim: int | None = None):
         self.primal = primal
         self.nodes = list(primal.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
@@ -90,6 +96,7 @@ class _Interpreter:
         self.wrt_names = list(wrt_names)
         self.order = order
         self.where = where
+        self.batch_dim = batch_dim
         self.deps = self._dependencies()
         self.names: list[tuple[fx.Node, str]] = []
         self.keys: list[MultiIndex] = []
@@ -222,11 +229,13 @@ class _Interpreter:
 
     # ---------------------------------------------------------------------------- programs
     def forward_program(self, *values):
+        self.values = values
         env = self._forward(values, self.order)
         out = env[self.output]
         return self._outputs(out.primal, out.blocks)
 
     def reverse_program(self, *values):
+        self.values = values
         env = self._forward(values, self.order - 1)
         out = env[self.output]
         f = out.primal
@@ -271,10 +280,49 @@ class _Interpreter:
         outputs = [value]
         for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):
-                t = blocks[K].materialize()
+                t = blocks[K].materialize() if self.batch_dim is None else self._per_sample(blocks[K], K, value.ndim)
             _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output")
             outputs.append(t)
         return tuple(outputs)
+
+    # ---------------------------------------------------------------------------- batch_dim
+    def _sample_axes(self, K: MultiIndex, r: int) -> list[int]:
+        """Dense axes of block K that index the sample: the output's first axis, each slot's first."""
+        axes, at = [0], r
+        for k in K:
+            axes.append(at)
+            at += len(self.slot_shapes[k])
+        return axes
+
+    def _per_sample(self, blk: Block, K: MultiIndex, r: int) -> torch.Tensor:
+        """Block K with its sample axes collapsed into one: (B, *out[1:], *x[1:], …)."""
+        axes = self._sample_axes(K, r)
+        if blk.shape[0] == 1:  # a single sample: nothing to check, drop the slots' sample axes
+            dense = blk.materialize()
+            return dense.reshape([n for a, n in enumerate(dense.shape) if a not in axes[1:]])
+        if len({blk.dims[a] for a in axes}) != 1:
+            raise self._coupling_error()
+        return blk.materialize(keep=axes)
+
+    def _coupling_error(self) -> BatchCouplingError:
+        """Name the first op whose first-order blocks stop keeping samples apart."""
+        env = self._forward(self.values, 1)
+        ok: dict[fx.Node, bool] = {}
+        for node in self.nodes:
+            v = env.get(node)
+            if not isinstance(v, Jet) or not v.blocks:
+                continue
+            tied = all(b.dims[v.ndim] is not None and b.dims[v.ndim] in b.dims[:v.ndim] for b in v.blocks.values())
+            parents_ok = all(ok.get(a, True) for a in node.all_input_nodes)
+            ok[node] = tied and parents_ok
+            if parents_ok and not tied and node.op == "call_function":
+                return BatchCouplingError(
+                    f"batch_dim=0 promises that samples are independent, but {node.target} (node {node.name})"
+                    f"{self.where(node)} mixes entries along the batch axis. Derivatives of such a function are "
+                    "not per-sample: drop batch_dim to get the full blocks, or make the function act on each "
+                    "sample separately (e.g. eval-mode batchnorm, attention within a sample).")
+        return BatchCouplingError("batch_dim=0 promises that samples are independent, but the output's derivative "
+                                  "blocks mix samples; drop batch_dim to get the full blocks.")
 
 
 def _primal_of(v):

@@ -140,3 +140,30 @@ def test_materialize_keep_ties(seed):
     # keep axis 0 tied to slot axis 0: per-row Jacobian, i.e. the diagonal over rows
     got = seed_blk.materialize(keep=[0, 2])
     torch.testing.assert_close(got, torch.eye(2, dtype=torch.float64).expand(3, 2, 2))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_map_out_keeps_ties_of_untouched_axes(seed):
+    from hoad.blocks import along
+
+    rng = random.Random(seed)
+    r = rng.choice([2, 3])
+    shape = [rng.choice([1, 2, 3]) for _ in range(r)] + [rng.choice([1, 2, 3]) for _ in range(rng.choice([1, 2]))]
+    # tie each output axis to a slot axis of the same size where possible (per-sample structure)
+    blk = random_block(rng, shape)
+    dense = dense_of(blk)
+    d = rng.randrange(r)
+    got = map_out(blk, r, lambda t: t.flip(d), shape[:r], along(r, [d]))
+    torch.testing.assert_close(dense_of(got), dense.flip(d))
+    got = map_out(blk, r, lambda t: t.select(d, 0), shape[:d] + shape[d + 1:r], along(r, [d], removed=True))
+    torch.testing.assert_close(dense_of(got), dense.select(d, 0))
+    got = map_out(blk, r, lambda t: t.cumsum(d), shape[:r], along(r, [d]))
+    torch.testing.assert_close(dense_of(got), dense.cumsum(d))
+
+
+def test_slicing_features_keeps_samples_diagonal():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    seed_blk = Block.identity(x, (4, 3))
+    got = map_out(seed_blk, 2, lambda t: t[:, 1:], [4, 2], {0: 0})
+    assert got.dims[0] == got.dims[2], "the sample axis must stay tied to its slot"
+    assert got.data.numel() == 4 * 2 * 3

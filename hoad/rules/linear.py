@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hoad.blocks import Block, add, expand_out, map_out, permute_out, reshape_out, sum_out
+from hoad.blocks import Block, add, along, expand_out, map_out, permute_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import linear, scale_out, scaled, sum_blocks, unbroadcast
 
@@ -60,21 +60,21 @@ def expand_rule(ctx: Ctx, x: Jet, size, implicit: bool = False):
 def slice_rule(ctx: Ctx, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d = dim % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.slice.Tensor(t, d, start, end, step), new))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.slice.Tensor(t, d, start, end, step), new, along(r, [d])))
 
 
 @RULES.register(aten.select.int)
 def select_rule(ctx: Ctx, x: Jet, dim: int, index: int):
     r, new = x.ndim, tuple(ctx.out.shape)
     d = dim % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.select(d, index), new))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.select(d, index), new, along(r, [d], removed=True)))
 
 
 @RULES.register(aten.index_select.default)
 def index_select_rule(ctx: Ctx, x: Jet, dim: int, index):
     r, new, idx = x.ndim, tuple(ctx.out.shape), index.primal
     d = dim % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.index_select(d, idx), new))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.index_select(d, idx), new, along(r, [d])))
 
 
 @RULES.register(aten.index.Tensor)
@@ -93,27 +93,30 @@ def gather_rule(ctx: Ctx, x: Jet, dim: int, index, sparse_grad: bool = False):
 def flip_rule(ctx: Ctx, x: Jet, dims):
     r = x.ndim
     ds = _dims(dims, r)
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.flip(ds), x.shape))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.flip(ds), x.shape, along(r, ds)))
 
 
 @RULES.register(aten.constant_pad_nd.default)
 def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
     r, new = x.ndim, tuple(ctx.out.shape)
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + list(pad), 0.0), new))
+    padded = range(r - len(pad) // 2, r)
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + list(pad), 0.0),
+                                            new, along(r, padded)))
 
 
 @RULES.register(aten.cumsum.default)
 def cumsum_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     r = x.ndim
     d = dim % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.cumsum(d), x.shape))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.cumsum(d), x.shape, along(r, [d])))
 
 
 @RULES.register(aten.diagonal.default)
 def diagonal_rule(ctx: Ctx, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d1, d2 = dim1 % r, dim2 % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2), new))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2), new,
+                                            along(r, [d1, d2], removed=True)))
 
 
 @RULES.register(aten.sum.dim_IntList)
@@ -193,7 +196,7 @@ def cat_rule(ctx: Ctx, tensors, dim: int = 0):
             spec = [0, 0] * (t.ndim - d - 1) + [before, after]
             return aten.constant_pad_nd(t, spec, 0.0)
 
-        parts.append(linear(ctx, x, lambda b, pad=pad: map_out(b, r, pad, new)))
+        parts.append(linear(ctx, x, lambda b, pad=pad: map_out(b, r, pad, new, along(r, [d]))))
     return sum_blocks(*parts)
 
 
@@ -205,7 +208,8 @@ def split_rule(ctx: Ctx, x: Jet, split, dim: int = 0):
     for piece in ctx.out:
         n = piece.shape[d]
         new = tuple(piece.shape)
-        results.append(linear(ctx, x, lambda b, s=offset, n=n, new=new: map_out(b, r, lambda t: t.narrow(d, s, n), new)))
+        results.append(linear(ctx, x, lambda b, s=offset, n=n, new=new: map_out(b, r, lambda t: t.narrow(d, s, n), new,
+                                                                                along(r, [d]))))
         offset += n
     return results
 
@@ -233,7 +237,7 @@ def _select_along(ctx: Ctx, x: Jet, dim: int, indices: torch.Tensor, new) -> dic
         i = indices.reshape(list(indices.shape) + [1] * len(rest)).expand(list(indices.shape) + rest)
         return t.gather(d, i)
 
-    return linear(ctx, x, lambda b: map_out(b, r, fn, new))
+    return linear(ctx, x, lambda b: map_out(b, r, fn, new, along(r, [d])))
 
 
 @RULES.register(aten.sort.default)
@@ -291,21 +295,23 @@ def expand_vjp(v, g: Block, x: Jet, size, implicit: bool = False):
 def slice_vjp(v, g: Block, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
     r = x.ndim
     d = dim % r
-    return [(x, map_out(g, r, lambda t: aten.slice_scatter(_zeros_like_input(t, x, r), t, d, start, end, step), x.shape))]
+    return [(x, map_out(g, r, lambda t: aten.slice_scatter(_zeros_like_input(t, x, r), t, d, start, end, step), x.shape,
+                        along(r, [d])))]
 
 
 @VJPS.register(aten.select.int)
 def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
     r = x.ndim
     d = dim % r
-    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index), x.shape))]
+    keep = {b: a for a, b in along(r, [d], removed=True).items()}
+    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index), x.shape, keep))]
 
 
 @VJPS.register(aten.index_select.default)
 def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
     r, idx = x.ndim, index.primal
     d = dim % r
-    return [(x, map_out(g, r, lambda t: _zeros_like_input(t, x, r).index_add(d, idx, t), x.shape))]
+    return [(x, map_out(g, r, lambda t: _zeros_like_input(t, x, r).index_add(d, idx, t), x.shape, along(r, [d])))]
 
 
 @VJPS.register(aten.index.Tensor)
@@ -325,7 +331,7 @@ def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:
         i = indices.reshape(list(indices.shape) + [1] * len(rest)).expand(list(indices.shape) + rest)
         return _zeros_like_input(t, x, r).scatter_add(d, i, t)
 
-    return map_out(g, r, fn, x.shape)
+    return map_out(g, r, fn, x.shape, along(r, [d]))
 
 
 @VJPS.register(aten.gather.default)
@@ -347,28 +353,31 @@ def topk_vjp(v, g, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: 
 def flip_vjp(v, g: Block, x: Jet, dims):
     r = x.ndim
     ds = _dims(dims, r)
-    return [(x, map_out(g, r, lambda t: t.flip(ds), x.shape))]
+    return [(x, map_out(g, r, lambda t: t.flip(ds), x.shape, along(r, ds)))]
 
 
 @VJPS.register(aten.constant_pad_nd.default)
 def pad_vjp(v, g: Block, x: Jet, pad, value=0):
     r = x.ndim
-    return [(x, map_out(g, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0), x.shape))]
+    padded = range(r - len(pad) // 2, r)
+    return [(x, map_out(g, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0), x.shape,
+                        along(r, padded)))]
 
 
 @VJPS.register(aten.cumsum.default)
 def cumsum_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
     r = x.ndim
     d = dim % r
-    return [(x, map_out(g, r, lambda t: t.flip(d).cumsum(d).flip(d), x.shape))]
+    return [(x, map_out(g, r, lambda t: t.flip(d).cumsum(d).flip(d), x.shape, along(r, [d])))]
 
 
 @VJPS.register(aten.diagonal.default)
 def diagonal_vjp(v, g: Block, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
     r = x.ndim
     d1, d2 = dim1 % r, dim2 % r
+    keep = {b: a for a, b in along(r, [d1, d2], removed=True).items()}
     return [(x, map_out(g, r - 1, lambda t: aten.diagonal_scatter(_zeros_like_input(t, x, r - 1), t.movedim(r - 2, -1),
-                                                                   offset, d1, d2), x.shape))]
+                                                                   offset, d1, d2), x.shape, keep))]
 
 
 def _unsum(g: Block, x: Jet, dim, keepdim: bool) -> Block:
@@ -441,7 +450,7 @@ def cat_vjp(v, g: Block, tensors, dim: int = 0):
             continue
         n = x.shape[d]
         if not x.constant:
-            pairs.append((x, map_out(g, r, lambda t, s=offset, n=n: t.narrow(d, s, n), x.shape)))
+            pairs.append((x, map_out(g, r, lambda t, s=offset, n=n: t.narrow(d, s, n), x.shape, along(r, [d]))))
         offset += n
     return pairs
 
@@ -456,7 +465,7 @@ def split_vjp(v, g, x: Jet, split, dim: int = 0):
         if gi is not None:
             before, after = offset, x.shape[d] - offset - n
             spec = lambda t, b=before, a=after: [0, 0] * (t.ndim - d - 1) + [b, a]  # noqa: E731
-            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape))
+            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape, along(r, [d])))
         offset += n
     return [(x, add(parts))] if parts else []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hoad.blocks import map_out, reshape_out, sum_out
+from hoad.blocks import along, map_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import leibniz, linear, scaled
 from hoad.rules.linear import _dims
@@ -16,7 +16,7 @@ RULES = RuleTable("reduction")
 def _narrow(ctx: Ctx, x: Jet, d: int, start: int, n: int, value: torch.Tensor) -> Jet:
     r = x.ndim
     new = tuple(value.shape)
-    return Jet(value, linear(ctx, x, lambda b: map_out(b, r, lambda t: t.narrow(d, start, n), new)))
+    return Jet(value, linear(ctx, x, lambda b: map_out(b, r, lambda t: t.narrow(d, start, n), new, along(r, [d]))))
 
 
 def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
@@ -35,7 +35,8 @@ def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
         new[d] = width
         spec = lambda t, pad: [0, 0] * (t.ndim - d - 1) + [0, pad]  # noqa: E731
         primal = aten.constant_pad_nd(x.primal, spec(x.primal, width - n), 1.0)
-        x = Jet(primal, linear(inner, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, spec(t, width - n), 0.0), new)))
+        x = Jet(primal, linear(inner, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, spec(t, width - n), 0.0),
+                                                           new, along(r, [d]))))
     while x.shape[d] > 1:
         h = x.shape[d] // 2
         lo = _narrow(inner, x, d, 0, h, x.primal.narrow(d, 0, h))
