@@ -74,7 +74,9 @@ def decomposition_table() -> dict:
     table.update(get_decompositions([
         aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu, aten.addmm,
         aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,
-        aten.baddbmm, aten.linalg_vector_norm, aten.native_group_norm,
+        aten.baddbmm, aten.linalg_vector_norm, aten.native_group_norm, aten.native_batch_norm,
+        aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+        aten._native_batch_norm_legit_functional,
     ]))
     table[aten.mv.default] = _mv
     table[aten.dot.default] = _dot

@@ -109,15 +109,27 @@ class _Interpreter:
         deps: dict[fx.Node, frozenset] = {}
         for i, node in enumerate(self.placeholders):
             deps[node] = frozenset({self.wrt_of[i]}) if i in self.wrt_of else frozenset()
+        live = self._live()
         for node in self.nodes:
             if node.op != "call_function":
                 deps.setdefault(node, frozenset())
                 continue
             inputs = frozenset().union(*[deps.get(a, frozenset()) for a in node.all_input_nodes])
-            if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")):
+            if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")) or node not in live:
                 inputs = frozenset()
             deps[node] = inputs
         return deps
+
+    def _live(self) -> set:
+        """Nodes the output depends on. Others (e.g. a batchnorm's running-stat update) are only
+        replayed for their side effects; no derivative flows through them."""
+        live, todo = set(), [self.output]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, fx.Node) and node not in live:
+                live.add(node)
+                todo.extend(node.all_input_nodes)
+        return live
 
     def _keys(self, node: fx.Node, orders) -> tuple[MultiIndex, ...]:
         d = self.deps[node]

@@ -1,0 +1,154 @@
+"""Diagonal pruning and batch_dim: compact blocks equal dense ones, per-sample blocks equal
+vmap(hessian), coupling ops are named, and compact programs do not grow with B²."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import hessian, jacfwd, jacrev, vmap
+
+import hoad
+import hoad.blocks
+from helpers import assert_close, rand
+from op_cases import CASES
+
+W1 = rand(4, 8, seed=21) / 2
+W2 = rand(8, 8, seed=22) / 3
+W3 = rand(8, 1, seed=23) / 3
+
+
+def point(x):  # one sample: R^4 -> R
+    h = torch.tanh(x @ W1)
+    h = torch.tanh(h @ W2)
+    return (h @ W3).squeeze(-1)
+
+
+def batched(X):  # (B, 4) -> (B,)
+    return point(X)
+
+
+def vector_point(x):  # R^4 -> R^2 per sample, to check non-scalar per-sample outputs
+    return torch.stack([x.sin().sum(), (x[:2] * x[2:]).prod()])
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_per_sample_blocks_equal_vmap_of_torch_func(mode):
+    X = rand(5, 4, seed=1)
+    res = hoad.compile(batched, order=3, batch_dim=0, mode=mode)(X)
+    assert_close(res.value, vmap(point)(X), "value")
+    assert_close(res[0], vmap(jacrev(point))(X), "per-sample gradient")
+    assert_close(res[0, 0], vmap(hessian(point))(X), "per-sample Hessian")
+    assert_close(res[0, 0, 0], vmap(jacfwd(hessian(point)))(X), "per-sample third order")
+    assert res[0, 0].shape == (5, 4, 4)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_per_sample_vector_output_and_two_inputs(mode):
+    X, Y = rand(3, 4, seed=2), rand(3, 4, seed=3)
+
+    def f(X, Y):
+        return torch.stack([(X.sin() * Y).sum(1), (X[:, :2] * Y[:, 2:]).prod(1)], 1)
+
+    def single(x, y):
+        return torch.stack([(x.sin() * y).sum(), (x[:2] * y[2:]).prod()])
+
+    res = hoad.compile(f, order=2, wrt=(0, 1), batch_dim=0, mode=mode)(X, Y)
+    for i in range(2):
+        assert_close(res[i], vmap(jacrev(single, argnums=i))(X, Y), f"grad {i}")
+        for j in range(2):
+            ref = vmap(jacfwd(jacrev(single, argnums=i), argnums=j))(X, Y)
+            assert_close(res[i, j], ref, f"block {i},{j}")
+    assert res[0, 1].shape == (3, 2, 4, 4)
+
+
+def test_batch_of_one_sample():
+    X = rand(1, 4, seed=4)
+    res = hoad.compile(batched, order=2, batch_dim=0)(X)
+    assert_close(res[0, 0], vmap(hessian(point))(X), "B=1")
+
+
+@pytest.mark.parametrize("op", sorted(CASES, key=str)[::3], ids=str)
+def test_compact_blocks_equal_dense_blocks(op, monkeypatch):
+    """The same programs built from dense identity seeds (no ties anywhere) give equal blocks."""
+    case = CASES[op]
+    if case.tol is not None:
+        pytest.skip("float32 casts round differently in dense and compact programs")
+    order = min(case.order, 3)
+    compact = hoad.compile(case.fn, order=order, wrt=case.wrt)(*case.args)
+    monkeypatch.setattr(hoad.blocks, "DENSE_SEEDS", True)
+    dense = hoad.compile(case.fn, order=order, wrt=case.wrt)(*case.args)
+    for key in compact:
+        torch.testing.assert_close(compact[key], dense[key], rtol=1e-9, atol=1e-9)
+
+
+def test_attention_across_the_batch_is_a_coupling_error():
+    def attend(X):  # every sample attends to every other sample
+        scores = torch.softmax(X @ X.t(), dim=-1)
+        return (scores @ X).sum(1)
+
+    with pytest.raises(hoad.BatchCouplingError) as e:
+        hoad.compile(attend, order=2, batch_dim=0)(rand(4, 3))
+    msg = str(e.value)
+    assert "aten.mm" in msg and "test_batch.py" in msg and "batch_dim" in msg
+
+
+def test_batchnorm_in_training_mode_is_a_coupling_error():
+    bn = torch.nn.BatchNorm1d(3, dtype=torch.float64).train()
+
+    def f(X):
+        return bn(X).tanh().sum(1)
+
+    with pytest.raises(hoad.BatchCouplingError) as e:
+        hoad.compile(f, order=2, batch_dim=0)(rand(4, 3))
+    assert "test_batch.py" in str(e.value)
+
+
+def test_batchnorm_in_eval_mode_is_per_sample():
+    bn = torch.nn.BatchNorm1d(3, dtype=torch.float64).eval()
+    bn.running_mean.copy_(rand(3, seed=8))
+    bn.running_var.copy_(rand(3, seed=9, positive=True))
+
+    def f(X):
+        return bn(X).tanh().sum(1)
+
+    X = rand(4, 3)
+    res = hoad.compile(f, order=2, batch_dim=0)(X)
+    assert_close(res[0, 0], vmap(hessian(lambda x: f(x[None])[0]))(X), "eval batchnorm")
+
+
+def test_batch_dim_argument_checks():
+    with pytest.raises(hoad.InvalidArgumentError, match="batch_dim"):
+        hoad.compile(batched, order=2, batch_dim=1)
+    with pytest.raises(hoad.InvalidArgumentError, match="scalar"):
+        hoad.compile(lambda X: batched(X).sum(), order=2, batch_dim=0)(rand(3, 4))
+    with pytest.raises(hoad.InvalidArgumentError, match="samples"):
+        hoad.compile(lambda X, w: (X @ w).sum(1), order=2, wrt=(0, 1), batch_dim=0)(rand(3, 4), rand(4, 2))
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_compact_order_three_program_does_not_grow_with_b_squared(mode):
+    """Every tensor in the per-sample order-3 program is O(B): no B x B intermediate."""
+    sizes = {}
+    for B in (5, 19):  # sizes that no other axis has
+        cf = hoad.compile(batched, order=3, batch_dim=0, mode=mode)
+        cf(rand(B, 4))
+        gm = cf.graph.module
+        largest = max(n.meta["val"].numel() for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+        sizes[B] = largest
+        assert not any(
+            isinstance(n.meta.get("val"), torch.Tensor) and list(n.meta["val"].shape).count(B) >= 2
+            for n in gm.graph.nodes
+        ), "a tensor with two sample axes: the sample diagonal was densified"
+    assert sizes[19] <= 19 / 5 * sizes[5] * 1.01  # linear in B
+
+
+def test_elementwise_over_a_million_entries_is_elementwise():
+    x = torch.randn(10**6, dtype=torch.float64)
+    cf = hoad.compile(torch.sin, order=3, batch_dim=0)
+    res = cf(x)
+    assert_close(res[0], x.cos(), "sin'")
+    assert_close(res[0, 0], -x.sin(), "sin''")
+    assert_close(res[0, 0, 0], -x.cos(), "sin'''")
+    assert max(n.meta["val"].numel() for n in cf.graph.module.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor)) == 10**6
