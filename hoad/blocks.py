@@ -284,10 +284,42 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
     return z.reshape(nb + m + n), batch + left + right
 
 
+def _path(operands: list[tuple[tuple, list]], out: list) -> list[tuple[int, int]]:
+    """Pairwise contraction order (opt_einsum's list format) for a few operands, by exhaustive
+    search: least FLOPs plus intermediate entries, so ties go to the path with the smallest
+    intermediates (what bounds memory when per-sample blocks are large)."""
+
+    def step(items):
+        if len(items) == 1:
+            return 0, 0, []
+        best = None
+        for i in range(len(items)):
+            for j in range(i + 1, len(items)):
+                (xs, xl), (ys, yl) = items[i], items[j]
+                rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+                need = set(out).union(*[set(l) for _s, l in rest])
+                sizes: dict = {}
+                for shp, ls in ((xs, xl), (ys, yl)):
+                    for n, l in zip(shp, ls):
+                        sizes[l] = max(sizes.get(l, 1), n)
+                flops = math.prod(sizes.values())
+                kept = [l for l in sizes if l in need]
+                inter = math.prod(sizes[l] for l in kept)
+                cost, peak, path = step(rest + [(tuple(sizes[l] for l in kept), kept)])
+                cand = (flops + inter + cost, max(inter, peak), [(i, j)] + path)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        return best
+
+    return step(list(operands))[2]
+
+
 def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor:
-    """Contract labelled tensors into ``out`` order along a path chosen by opt_einsum."""
+    """Contract labelled tensors into ``out`` order along a cheap pairwise path."""
     terms = list(terms)
-    if len(terms) > 2:
+    if 2 < len(terms) <= 5:
+        path = _path([(tuple(t.shape), list(ls)) for t, ls in terms], out)
+    elif len(terms) > 5:
         symbols: dict = {}
         for _t, ls in terms:
             for l in ls:
