@@ -7,6 +7,7 @@ by Schwarz symmetry), and runs it.
 
 from hoad.api import Compiled, compile
 from hoad.derivatives import Derivatives
+from hoad.passes.compile import CompileError, cache_dir
 from hoad.errors import (
     BatchCouplingError,
     CaptureError,
@@ -42,4 +43,6 @@ __all__ = [
     "OutputError",
     "BatchCouplingError",
     "HoadInternalError",
+    "CompileError",
+    "cache_dir",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -19,11 +20,16 @@ from hoad.printing import ProgramView
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("eager",)
+BACKENDS = ("inductor", "eager")
+# The default backend; HOAD_DEFAULT_BACKEND=eager changes it process-wide (the test suite does,
+# since Inductor compiles cost seconds each).
+DEFAULT_BACKEND = os.environ.get("HOAD_DEFAULT_BACKEND", "inductor")
+# Programs kept per compiled function (one per call signature); the oldest goes first.
+MAX_PROGRAMS = 16
 MODES = ("auto", "forward", "reverse")
 
 
-def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str = "eager",
+def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
             mode: str = "auto", batch_dim: int | None = None) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
@@ -33,7 +39,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``res[1, 0]`` is a permuted view of ``res[0, 1]``).
 
     Used as ``hoad.compile(f, order=2)`` or as a decorator ``@hoad.compile(order=2)``.
-    ``backend``: "eager" runs the generated program as an fx GraphModule.
+    ``backend``: "inductor" (default) compiles the generated program with Inductor (cached on disk,
+    see :func:`hoad.cache_dir`); "eager" runs it as an fx GraphModule without compiling.
     ``mode``: "forward" propagates every order forward; "reverse" propagates orders < N forward and
     gets order N from one first-order adjoint sweep (the adjoint form); "auto" builds both and keeps
     the one with the lower estimated cost (FLOPs, bytes and calls of the generated program).
@@ -52,6 +59,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
 
 
 def _check_options(order, wrt, backend, mode, batch_dim=None) -> None:
+    backend = DEFAULT_BACKEND if backend is None else backend
     if order is None:
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
@@ -76,11 +84,13 @@ class Compiled:
     """A compiled derivative function. Call it like the original; it returns :class:`Derivatives`.
 
     Programs are cached per call signature (tensor shapes, dtypes and devices, and the values
-    of non-tensor arguments); a new signature traces and compiles again.
+    of non-tensor arguments); a new signature traces and compiles again, with a warning, and at
+    most ``MAX_PROGRAMS`` (16) programs are kept, least recently compiled out first.
     """
 
-    def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str = "eager", mode: str = "auto",
+    def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
                  batch_dim: int | None = None):
+        backend = DEFAULT_BACKEND if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -98,11 +108,27 @@ class Compiled:
         key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile(args, kwargs)
-            self._cache[key] = entry
+            entry = self._new_signature(key, args, kwargs)
         self._last = entry
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return entry.result(tensors)
+
+    def _new_signature(self, key, args: tuple, kwargs: dict) -> _Entry:
+        """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
+        name = getattr(self.fn, "__name__", "function")
+        if self._cache:
+            shapes = [tuple(leaf[1]) for leaf in key[1] if leaf[0] == "T"]
+            level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
+            log.log(level, "hoad: %s called with a new signature (tensor shapes %s); compiling program %d for it. "
+                        "Each distinct shape (e.g. batch size) or Python-scalar value is its own program: pad "
+                        "batches to a fixed size to compile once.", name, shapes, len(self._cache) + 1)
+        entry = self._compile(args, kwargs)
+        if len(self._cache) >= MAX_PROGRAMS:
+            oldest = next(iter(self._cache))
+            del self._cache[oldest]
+            log.warning("hoad: %s keeps at most %d programs; dropped the least recently compiled one", name, MAX_PROGRAMS)
+        self._cache[key] = entry
+        return entry
 
     def _compile(self, args: tuple, kwargs: dict) -> _Entry:
         layout, tensors = bind_layout(self.fn, args, kwargs)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Config:
     order: int
-    backend: str = "eager"
+    backend: str = "inductor"
     mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
     batch_dim: int | None = None  # 0: dim 0 of the output and of every wrt input indexes samples
 
@@ -92,7 +92,7 @@ def _clean(b: Build) -> Build:
 def _choose(b: Build) -> Build:
     """Keep the candidate with the lowest estimated cost (the only one unless mode="auto")."""
     for p in b.candidates.values():
-        p.stats["cost"] = estimate(p.gm)
+        p.stats["cost"] = estimate(p.gm, b.config.backend)
     b.program = min(b.candidates.values(), key=lambda p: p.stats["cost"]["score"])
     b.stats["costs"] = {d: p.stats["cost"] for d, p in b.candidates.items()}
     b.stats["direction"] = b.program.direction
@@ -100,7 +100,9 @@ def _choose(b: Build) -> Build:
 
 
 def _compile(b: Build) -> Build:
-    b.run = compile_program(b.program, b.config.backend)
+    b.run = compile_program(b.program, b.config.backend, example_inputs=b.tensors)
+    if hasattr(b.run, "cache_hit"):
+        b.stats["inductor"] = {"seconds": b.run.seconds, "cache_hit": b.run.cache_hit}
     return b
 
 

@@ -244,9 +244,13 @@ def test_unsupported_operator_off_the_differentiated_path_is_fine():
 
 
 # ---------------------------------------------------------------------------------- options
-@pytest.mark.parametrize("backend", ["xla", "", None, "EAGER"])
+@pytest.mark.parametrize("backend", ["xla", "", "EAGER", "Inductor"])
 def test_bad_backend(backend):
-    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, backend=backend), "backend", "eager")
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, backend=backend), "backend", "eager", "inductor")
+
+
+def test_backend_none_means_the_default():
+    assert hoad.compile(f_xy, order=2, backend=None).config.backend == hoad.api.DEFAULT_BACKEND
 
 
 @pytest.mark.parametrize("mode", ["backward", "", None, "Forward"])

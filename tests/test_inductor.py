@@ -1,0 +1,104 @@
+"""The Inductor backend: compiled == eager, caching, recompiles, CUDA.
+
+Compiles cost seconds each, so CI runs a small deliberate set; ``pytest -m slow`` runs every
+rule case compiled.
+"""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hoad
+from helpers import rand
+from op_cases import CASES
+
+W = rand(3, 4, seed=31)
+
+
+def mixed(x, w):
+    """One program touching every rule family: layout, reductions, softmax, mm, elementwise."""
+    h = torch.tanh(x @ w) + torch.sigmoid(x[:, :1])
+    z = torch.cat([h.exp(), h.sin() * h], 1).flip(0)
+    p = torch.softmax(z, dim=1)
+    return (p * z).sum(1).log1p() + z.amax(1) + (x.abs() + 0.5).sqrt().prod(1)
+
+
+def assert_same(a, b):
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(a.value, b.value, rtol=1e-10, atol=1e-10)
+
+
+def compiles(cf) -> int:
+    return len(cf._cache)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_compiled_equals_eager(mode):
+    args = (rand(5, 3, seed=1), rand(3, 4, seed=2))
+    eager = hoad.compile(mixed, order=3, wrt=(0, 1), mode=mode, backend="eager")(*args)
+    cf = hoad.compile(mixed, order=3, wrt=(0, 1), mode=mode, backend="inductor")
+    assert_same(cf(*args), eager)
+    # a second call with the same signature runs the cached program
+    args2 = (rand(5, 3, seed=3), rand(3, 4, seed=4))
+    assert_same(cf(*args2), hoad.compile(mixed, order=3, wrt=(0, 1), mode=mode, backend="eager")(*args2))
+    assert compiles(cf) == 1
+    assert "inductor" in cf._last.build.stats
+
+
+def test_per_sample_compiled_and_new_batch_sizes_compile_once_each(caplog):
+    def f(X):
+        return torch.tanh(X @ W).pow(2).sum(1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="inductor")
+    eager = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    for B in (4, 6, 4, 6):
+        X = rand(B, 3, seed=B)
+        assert_same(cf(X), eager(X))
+    assert compiles(cf) == 2
+    with caplog.at_level(logging.WARNING, logger="hoad"):
+        cf(rand(9, 3))
+    assert "new signature" in caplog.text and "pad" in caplog.text
+
+
+def test_default_backend_is_inductor_outside_the_test_suite():
+    import subprocess
+    import sys
+
+    code = "import hoad; print(hoad.compile(lambda x: x.sin().sum(), order=1).config.backend)"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HOAD_DEFAULT_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "inductor"
+
+
+def test_programs_hold_no_efficient_zero_tensors():
+    cf = hoad.compile(mixed, order=2, wrt=(0, 1), backend="eager")
+    cf(rand(5, 3), W)
+    targets = {str(n.target) for n in cf.graph.module.graph.nodes}
+    assert not any("efficientzerotensor" in t for t in targets)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_cuda_inputs_run_on_cuda(backend):
+    args = (rand(5, 3, seed=1).cuda(), rand(3, 4, seed=2).cuda())
+    res = hoad.compile(mixed, order=3, wrt=(0, 1), backend=backend)(*args)
+    ref = hoad.compile(mixed, order=3, wrt=(0, 1), backend="eager")(*(a.cpu() for a in args))
+    for key in ref:
+        assert res[key].device.type == "cuda"
+        torch.testing.assert_close(res[key].cpu(), ref[key], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
+def test_every_rule_compiled(op):
+    case = CASES[op]
+    order = min(case.order, 3)
+    eager = hoad.compile(case.fn, order=order, wrt=case.wrt, backend="eager")(*case.args)
+    compiled = hoad.compile(case.fn, order=order, wrt=case.wrt, backend="inductor")(*case.args)
+    tol = case.tol or 1e-10
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=tol, atol=tol)
