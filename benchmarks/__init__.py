@@ -1,0 +1,8 @@
+"""hoad's benchmark suite: ``python -m benchmarks`` (see ``__main__``).
+
+Modules, one concern each: ``workloads`` (what is differentiated), ``reference`` (nested
+torch.func, and the check every contender passes), ``peers`` (hoad and the peers, one column
+each), ``worker`` (torch.compile peers in their own process), ``timing`` (interleaved rounds,
+medians), ``runner`` (one workload end to end), ``report`` (tables, JSON, the README section).
+Nothing here imports torch at package import: ``env.pin_one_thread`` must run first.
+"""

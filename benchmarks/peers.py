@@ -1,0 +1,359 @@
+"""The contenders: hoad and its peers, one column each.
+
+Each contender's ``start(ref)`` makes its first call (timed: trace and compile included), checks
+the answer against the reference and returns an :class:`Outcome`; only a correct contender is
+then timed through ``run(calls)``. ``torch.compile`` peers live in a worker process
+(:mod:`benchmarks.worker`), because compiling nested torch.func can kill the process.
+
+hoad is used in the best configuration this checkout offers, found by feature detection: an
+option hoad does not know raises ``TypeError`` or ``hoad.InvalidArgumentError`` at
+``hoad.compile``, and the next one is tried (see :func:`hoad_options`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import hoad
+from benchmarks import env
+from benchmarks.reference import TORCH, MultiIndex, answer_fn, canonical, compare, jax_transforms, nested_blocks
+from benchmarks.timing import median, time_calls
+from benchmarks.workloads import Problem, Workload
+
+COLUMNS = ("hoad", "torch.func", "torch.compile", "autograd.F", "jax.jit")
+DENSE_LIMIT = 2**26  # elements: the Σ_b fallback's dense top-order block may not exceed this (512 MiB)
+
+
+@dataclass
+class Outcome:
+    """What one contender did on one workload."""
+
+    status: str  # ok | WRONG | error | crash | timeout | n/a | skipped
+    config: str = ""  # how it ran (for hoad: backend/mode and how samples were handled)
+    first_call_s: float | None = None  # the first call, trace and compile included
+    times: list[float] = field(default_factory=list)  # per-call seconds, one per round
+    error: float | None = None  # largest scaled difference from the reference
+    note: str = ""  # the exception, the reason for a skip, a fallback taken, ...
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "median_s": median(self.times)}
+
+
+def _failure(e: BaseException) -> Outcome:
+    message = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return Outcome("error", note=f"{type(e).__name__}: {message}")
+
+
+class Skipped:
+    """A column that does not apply to this workload (or is left out of this run)."""
+
+    def __init__(self, name: str, status: str, note: str):
+        self.name, self.outcome = name, Outcome(status, note=note)
+
+    def start(self, ref) -> Outcome:
+        return self.outcome
+
+    def run(self, calls: int) -> float:
+        raise RuntimeError(f"{self.name} is not timed here")
+
+    def close(self) -> None:
+        pass
+
+
+class InProcess:
+    """A contender that runs in this process: ``first()`` answers (for the check), ``timed()`` is
+    what is timed (the same work; it may skip the lower-order blocks that only the check needs)."""
+
+    def __init__(self, name: str, config: str, first: Callable[[], dict], timed: Callable[[], object] | None = None):
+        self.name, self.config = name, config
+        self.first, self.timed = first, timed or first
+
+    def start(self, ref) -> Outcome:
+        begin = time.perf_counter()
+        try:
+            got = self.first()
+        except Exception as e:  # a contender failing is a result, not a harness error
+            outcome = _failure(e)
+            outcome.config = self.config
+            return outcome
+        seconds = time.perf_counter() - begin
+        check = compare(got, ref)
+        return Outcome("ok" if check.ok else "WRONG", self.config, seconds, error=check.error, note=check.note)
+
+    def run(self, calls: int) -> float:
+        return time_calls(self.timed, calls)
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------- hoad
+@dataclass(frozen=True)
+class HoadOption:
+    backend: str
+    samples: str  # "dense" (not per-sample) | "batch_dim" | "summed" (Σ_b f(X_b), diagonal blocks read off)
+
+
+def hoad_options(p: Problem) -> Iterator[HoadOption]:
+    """hoad configurations, best first: per-sample blocks via batch_dim before the Σ_b fallback,
+    Inductor before eager. ``mode`` stays "auto": hoad picks the direction."""
+    for samples in (("batch_dim", "summed") if p.per_sample else ("dense",)):
+        for backend in ("inductor", "eager"):
+            yield HoadOption(backend, samples)
+
+
+class Hoad:
+    """hoad, in the best configuration that compiles and answers. A configuration that raises on
+    its first call is noted (a hoad failure, reported) and the next one is tried; a wrong answer
+    is final."""
+
+    name = "hoad"
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.timed: Callable[[], object] | None = None
+
+    def start(self, ref) -> Outcome:
+        failures: list[Outcome] = []
+        notes: list[str] = []
+        for option in hoad_options(self.p):
+            if option.samples == "summed" and self._dense_numel() > DENSE_LIMIT:
+                notes.append(self._too_big(batch_dim_offered=bool(failures)))
+                break
+            try:
+                cf = self._compile(option)
+            except (TypeError, hoad.InvalidArgumentError):
+                continue  # this hoad does not offer the option yet
+            outcome = InProcess("hoad", "", first=functools.partial(self._answer, cf, option, every_order=True)).start(ref)
+            outcome.config = self._config(cf, option)
+            if outcome.status == "error":
+                failures.append(outcome)
+                continue
+            outcome.note = "; ".join(filter(None, [outcome.note, *(f"{f.config}: {f.note}" for f in failures)]))
+            self.timed = functools.partial(self._answer, cf, option, every_order=False)
+            return outcome
+        if failures:
+            first = failures[0]
+            first.note = "; ".join([first.note, *(f"{f.config}: {f.note}" for f in failures[1:]), *notes])
+            return first
+        return Outcome("n/a", note="; ".join(notes) or "no hoad configuration applies")
+
+    def run(self, calls: int) -> float:
+        return time_calls(self.timed, calls)
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------ helpers
+    def _compile(self, option: HoadOption) -> hoad.Compiled:
+        p = self.p
+        kwargs = dict(order=p.order, wrt=p.wrt, backend=option.backend, mode="auto")
+        if option.samples == "batch_dim":
+            return hoad.compile(p.fn, batch_dim=0, **kwargs)
+        if option.samples == "summed":
+            def summed(X):
+                return p.fn(X).sum(0)
+            return hoad.compile(summed, **kwargs)
+        return hoad.compile(p.fn, **kwargs)
+
+    def _answer(self, cf: hoad.Compiled, option: HoadOption, every_order: bool) -> dict[MultiIndex, torch.Tensor]:
+        p = self.p
+        res = cf(*p.args)
+        orders = range(1, p.order + 1) if every_order and not p.laplacian else [p.order]
+        blocks = {}
+        for k in orders:
+            for K in canonical(len(p.wrt), k):
+                block = res[tuple(p.wrt[i] for i in K)]
+                if option.samples == "summed":  # res.value is Σ_b f(X_b): the output without its batch axis
+                    block = per_sample_blocks(block, res.value.ndim, p.sample.ndim - 1, k)
+                blocks[K] = TORCH.trace(block) if p.laplacian else block
+        return blocks
+
+    def _dense_numel(self) -> int:
+        """Elements of the dense top-order block of Σ_b f(X_b)."""
+        X = self.p.sample
+        return math.prod(self.p.fn(X).shape[1:]) * X.numel() ** self.p.order
+
+    def _too_big(self, batch_dim_offered: bool) -> str:
+        gib = self._dense_numel() * self.p.sample.element_size() / 2**30
+        why = "batch_dim failed" if batch_dim_offered else "no batch_dim in this hoad"
+        return f"{why}, and the Σ_b fallback needs a dense order-{self.p.order} block of {gib:.0f} GiB"
+
+    @staticmethod
+    def _config(cf: hoad.Compiled, option: HoadOption) -> str:
+        config = f"{option.backend}/{_chosen_mode(cf)}"
+        return config + {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
+
+
+def _chosen_mode(cf: hoad.Compiled) -> str:
+    """The mode asked for, and under "auto" the direction hoad chose (where its program says)."""
+    asked = cf.config.mode
+    try:
+        program = cf.graph.program
+    except hoad.HoadError:
+        return asked
+    chosen = getattr(program, "direction", None)
+    if not isinstance(chosen, str) or chosen == asked:
+        return asked
+    return f"{asked}→{chosen}"
+
+
+def per_sample_blocks(block: torch.Tensor, out_ndim: int, sample_ndim: int, order: int) -> torch.Tensor:
+    """Per-sample blocks read off a dense block of Σ_b f(X_b): ``block`` has shape
+    ``out + (B, *x) * order``; the result ``(B, *out, *x * order)``, as ``vmap`` lays it out."""
+    batch = block.shape[out_ndim]
+    b = torch.arange(batch)
+    index = (slice(None),) * out_ndim + ((b,) + (slice(None),) * sample_ndim) * order
+    blocks = block[index]  # separated advanced indices: the batch axis goes first (order >= 2)
+    return blocks.movedim(out_ndim, 0) if order == 1 else blocks
+
+
+# ------------------------------------------------------------------------------- the peers
+def nesting(p: Problem) -> str:
+    """The nested transform the peers run, as a config label."""
+    what = {1: "jacrev", 2: "hessian"}.get(p.order, f"jacfwd^{p.order - 1}(jacrev)")
+    return f"vmap({what})" if p.per_sample else what
+
+
+def torch_func(p: Problem) -> InProcess:
+    answer = answer_fn(p)
+    return InProcess("torch.func", nesting(p), lambda: answer(*p.args))
+
+
+def autograd_functional(p: Problem) -> InProcess | Skipped:
+    """``torch.autograd.functional.hessian`` (or ``jacobian`` at order 1) with ``vectorize=True``."""
+    if p.per_sample or p.order > 2:
+        return Skipped("autograd.F", "n/a", "dense orders 1-2 only")
+    op = torch.autograd.functional.hessian if p.order == 2 else torch.autograd.functional.jacobian
+    inputs = tuple(p.args[i] for i in p.wrt)
+
+    def of_wrt(*values):
+        args = list(p.args)
+        for i, v in zip(p.wrt, values):
+            args[i] = v
+        return p.fn(*args)
+
+    def answer():
+        out = op(of_wrt, inputs if len(inputs) > 1 else inputs[0], vectorize=True)
+        return nested_blocks(out, len(p.wrt), p.order)
+
+    return InProcess("autograd.F", f"{op.__name__}(vectorize=True)", answer)
+
+
+def jax_jit(p: Problem) -> InProcess | Skipped:
+    if env.jax_version() is None:
+        return Skipped("jax.jit", "skipped", "jax is not installed (pip install -e '.[bench]')")
+    if p.jax is None:
+        return Skipped("jax.jit", "n/a", "no JAX version of this workload")
+    import jax
+    import numpy as np
+
+    fn, args = p.jax()
+    compiled = jax.jit(answer_fn(p, fn, jax_transforms()))
+
+    def first():
+        out = jax.block_until_ready(compiled(*args))
+        return {K: torch.from_numpy(np.array(v)) for K, v in out.items()}
+
+    return InProcess("jax.jit", f"jit({nesting(p)})", first, timed=lambda: jax.block_until_ready(compiled(*args)))
+
+
+class CompiledInWorker:
+    """``torch.compile`` of the torch.func answer, run by :mod:`benchmarks.worker` in its own
+    process. The worker reports its first call, saves its answer for the check, then times
+    itself on request, so its rounds interleave with the in-process contenders'."""
+
+    name = "torch.compile"
+
+    def __init__(self, p: Problem, w: Workload, timeout_s: float):
+        self.workload, self.timeout_s = w, timeout_s
+        self.config = f"torch.compile({nesting(p)})"
+        self.proc: subprocess.Popen | None = None
+        self.stderr = None
+        self.timed_out = False
+        self.replies: queue.Queue = queue.Queue()
+        self.tmp = tempfile.TemporaryDirectory(prefix="hoad-bench-")
+
+    def start(self, ref) -> Outcome:
+        answer_path = os.path.join(self.tmp.name, "answer.pt")
+        self.stderr = open(os.path.join(self.tmp.name, "stderr.txt"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", self.workload.id, answer_path],
+                                     cwd=env.REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+        reply = self._reply(self.timeout_s)
+        if reply is None:
+            return self._died(self.config)
+        if "error" in reply:
+            return Outcome("error", self.config, note=f"{reply['error']}: {reply['message']}")
+        check = compare(torch.load(answer_path), ref)
+        return Outcome("ok" if check.ok else "WRONG", self.config, reply["first_call_s"], error=check.error,
+                       note=check.note)
+
+    def run(self, calls: int) -> float:
+        self.proc.stdin.write(json.dumps({"run": calls}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply(self.timeout_s)
+        if reply is None or "seconds" not in reply:
+            raise RuntimeError(self._died("").note)
+        return reply["seconds"]
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # nothing more is needed from it, and a clean exit takes seconds
+            self.proc.wait()
+        if self.stderr is not None:
+            self.stderr.close()
+        self.tmp.cleanup()
+
+    # ----------------------------------------------------------------------------- helpers
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@bench "):
+                self.replies.put(json.loads(line[len("@@bench "):]))
+        self.replies.put(None)  # end of output: the worker is gone
+
+    def _reply(self, timeout: float) -> dict | None:
+        try:
+            return self.replies.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            self.proc.wait()
+            self.timed_out = True
+            return None
+
+    def _died(self, config: str) -> Outcome:
+        if self.timed_out:
+            return Outcome("timeout", config, note=f"no answer within {self.timeout_s:.0f} s")
+        code = self.proc.wait()
+        if code < 0:
+            return Outcome("crash", config, note=f"worker killed by {signal.Signals(-code).name}")
+        self.stderr.seek(0)
+        tail = self.stderr.read().strip().splitlines()[-1:] or [""]
+        return Outcome("crash", config, note=f"worker exited with code {code}: {tail[0][:200]}")
+
+
+def contenders(p: Problem, w: Workload, quick: bool, compile_peers: bool, compile_timeout_s: float) -> list:
+    """One contender per column of :data:`COLUMNS`."""
+    if not compile_peers:
+        compiled = Skipped("torch.compile", "skipped", "--no-compile")
+    elif quick and not w.compile_in_quick:
+        compiled = Skipped("torch.compile", "skipped", "--quick compiles a few peers only")
+    else:
+        compiled = CompiledInWorker(p, w, compile_timeout_s)
+    return [Hoad(p), torch_func(p), compiled, autograd_functional(p), jax_jit(p)]
+

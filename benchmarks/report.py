@@ -1,0 +1,147 @@
+"""Reporting: the results file, the tables, and the README section they regenerate."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tabulate import tabulate
+
+from benchmarks.env import REPO
+from benchmarks.peers import COLUMNS
+
+RESULTS = REPO / "benchmarks" / "results"
+README = REPO / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+PEERS = COLUMNS[1:]
+COMPILED = ("hoad", "torch.compile", "jax.jit")  # the columns whose first call compiles
+
+LEGEND = """\
+Cells: median milliseconds per call on one thread (interleaved rounds), and in brackets the
+ratio hoad / peer (below 1: hoad is faster); `hoad / best` compares with the fastest correct
+peer. hoad computes the value and every order 1..N in one call; each peer computes only the
+top-order blocks. hoad config: backend/mode (`auto→reverse`: the direction hoad's cost model
+chose), then how per-sample blocks were obtained: `batch_dim=0`, or `Σ_b` = read off the dense
+derivative of Σ_b f(X_b) (the fallback when hoad offers no `batch_dim`). Every result was checked
+against nested torch.func in float64 before it was timed: `WRONG` is never timed; `crash`,
+`error: <class>`, `timeout` say what happened; `n/a` does not apply; `—` left out of this run.
+torch.compile runs in a worker process per workload; its first call uses the Inductor cache as
+found on the machine."""
+
+
+# ------------------------------------------------------------------------------- the file
+def write_results(results: dict) -> Path:
+    """``benchmarks/results/<stamp>-<mode>.json``, and the same as ``latest.json``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{results['stamp']}-{results['mode']}.json"
+    text = json.dumps(results, indent=1, default=str)
+    for target in (path, RESULTS / "latest.json"):
+        partial = target.with_suffix(".tmp")  # written whole, then renamed: readers never see half a file
+        partial.write_text(text)
+        partial.replace(target)
+    return path
+
+
+# ------------------------------------------------------------------------------ the tables
+def _median_ms(outcome: dict) -> float | None:
+    return outcome["median_s"] * 1e3 if outcome.get("median_s") is not None else None
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def _status(outcome: dict | None) -> str:
+    if outcome is None:
+        return "—"
+    status = outcome["status"]
+    if status == "error":
+        return "error: " + outcome["note"].split(":", 1)[0]
+    if status == "ok" and not outcome.get("times"):
+        return "not timed"
+    return {"skipped": "—"}.get(status, status)
+
+
+def _cell(outcome: dict | None, hoad_ms: float | None) -> str:
+    ms = _median_ms(outcome) if outcome else None
+    if ms is None:
+        return _status(outcome)
+    if hoad_ms is None:
+        return _ms(ms)
+    return f"{_ms(ms)} ({hoad_ms / ms:.2f})"
+
+
+def steady_state_rows(records: list[dict]) -> list[list[str]]:
+    rows = []
+    for r in records:
+        o = r["outcomes"]
+        hoad_ms = _median_ms(o.get("hoad", {}))
+        peer_ms = [m for m in (_median_ms(o[name]) for name in PEERS if name in o) if m is not None]
+        best = f"{hoad_ms / min(peer_ms):.2f}" if hoad_ms is not None and peer_ms else ""
+        hoad_cell = _ms(hoad_ms) if hoad_ms is not None else _status(o.get("hoad"))
+        rows.append([r["label"], o.get("hoad", {}).get("config", ""), hoad_cell,
+                     *(_cell(o.get(name), hoad_ms) for name in PEERS), best])
+    return rows
+
+
+def first_call_rows(records: list[dict]) -> list[list[str]]:
+    rows = []
+    for r in records:
+        cells = []
+        for name in COMPILED:
+            o = r["outcomes"].get(name)
+            cells.append(f"{o['first_call_s']:.2f}" if o and o.get("first_call_s") is not None else _status(o))
+        rows.append([r["id"], *cells])
+    return rows
+
+
+def problems(records: list[dict]) -> list[str]:
+    """One line per contender that was wrong or failed, and per workload hoad did not run or
+    ran only after a better configuration failed."""
+    lines = []
+    for r in records:
+        for name, o in r["outcomes"].items():
+            if o["status"] in ("WRONG", "error", "crash", "timeout"):
+                what = o["status"]
+            elif name == "hoad" and o["status"] == "n/a":
+                what = "not run"
+            elif name == "hoad" and o["status"] == "ok" and o["note"]:
+                what = "fell back after"
+            else:
+                continue
+            lines.append(f"`{r['id']}` {name}" + (f" ({o['config']})" if o["config"] else "") + f": {what}: {o['note']}")
+    return lines
+
+
+def render(results: dict) -> str:
+    """The whole report as Markdown (github tables read well in a terminal too)."""
+    m = results["machine"]
+    jax = f"JAX {m['jax']}" if m["jax"] else "JAX not installed"
+    out = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} thread; Python {m['python']}, "
+           f"torch {m['torch']}, {jax}; hoad {m['hoad']} ({m['commit']}); {m['date']}. "
+           f"`{results['command']}` took {results['seconds'] / 60:.1f} min.", "", LEGEND]
+    headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in PEERS), "hoad / best"]
+    groups: dict[str, list[dict]] = {}
+    for r in results["workloads"]:
+        groups.setdefault(r["group"], []).append(r)
+    for group, records in groups.items():
+        out += ["", f"#### {group}", "", tabulate(steady_state_rows(records), headers, tablefmt="github",
+                                                  disable_numparse=True)]
+    out += ["", "#### First call (trace + compile), seconds", "",
+            tabulate(first_call_rows(results["workloads"]), ["workload", *COMPILED], tablefmt="github",
+                     disable_numparse=True)]
+    lines = problems(results["workloads"])
+    if lines:
+        out += ["", "#### Failures, fallbacks, workloads hoad did not run", "", *(f"- {line}" for line in lines)]
+    return "\n".join(out)
+
+
+def write_readme(results: dict) -> None:
+    """Replace the text between the bench markers of README.md with this run's report."""
+    text = README.read_text()
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} section to replace")
+    section = f"{BEGIN}\n{render(results)}\n{END}"
+    README.write_text(pattern.sub(lambda _: section, text, count=1))

@@ -1,0 +1,252 @@
+"""The workloads: each builds one derivative problem, deterministically, in torch and in JAX.
+
+A :class:`Problem` says what to differentiate (``fn`` at ``args``), with respect to which
+arguments (``wrt``) and to which ``order``. Its *answer* is the set of canonical top-order
+blocks in torch.func's dense layout, or, for per-sample problems, one block per sample
+(``vmap`` over dim 0), or, for Laplacian problems, the trace of each sample's Hessian.
+Every contender must produce the same answer (see :mod:`benchmarks.reference`).
+
+:data:`WORKLOADS` lists them all, in table order; ``quick`` marks the ones ``--quick`` runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DT = torch.float64
+
+
+@dataclass
+class Problem:
+    fn: Callable[..., torch.Tensor]
+    args: tuple
+    order: int
+    wrt: tuple[int, ...] = (0,)
+    # fn works on one sample and on a batch; dim 0 of args[0] and of the output are samples.
+    per_sample: bool = False
+    # the answer is the trace of each sample's Hessian (order 2, per sample)
+    laplacian: bool = False
+    # builds the same function and arguments in JAX: () -> (jax_fn, jax_args)
+    jax: Callable[[], tuple[Callable, tuple]] | None = None
+
+    @property
+    def sample(self) -> torch.Tensor:
+        """The per-sample input (argument 0) of a per-sample problem."""
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: str  # unique, stable: the name --only matches and the worker rebuilds by
+    group: str
+    label: str
+    build: Callable[[], Problem]
+    quick: bool = False
+    compile_in_quick: bool = False  # run the torch.compile peer in --quick too (it costs 5-30 s)
+
+
+def _generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _to_jax(*tensors: torch.Tensor) -> tuple:
+    import jax.numpy as jnp
+
+    return tuple(jnp.asarray(t.numpy()) for t in tensors)
+
+
+# ------------------------------------------------------------------------- 1. the seed MLP
+def seed_mlp(batch: int, size: int, depth: int, order: int, wrt_params: bool = False) -> Callable[[], Problem]:
+    """``T = X; T = relu(T @ P)`` for all but the last layer, ``softmax(T @ P, dim=1)`` last, then
+    a weighted sum. (``softmax(...).sum()`` alone is constant: every derivative would be zero.)"""
+
+    def build() -> Problem:
+        g = _generator()
+        X = torch.randn(batch, size, generator=g, dtype=DT)
+        Ps = [torch.randn(size, size, generator=g, dtype=DT) / math.sqrt(size) for _ in range(depth)]
+        weights = torch.randn(batch, size, generator=g, dtype=DT)
+
+        def mlp(X, *Ps):
+            T = X
+            for P in Ps[:-1]:
+                T = torch.relu(T @ P)
+            T = torch.softmax(T @ Ps[-1], dim=1)
+            return (T * weights).sum()
+
+        def in_jax():
+            import jax
+
+            (w,) = _to_jax(weights)
+
+            def mlp(X, *Ps):
+                T = X
+                for P in Ps[:-1]:
+                    T = jax.nn.relu(T @ P)
+                T = jax.nn.softmax(T @ Ps[-1], axis=1)
+                return (T * w).sum()
+
+            return mlp, _to_jax(X, *Ps)
+
+        wrt = tuple(range(depth + 1)) if wrt_params else (0,)
+        return Problem(mlp, (X, *Ps), order, wrt=wrt, jax=in_jax)
+
+    return build
+
+
+def _seed_grid(quick: bool) -> list[tuple[int, int, int]]:
+    """(batch, size, depth) points: each axis varied around the seed's 10 x 10, depth 3."""
+    batches, sizes, depths = ((40,), (40,), (6,)) if quick else ((20, 40, 80), (20, 40, 80), (2, 4, 6, 8, 10))
+    points = [(10, 10, 3)]
+    points += [(b, 10, 3) for b in batches] + [(10, n, 3) for n in sizes] + [(10, 10, d) for d in depths]
+    return list(dict.fromkeys(points))
+
+
+def _seed_workloads() -> list[Workload]:
+    quick_points = set(_seed_grid(quick=True))
+    out = []
+    for order, what in ((1, "Jacobian"), (2, "Hessian")):
+        for b, n, d in _seed_grid(quick=False):
+            out.append(Workload(f"seed-mlp/{what.lower()}/B{b}-n{n}-d{d}", "1. seed MLP, w.r.t. X",
+                                f"{what}, B={b} n={n} depth={d}", seed_mlp(b, n, d, order),
+                                quick=(b, n, d) in quick_points,
+                                compile_in_quick=(order, b, n, d) == (2, 10, 10, 3)))
+    for n, d in ((10, 3), (20, 3), (10, 5)):
+        out.append(Workload(f"seed-mlp/params-hessian/B10-n{n}-d{d}", "1. seed MLP, w.r.t. X and every P",
+                            f"Hessian, all blocks, B=10 n={n} depth={d}", seed_mlp(10, n, d, 2, wrt_params=True),
+                            quick=(n, d) == (10, 3)))
+    return out
+
+
+# --------------------------------------------------------------------- 2. tanh MLP 16-64-64-1
+def _tanh_mlp_weights():
+    g = _generator()
+    return (torch.randn(16, 64, generator=g, dtype=DT) / 4, torch.randn(64, generator=g, dtype=DT),
+            torch.randn(64, 64, generator=g, dtype=DT) / 8, torch.randn(64, generator=g, dtype=DT),
+            torch.randn(64, 1, generator=g, dtype=DT) / 8)
+
+
+def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callable[[], Problem]:
+    """A scalar energy of x in R^16; ``points=None`` is one point, else a batch of samples."""
+
+    def build() -> Problem:
+        W1, b1, W2, b2, W3 = _tanh_mlp_weights()
+
+        def energy(x):  # one sample (16,) -> (), or a batch (B, 16) -> (B,)
+            h = torch.tanh(x @ W1 + b1)
+            h = torch.tanh(h @ W2 + b2)
+            return (h @ W3).squeeze(-1)
+
+        def in_jax():
+            import jax.numpy as jnp
+
+            w1, c1, w2, c2, w3 = _to_jax(W1, b1, W2, b2, W3)
+
+            def energy(x):
+                h = jnp.tanh(x @ w1 + c1)
+                h = jnp.tanh(h @ w2 + c2)
+                return (h @ w3).squeeze(-1)
+
+            return energy, _to_jax(x)
+
+        x = torch.randn(16, generator=_generator(1), dtype=DT) if points is None else \
+            torch.randn(points, 16, generator=_generator(1), dtype=DT)
+        return Problem(energy, (x,), order, per_sample=points is not None, laplacian=laplacian, jax=in_jax)
+
+    return build
+
+
+# -------------------------------------------------------- 3. cross-entropy of a small classifier
+def classifier_loss(batch: int = 64, features: int = 10, hidden: int = 32, classes: int = 5) -> Callable[[], Problem]:
+    """Mean cross-entropy of a one-hidden-layer tanh classifier; the parameters are the wrt args."""
+
+    def build() -> Problem:
+        g = _generator()
+        A1 = torch.randn(features, hidden, generator=g, dtype=DT) / math.sqrt(features)
+        c1 = torch.randn(hidden, generator=g, dtype=DT) / 10
+        A2 = torch.randn(hidden, classes, generator=g, dtype=DT) / math.sqrt(hidden)
+        c2 = torch.randn(classes, generator=g, dtype=DT) / 10
+        X = torch.randn(batch, features, generator=g, dtype=DT)
+        y = torch.randint(0, classes, (batch,), generator=g)
+
+        def loss(A1, c1, A2, c2, X, y):
+            return F.cross_entropy(torch.tanh(X @ A1 + c1) @ A2 + c2, y)
+
+        def in_jax():
+            import jax
+            import jax.numpy as jnp
+
+            def loss(A1, c1, A2, c2, X, y):
+                logp = jax.nn.log_softmax(jnp.tanh(X @ A1 + c1) @ A2 + c2, axis=1)
+                return -jnp.take_along_axis(logp, y[:, None], axis=1).mean()
+
+            return loss, _to_jax(A1, c1, A2, c2, X, y)
+
+        return Problem(loss, (A1, c1, A2, c2, X, y), 2, wrt=(0, 1, 2, 3), jax=in_jax)
+
+    return build
+
+
+# ------------------------------------------------- 5. order 4 of a small vector-valued function
+def shared_subexpressions() -> Callable[[], Problem]:
+    """R^6 -> R^3 where every output reuses ``s`` (and the tanh of its sum)."""
+
+    def build() -> Problem:
+        def f(x):
+            s = torch.sin(x) * torch.exp(-0.5 * x * x)
+            p = s[:3] * s[3:]
+            return p * torch.tanh(s.sum()) + torch.cos(p)
+
+        def in_jax():
+            import jax.numpy as jnp
+
+            def f(x):
+                s = jnp.sin(x) * jnp.exp(-0.5 * x * x)
+                p = s[:3] * s[3:]
+                return p * jnp.tanh(s.sum()) + jnp.cos(p)
+
+            return f, _to_jax(x)
+
+        x = torch.randn(6, generator=_generator(), dtype=DT)
+        return Problem(f, (x,), 4, jax=in_jax)
+
+    return build
+
+
+# ------------------------------------------------------------------------------ the registry
+WORKLOADS: list[Workload] = [
+    *_seed_workloads(),
+    Workload("tanh-mlp/hessian", "2. tanh MLP 16-64-64-1", "Hessian, one point",
+             tanh_mlp(2, None), quick=True, compile_in_quick=True),
+    Workload("tanh-mlp/order3", "2. tanh MLP 16-64-64-1", "3rd order, one point",
+             tanh_mlp(3, None), quick=True, compile_in_quick=True),
+    Workload("tanh-mlp/per-sample-hessian", "2. tanh MLP 16-64-64-1", "per-sample Hessian, 256 points",
+             tanh_mlp(2, 256), quick=True, compile_in_quick=True),
+    Workload("tanh-mlp/per-sample-order3", "2. tanh MLP 16-64-64-1", "per-sample 3rd order, 256 points",
+             tanh_mlp(3, 256), quick=True),
+    Workload("classifier/cross-entropy-hessian", "3. classifier loss, w.r.t. all parameters",
+             "Hessian, 10-32-5 tanh, batch 64 (517 params)", classifier_loss(), quick=True),
+    Workload("laplacian/tanh-mlp", "4. Laplacian", "trace of per-sample Hessian, tanh MLP, 256 points",
+             tanh_mlp(2, 256, laplacian=True), quick=True),
+    Workload("shared/order4", "5. order 4, R^6 -> R^3", "order 4, shared subexpressions",
+             shared_subexpressions(), quick=True),
+]
+
+_BY_ID = {w.id: w for w in WORKLOADS}
+assert len(_BY_ID) == len(WORKLOADS), "workload ids must be unique"
+
+
+def get(workload_id: str) -> Workload:
+    return _BY_ID[workload_id]
+
+
+def select(quick: bool, only: str | None = None) -> list[Workload]:
+    """The workloads a run measures: all, or the quick ones; filtered by an id substring."""
+    chosen = [w for w in WORKLOADS if w.quick or not quick]
+    if only:
+        chosen = [w for w in chosen if only in w.id]
+    return chosen
