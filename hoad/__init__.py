@@ -5,7 +5,7 @@ value and every derivative block of orders 1..N between the wrt inputs (canonica
 by Schwarz symmetry), and runs it.
 """
 
-from hoad.api import Compiled, compile
+from hoad.api import Compiled, compile, parameters
 from hoad.derivatives import Derivatives
 from hoad.passes.compile import CompileError, cache_dir
 from hoad.errors import (
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "compile",
     "explain",
+    "parameters",
     "Compiled",
     "Derivatives",
     "HoadError",

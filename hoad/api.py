@@ -6,11 +6,13 @@ import functools
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
 
 from hoad.derivatives import Derivatives
 from hoad.errors import InvalidArgumentError
@@ -68,8 +70,11 @@ def _check_options(order, wrt, backend, mode, batch_dim=None) -> None:
     if not entries:
         raise InvalidArgumentError("wrt must name at least one input")
     for w in entries:
+        if w is parameters:
+            continue
         if isinstance(w, bool) or not isinstance(w, (int, str)) or (isinstance(w, int) and w < 0):
-            raise InvalidArgumentError(f"wrt entries must be argnums (int >= 0) or argument names (str), got {w!r}")
+            raise InvalidArgumentError(f"wrt entries must be argnums (int >= 0), argument or parameter names (str), "
+                                       f"or hoad.parameters, got {w!r}")
     if len(set(entries)) != len(entries):
         raise InvalidArgumentError(f"wrt names an input twice: {wrt!r}")
     if backend not in BACKENDS:
@@ -80,32 +85,89 @@ def _check_options(order, wrt, backend, mode, batch_dim=None) -> None:
         raise InvalidArgumentError(f"batch_dim must be None or 0 (samples along the first dim), got {batch_dim!r}")
 
 
+class _Parameters:
+    """``hoad.parameters``: in ``wrt``, every trainable parameter of the bound module."""
+
+    def __repr__(self) -> str:
+        return "hoad.parameters"
+
+
+parameters = _Parameters()
+
+
 class Compiled:
     """A compiled derivative function. Call it like the original; it returns :class:`Derivatives`.
 
     Programs are cached per call signature (tensor shapes, dtypes and devices, and the values
     of non-tensor arguments); a new signature traces and compiles again, with a warning, and at
     most ``MAX_PROGRAMS`` (16) programs are kept, least recently compiled out first.
+
+    On an ``nn.Module`` method (as a decorator), on a bound method of a module, or on a module
+    itself, the module's parameters and buffers are inputs of the program read at every call,
+    never baked-in constants; ``wrt`` may name them (``"fc1.weight"``) or use
+    :data:`hoad.parameters` for every trainable one, and result keys use those names.
     """
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
-                 batch_dim: int | None = None):
+                 batch_dim: int | None = None, module: torch.nn.Module | None = None):
         backend = DEFAULT_BACKEND if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim)
+        if module is None and isinstance(fn, torch.nn.Module):
+            module, fn = fn, type(fn).forward
+        elif module is None and inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
+            module, fn = fn.__self__, fn.__func__
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.module = module
         self.order = order
         self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
         self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim)
-        self._positional = positional_names(fn)
-        self._check_wrt_against_signature()
+        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim)
+        names = positional_names(fn)
+        self._positional = names[1:] if module is not None else names
+        self._method = module is None and bool(names) and names[0] == "self"
+        if not self._method:
+            self._check_wrt_against_signature()
         self._cache: dict[Hashable, _Entry] = {}
         self._last: _Entry | None = None
+        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------------------ binding
+    def __get__(self, instance, owner=None):
+        """``@hoad.compile`` on a method: each instance gets its own compiled callable."""
+        if instance is None:
+            return self
+        bound = self._bound.get(instance)
+        if bound is None:
+            if isinstance(instance, torch.nn.Module):
+                bound = Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
+            else:  # a plain object: it is a non-tensor argument of the function
+                bound = Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
+            self._bound[instance] = bound
+        return bound
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as they are now (detached: hoad differentiates)."""
+        state = {name: p.detach() for name, p in self.module.named_parameters()}
+        state.update((name, b.detach()) for name, b in self.module.named_buffers())
+        return state
+
+    def _stateful(self, state: dict, *args, **kwargs):
+        with _reparametrize_module(self.module, state):
+            return self.fn(self.module, *args, **kwargs)
 
     # ------------------------------------------------------------------------------- calling
     def __call__(self, *args, **kwargs) -> Derivatives:
+        if self._method:
+            raise InvalidArgumentError(
+                f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
+                "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
+        extra: tuple = ()
+        if self.module is not None:
+            args = (self._state(),) + args
+            extra = tuple(m.training for m in self.module.modules())
         leaves, treedef = pytree.tree_flatten((args, kwargs))
-        key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
+        key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._new_signature(key, args, kwargs)
@@ -131,21 +193,38 @@ class Compiled:
         return entry
 
     def _compile(self, args: tuple, kwargs: dict) -> _Entry:
-        layout, tensors = bind_layout(self.fn, args, kwargs)
-        wrt_leaves = [self._resolve_wrt(w, layout, args, kwargs) for w in self.wrt]
+        stateful = self.module is not None
+        target = self._stateful if stateful else self.fn
+        layout, tensors = bind_layout(target, args, kwargs, state=stateful, names=self._positional)
+        user_args = args[1:] if stateful else args
+        wrt = self._expanded_wrt(args[0] if stateful else {})
+        wrt_leaves = [self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
         if len(set(wrt_leaves)) != len(wrt_leaves):
-            raise InvalidArgumentError(f"wrt={self.wrt!r} names the same argument twice (once by position, once by name)")
-        for w, leaf in zip(self.wrt, wrt_leaves):
+            raise InvalidArgumentError(f"wrt={self.wrt!r} names the same input twice (e.g. by position and by name)")
+        for w, leaf in zip(wrt, wrt_leaves):
             t = tensors[leaf]
             if not t.dtype.is_floating_point:
                 raise InvalidArgumentError(
                     f"wrt input {w!r} has dtype {t.dtype}; derivatives need a floating-point tensor "
                     "(convert it with .double() or .float())")
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
-        b = build(self.fn, layout, tensors, wrt_leaves, self.config)
-        return _Entry(b, self.wrt, self._aliases(layout, wrt_leaves))
+        b = build(target, layout, tensors, wrt_leaves, self.config)
+        return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves))
 
     # ----------------------------------------------------------------------------------- wrt
+    def _expanded_wrt(self, state: dict) -> tuple:
+        """wrt with :data:`hoad.parameters` replaced by every trainable parameter's name."""
+        out: list = []
+        for w in self.wrt:
+            if w is parameters:
+                if self.module is None:
+                    raise InvalidArgumentError("wrt=hoad.parameters needs a module: decorate a module method, or pass "
+                                               "a module or a bound method of one to hoad.compile")
+                out += [n for n, p in self.module.named_parameters() if p.requires_grad and n not in out]
+            elif w not in out:
+                out.append(w)
+        return tuple(out)
+
     def _check_wrt_against_signature(self) -> None:
         try:
             params = inspect.signature(self.fn).parameters
@@ -153,17 +232,20 @@ class Compiled:
             return
         var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
         var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        state = dict(self.module.named_parameters()) | dict(self.module.named_buffers()) if self.module is not None else {}
         for w in self.wrt:
             if isinstance(w, int) and w >= len(self._positional) and not var_positional:
                 raise InvalidArgumentError(
                     f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
                     f"positional arguments {tuple(self._positional)}")
-            if isinstance(w, str) and w not in params and not var_keyword:
-                raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function; "
-                                           f"its arguments are {tuple(params)}")
+            if isinstance(w, str) and w not in params and w not in state and not var_keyword:
+                known = tuple(n for n in params if n != "self" or self.module is None) + tuple(state)
+                raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function"
+                                           f"{' nor a parameter or buffer of the module' if self.module is not None else ''}; "
+                                           f"valid names are {known}")
 
     def _resolve_wrt(self, w, layout: CallLayout, args: tuple, kwargs: dict) -> int:
-        """The tensor-leaf index of wrt entry ``w`` in this call."""
+        """The tensor-leaf index of wrt entry ``w`` in this call (``args`` without the state)."""
         if isinstance(w, int):
             if w < len(args):
                 where, value = ("pos", w), args[w]
@@ -171,13 +253,14 @@ class Compiled:
                 where, value = ("kw", self._positional[w]), kwargs[self._positional[w]]
             else:
                 raise InvalidArgumentError(f"wrt={w} but the call passes only {len(args)} positional arguments")
+        elif w in kwargs:
+            where, value = ("kw", w), kwargs[w]
+        elif w in self._positional and self._positional.index(w) < len(args):
+            where, value = ("pos", self._positional.index(w)), args[self._positional.index(w)]
+        elif ("param", w) in layout.tops:
+            return layout.tops.index(("param", w))
         else:
-            if w in kwargs:
-                where, value = ("kw", w), kwargs[w]
-            elif w in self._positional and self._positional.index(w) < len(args):
-                where, value = ("pos", self._positional.index(w)), args[self._positional.index(w)]
-            else:
-                raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
+            raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__}; hoad differentiates with "
                                        "respect to tensors only (pass a torch.Tensor)")
@@ -186,10 +269,10 @@ class Compiled:
                 return i
         raise InvalidArgumentError(f"wrt input {w!r} must be a tensor argument itself, not inside a container")
 
-    def _aliases(self, layout: CallLayout, wrt_leaves: list[int]) -> dict:
+    def _aliases(self, wrt: tuple, layout: CallLayout, wrt_leaves: list[int]) -> dict:
         """Every way a user may name a wrt entry in a result key: as given, by argnum, by name."""
         aliases: dict = {}
-        for pos, (w, leaf) in enumerate(zip(self.wrt, wrt_leaves)):
+        for pos, (w, leaf) in enumerate(zip(wrt, wrt_leaves)):
             aliases[w] = pos
             kind, ident = layout.tops[leaf]
             if kind == "pos":

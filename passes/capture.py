@@ -326,22 +326,33 @@ def _before(a: fx.Node, b: fx.Node) -> bool:
     return False
 
 
-def bind_layout(fn: Callable, args: tuple, kwargs: dict) -> tuple[CallLayout, list[torch.Tensor]]:
-    """Flatten a call into tensor leaves and the static rest, with readable leaf names."""
+def bind_layout(fn: Callable, args: tuple, kwargs: dict, state: bool = False,
+                names: Sequence[str] | None = None) -> tuple[CallLayout, list[torch.Tensor]]:
+    """Flatten a call into tensor leaves and the static rest, with readable leaf names.
+
+    With ``state``, ``args[0]`` is a module's {name: tensor} state: its leaves are named and
+    addressed by parameter name, and positions count from ``args[1]``.
+    """
     leaves_with_path, treedef = pytree.tree_flatten_with_path((args, kwargs))
-    params = positional_names(fn)
-    slots, names, static, tensors, tops = [], [], [], [], []
+    params = list(names) if names is not None else positional_names(fn)
+    slots, leaf_names, static, tensors, tops = [], [], [], [], []
     for i, (path, leaf) in enumerate(leaves_with_path):
         if isinstance(leaf, torch.Tensor):
             slots.append(i)
-            names.append(_leaf_name(path, params))
-            tops.append(_top(path))
+            if state and path[0].idx == 0 and path[1].idx == 0:
+                leaf_names.append(str(path[2].key))
+                tops.append(("param", path[2].key))
+            else:
+                if state and path[0].idx == 0:
+                    path = (path[0], type(path[1])(path[1].idx - 1)) + tuple(path[2:])
+                leaf_names.append(_leaf_name(path, params))
+                tops.append(_top(path))
             tensors.append(leaf)
             static.append(None)
         else:
             static.append(leaf)
-    names = _unique([_identifier(n) for n in names])
-    return CallLayout(treedef, tuple(slots), tuple(static), tuple(names), tuple(tops)), tensors
+    leaf_names = _unique([_identifier(n) for n in leaf_names])
+    return CallLayout(treedef, tuple(slots), tuple(static), tuple(leaf_names), tuple(tops)), tensors
 
 
 def _top(path) -> tuple | None:

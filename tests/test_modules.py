@@ -1,0 +1,253 @@
+"""@hoad.compile on nn.Module methods: parameters and buffers are live inputs and wrt targets."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, jacfwd, jacrev
+
+import hoad
+from helpers import assert_close, rand
+
+DT = torch.float64
+
+
+class Classifier(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(3, 5, dtype=DT)
+        self.norm = nn.LayerNorm(5, dtype=DT)
+        self.fc2 = nn.Linear(5, 2, dtype=DT)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+    @hoad.compile(order=2, wrt=("x", "fc1.weight"))
+    def energy(self, x):
+        return self(x).pow(2).sum()
+
+    @hoad.compile(order=2, wrt=hoad.parameters)
+    def loss(self, x, y):
+        return F.cross_entropy(self(x), y)
+
+
+class PlainLayerNorm(nn.Module):
+    """nn.LayerNorm in plain ops, for references: torch.func's second derivatives through
+    F.layer_norm are wrong in the (weight, input) block on torch 2.13 (both forward-over-reverse
+    and reverse-over-reverse disagree with the same maths in plain ops, and with each other)."""
+
+    def __init__(self, ln: nn.LayerNorm):
+        super().__init__()
+        self.weight, self.bias, self.eps = ln.weight, ln.bias, ln.eps
+
+    def forward(self, h):
+        mean = h.mean(-1, keepdim=True)
+        var = ((h - mean) ** 2).mean(-1, keepdim=True)
+        return (h - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def _twin(m: nn.Module) -> nn.Module:
+    """``m`` with every LayerNorm computed in plain ops (same parameter names and values)."""
+    import copy
+
+    twin = copy.deepcopy(m)
+    for name, child in list(twin.named_children()):
+        if isinstance(child, nn.LayerNorm):
+            setattr(twin, name, PlainLayerNorm(child))
+    return twin
+
+
+def reference(m, method, args, names, order):
+    """Nested torch.func over functional_call, w.r.t. the named inputs/parameters."""
+    m = _twin(m)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    arg_names = ["x", "y"][: len(args)]
+    init = [args[arg_names.index(n)] if n in arg_names else params[n] for n in names]
+
+    def f(*vals):
+        p = dict(params)
+        a = list(args)
+        for n, v in zip(names, vals):
+            if n in arg_names:
+                a[arg_names.index(n)] = v
+            else:
+                p[n] = v
+        return functional_call(m, p, tuple(a), strict=False) if method == "forward" else \
+            _call_method(m, p, method, a)
+
+    g = jacrev(f, argnums=tuple(range(len(names))))
+    out = {1: g(*init)}
+    for k in range(2, order + 1):
+        g = jacfwd(g, argnums=tuple(range(len(names))))
+        out[k] = g(*init)
+    return out
+
+
+def _call_method(m, p, method, a):
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(m, p):
+        return getattr(type(m), method).fn(m, *a) if isinstance(getattr(type(m), method), hoad.Compiled) else \
+            getattr(m, method)(*a)
+
+
+def test_inputs_parameters_and_mixed_blocks():
+    m = Classifier()
+    x = rand(4, 3)
+    res = m.energy(x)
+    ref = reference(m, "energy", (x,), ["x", "fc1.weight"], 2)
+    assert_close(res["x"], ref[1][0], "d/dx")
+    assert_close(res["fc1.weight"], ref[1][1], "d/dW1")
+    assert_close(res["x", "fc1.weight"], ref[2][0][1], "mixed")
+    assert_close(res["fc1.weight", "x"], ref[2][1][0], "mixed, other order")
+    assert_close(res["fc1.weight", "fc1.weight"], ref[2][1][1], "d2/dW1^2")
+
+
+def test_all_parameters_shorthand_and_loss_with_labels():
+    m = Classifier(seed=1)
+    x, y = rand(6, 3), torch.tensor([0, 1, 1, 0, 1, 0])
+    res = m.loss(x, y)
+    names = [n for n, _ in m.named_parameters()]
+    assert res.wrt == names
+    ref = reference(m, "loss", (x, y), names, 2)
+    for i, a in enumerate(names):
+        assert_close(res[a], ref[1][i], a)
+        for j, b in enumerate(names):
+            assert_close(res[a, b], ref[2][i][j], f"{a}, {b}")
+
+
+def test_parameters_are_read_at_call_time_without_retracing():
+    m = Classifier()
+    x = rand(4, 3)
+    m.energy(x)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        m.fc2.weight.mul_(2.0)
+    res = m.energy(x)
+    assert len(m.energy._cache) == 1, "an in-place parameter update must not retrace"
+    ref = reference(m, "energy", (x,), ["x", "fc1.weight"], 2)
+    assert_close(res["x", "x"], ref[2][0][0], "after the update")
+    assert_close(res.value, m(x).pow(2).sum(), "value after the update")
+
+
+def test_two_instances_never_share_results():
+    a, b = Classifier(seed=1), Classifier(seed=2)
+    x = rand(4, 3)
+    ra, rb = a.energy(x), b.energy(x)
+    assert a.energy is not b.energy
+    assert not torch.allclose(ra["x", "x"], rb["x", "x"])
+    assert_close(rb["x", "x"], reference(b, "energy", (x,), ["x", "fc1.weight"], 2)[2][0][0], "second instance")
+
+
+def test_module_moved_to_float32():
+    m = Classifier()
+    x = rand(4, 3)
+    ref = m.energy(x)["x", "x"]
+    m.float()
+    res = m.energy(x.float())
+    assert res["x", "x"].dtype == torch.float32
+    torch.testing.assert_close(res["x", "x"], ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_graph_placeholders_include_parameters():
+    m = Classifier()
+    m.energy(rand(4, 3))
+    text = str(m.energy.graph)
+    for name in ("fc1_weight", "fc1_bias", "norm_weight", "fc2_weight", "x"):
+        assert name in text.splitlines()[1], name
+
+
+def test_train_mode_dropout_raises_and_eval_mode_works():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3, dtype=DT)
+            self.drop = nn.Dropout(0.5)
+
+        @hoad.compile(order=2)
+        def forward(self, x):
+            return self.drop(self.fc(x)).tanh().sum()
+
+    m = Drop()
+    x = rand(2, 3)
+    with pytest.raises(hoad.RandomnessError, match="eval"):
+        m(x)
+    m.eval()
+    res = m(x)
+    ref = jacfwd(jacrev(lambda x: functional_call(m, dict(m.named_parameters()), (x,)).sum()))
+    assert_close(res[0, 0], torch.func.hessian(lambda x: m.fc(x).tanh().sum())(x), "eval-mode dropout is identity")
+
+
+def test_batchnorm_train_mode_differentiates_through_batch_statistics():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3, dtype=DT)
+
+        @hoad.compile(order=2)
+        def forward(self, x):
+            return self.bn(x).tanh().pow(2).sum()
+
+    m = Net().train()
+    x = rand(5, 3)
+    before = m.bn.running_mean.clone()
+    res = m(x)
+
+    def plain(x):  # batch statistics, as training-mode batchnorm computes them
+        mean = x.mean(0)
+        var = ((x - mean) ** 2).mean(0)
+        return ((x - mean) / torch.sqrt(var + m.bn.eps)).tanh().pow(2).sum()
+
+    assert_close(res[0], jacrev(plain)(x), "gradient through batch statistics")
+    assert_close(res[0, 0], torch.func.hessian(plain)(x), "Hessian through batch statistics")
+    assert not torch.equal(m.bn.running_mean, before), "running statistics update as in a normal call"
+
+
+def test_sequential_and_multihead_attention_inside():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4, dtype=DT), nn.GELU(), nn.LayerNorm(4, dtype=DT))
+    attn = nn.MultiheadAttention(4, 2, batch_first=True, dtype=DT).eval()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq, self.attn = seq, attn
+
+        def forward(self, x):
+            h = self.seq(x)
+            return self.attn(h, h, h, need_weights=False)[0].sin().sum()
+
+    blk = Block().eval()
+    x = rand(1, 3, 4)
+    cf = hoad.compile(blk, order=2, wrt=("x", "attn.in_proj_weight"))
+    res = cf(x)
+    params = {k: v.detach() for k, v in blk.named_parameters()}
+
+    def f(x, w):
+        p = dict(params)
+        p["attn.in_proj_weight"] = w
+        return functional_call(blk, p, (x,))
+
+    w = params["attn.in_proj_weight"]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # torch.func has no forward AD through the fused CPU kernel
+        assert_close(res["x"], jacrev(f)(x, w), "d/dx")
+        assert_close(res["x", "x"], jacfwd(jacrev(f))(x, w), "d2/dx2")
+        assert_close(res["x", "attn.in_proj_weight"], jacfwd(jacrev(f), argnums=1)(x, w), "mixed")
+
+
+def test_bound_method_and_errors():
+    m = Classifier()
+    x = rand(4, 3)
+    cf = hoad.compile(m.energy.fn.__get__(m), order=1, wrt="fc2.bias")
+    assert_close(cf(x)["fc2.bias"], reference(m, "energy", (x,), ["fc2.bias"], 1)[1][0], "bound method")
+    with pytest.raises(hoad.InvalidArgumentError, match="valid names"):
+        hoad.compile(m, order=1, wrt="fc3.weight")
+    with pytest.raises(hoad.InvalidArgumentError, match="module"):
+        hoad.compile(lambda x: x.sum(), order=1, wrt=hoad.parameters)(x)
+    with pytest.raises(hoad.InvalidArgumentError, match="self"):
+        Classifier.energy(x)
