@@ -127,7 +127,7 @@ class Block:
         out = self.data.reshape(list(self.data.shape) + [1] * len(extra))
         for k, (first, _new) in enumerate(extra):
             n = self.shape[partition.index(first)]
-            eye = torch.eye(n, dtype=out.dtype, device=out.device)
+            eye = _eye(n, out)
             view = [1] * out.ndim
             view[order.index(first)] = n
             view[len(order) + k] = n
@@ -171,6 +171,13 @@ class Block:
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The n x n identity in ``like``'s dtype and device. (torch.eye's decomposition counts in
+    the smallest integer dtype that fits, uint16 from n = 256, which arange has no CPU kernel for.)"""
+    idx = torch.arange(n, device=like.device)
+    return (idx.unsqueeze(1) == idx).to(like.dtype)
+
+
 def _first_appearance(dims: Sequence) -> list:
     seen: list = []
     for d in dims:

@@ -167,3 +167,13 @@ def test_slicing_features_keeps_samples_diagonal():
     got = map_out(seed_blk, 2, lambda t: t[:, 1:], [4, 2], {0: 0})
     assert got.dims[0] == got.dims[2], "the sample axis must stay tied to its slot"
     assert got.data.numel() == 4 * 2 * 3
+
+
+def test_dense_identity_of_256_and_more():
+    """torch.eye's decomposition counts in uint16 from n = 256, which has no CPU arange."""
+    import hoad
+
+    for n in (255, 256, 300):
+        x = torch.randn(n, dtype=torch.float64)
+        res = hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")(x)
+        torch.testing.assert_close(res[0, 0], torch.diag(-x.sin()))
