@@ -118,7 +118,8 @@ def render(results: dict) -> str:
     """The whole report as Markdown (github tables read well in a terminal too)."""
     m = results["machine"]
     jax = f"JAX {m['jax']}" if m["jax"] else "JAX not installed"
-    out = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} thread; Python {m['python']}, "
+    pinned = f", pinned to {m['pinned_cores']} core" if m.get("pinned_cores") else ""
+    out = [f"Machine: {m['cpu']}, {m['cores']} cores{pinned}, {m['threads']} thread; Python {m['python']}, "
            f"torch {m['torch']}, {jax}; hoad {m['hoad']} ({m['commit']}); {m['date']}. "
            f"`{results['command']}` took {results['seconds'] / 60:.1f} min.", "", LEGEND]
     headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in PEERS), "hoad / best"]
