@@ -11,6 +11,25 @@ from hoad.errors import InvalidArgumentError
 from hoad.multiindex import MultiIndex
 
 
+class ResultSpec:
+    """What every result of one compiled signature shares: built once, not per call."""
+
+    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order")
+
+    def __init__(self, keys: Sequence[MultiIndex], zeros: Sequence[MultiIndex], wrt: Sequence[Hashable],
+                 aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]], order: int):
+        self.keys = tuple(keys)
+        self.zeros = frozenset(zeros)
+        self.wrt = list(wrt)
+        self.aliases = dict(aliases)
+        self.slot_shapes = [tuple(s) for s in slot_shapes]
+        self.order = order
+
+    def result(self, outs) -> Derivatives:
+        """Wrap a program's outputs ``(value, *blocks)``."""
+        return Derivatives(outs[0], dict(zip(self.keys, outs[1:])), self)
+
+
 class Derivatives(Mapping):
     """Value and derivative blocks of orders 1..N.
 
@@ -21,16 +40,15 @@ class Derivatives(Mapping):
     keys, lower orders first; :meth:`order` gives one order's canonical blocks.
     """
 
-    def __init__(self, value: torch.Tensor, blocks: dict[MultiIndex, torch.Tensor], zeros: Sequence[MultiIndex],
-                 wrt: Sequence[Hashable], aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]],
-                 order: int):
+    def __init__(self, value: torch.Tensor, blocks: dict[MultiIndex, torch.Tensor], spec: ResultSpec):
         self.value = value
         self._blocks = blocks
-        self._zeros = set(zeros)
-        self._wrt = list(wrt)
-        self._aliases = dict(aliases)
-        self._slot_shapes = [tuple(s) for s in slot_shapes]
-        self._max_order = order
+        self._spec = spec
+        self._zeros = spec.zeros
+        self._wrt = spec.wrt
+        self._aliases = spec.aliases
+        self._slot_shapes = spec.slot_shapes
+        self._max_order = spec.order
         self._zero_cache: dict[MultiIndex, torch.Tensor] = {}
 
     # ---------------------------------------------------------------------------------- keys

@@ -72,7 +72,9 @@ def _capture(b: Build) -> Build:
 
 def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
-    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim)
+    fused = b.config.backend == "inductor"
+    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
+                                     fused=fused)
                     for d in b.config.directions}
     return b
 

@@ -42,6 +42,10 @@ FAST = {
 
 BACKENDS = ("inductor", "eager")
 
+# cpp_wrapper: the compiled program calls its kernels from C++ rather than Python, which cuts
+# ~30% off small programs (order-2 MLP Hessian at a point: 38 -> 27 µs per call here).
+INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
 
 class CompileError(HoadError):
     """Inductor could not compile a derivative program."""
@@ -92,7 +96,8 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     slow.daemon = True
     slow.start()
     try:
-        artifact = torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs")
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+            artifact = torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs")
     except Exception as e:  # noqa: BLE001 - any Inductor failure becomes one error naming the way out
         raise CompileError(f"Inductor failed to compile the derivative program ({type(e).__name__}: {e}); "
                            "backend='eager' runs the same program without compiling it") from e

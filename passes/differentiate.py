@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import Block, add, contract
+from hoad.blocks import WIDE_GEMMS, Block, add, contract
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
@@ -56,13 +56,15 @@ class Program:
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
-                  where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None) -> Program:
+                  where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
+                  fused: bool = False) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
     With ``batch_dim=0`` the blocks come back per sample: the output's first axis must stay
     tied (diagonal) to the first axis of every slot, else :class:`BatchCouplingError` names the
-    op that coupled the samples.
+    op that coupled the samples. ``fused``: a fusing compiler (Inductor) will compile the
+    program, so layout copies are cheap and matrix products may take their fastest orientation.
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
@@ -73,9 +75,13 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     interp = _Interpreter(primal, captured.wrt_leaves, [tuple(leaves[i].shape) for i in captured.wrt_leaves],
                           wrt_names, order, where, batch_dim)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*leaves)
+    token = WIDE_GEMMS.set(fused)
+    try:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*leaves)
+    finally:
+        WIDE_GEMMS.reset(token)
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
