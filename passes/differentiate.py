@@ -253,42 +253,47 @@ class _Interpreter:
         return self._outputs(out.primal, out.blocks)
 
     def reverse_program(self, *values):
+        """Orders < N forward, one adjoint sweep, then every order of f from the adjoints:
+        order 1 is ḡ at the inputs, order k >= 2 is Σ_v ⟨ḡ_v, R^k_v⟩ with jets cut below k.
+        Forward jets are thus only built where a remainder reads them; in particular none
+        flow past the last nonlinear node to the output."""
         self.values = values
         env = self._forward(values, self.order - 1)
-        out = env[self.output]
-        f = out.primal
+        f = env[self.output].primal
         adj = self._adjoints(env, f)
-        blocks = dict(out.blocks)
         rf = f.ndim
-        if self.order == 1:
-            for i, node in enumerate(self.placeholders):
-                k = self.wrt_of.get(i)
-                if k is not None and node in adj:
-                    g = adj[node]
-                    r = g.ndim - rf
-                    blocks[(k,)] = g.permute(list(range(r, g.ndim)) + list(range(r)))
-            return self._outputs(f, blocks)
-        top: dict[MultiIndex, list] = {}
-        for node in self.nodes:
-            g = adj.get(node)
-            if not isinstance(g, Block) or node.op != "call_function" or node.target is operator.getitem:
-                continue
-            with fx_traceback.annotate({"hoad": node.name}):
-                rem = self._apply(node, env, [self.order], adjoint=g)
-            if not isinstance(rem, dict):  # no top-order keys here, or a multi-output (linear) op
-                continue
-            for K, b in rem.items():
-                if isinstance(b, Contracted):
-                    b = b.block
-                else:
-                    r = g.ndim - rf
-                    o, fo = out_labels(r), adjoint_labels(rf)
-                    slots = [("s", a) for a in range(b.ndim - r)]
-                    b = contract([(g, o + fo), (b, o + slots)], fo + slots)
-                top.setdefault(K, []).append(b)
-        for K, parts in top.items():
-            blocks[K] = add(parts)
+        blocks: dict[MultiIndex, Block] = {}
+        for i, node in enumerate(self.placeholders):
+            k = self.wrt_of.get(i)
+            if k is not None and node in adj:
+                g = adj[node]
+                r = g.ndim - rf
+                blocks[(k,)] = g.permute(list(range(r, g.ndim)) + list(range(r)))
+        for k in range(2, self.order + 1):
+            below = env if k == self.order else _truncated(env, k)
+            parts: dict[MultiIndex, list] = {}
+            for node in self.nodes:
+                g = adj.get(node)
+                if not isinstance(g, Block) or node.op != "call_function" or node.target is operator.getitem:
+                    continue
+                with fx_traceback.annotate({"hoad": node.name}):
+                    rem = self._apply(node, below, [k], adjoint=g)
+                if not isinstance(rem, dict):  # no order-k keys here, or a multi-output (linear) op
+                    continue
+                for K, b in rem.items():
+                    parts.setdefault(K, []).append(self._contracted(b, g, rf))
+            blocks.update((K, add(bs)) for K, bs in parts.items())
         return self._outputs(f, blocks)
+
+    @staticmethod
+    def _contracted(b, g: Block, rf: int) -> Block:
+        """⟨ḡ, R⟩ over the node's axes (the combinators usually did it already)."""
+        if isinstance(b, Contracted):
+            return b.block
+        r = g.ndim - rf
+        o, fo = out_labels(r), adjoint_labels(rf)
+        slots = [("s", a) for a in range(b.ndim - r)]
+        return contract([(g, o + fo), (b, o + slots)], fo + slots)
 
     def _outputs(self, value: torch.Tensor, blocks: dict) -> tuple:
         all_keys = all_multi_indices(len(self.slot_shapes), self.order)
@@ -341,6 +346,18 @@ class _Interpreter:
                     "sample separately (e.g. eval-mode batchnorm, attention within a sample).")
         return BatchCouplingError("batch_dim=0 promises that samples are independent, but the output's derivative "
                                   "blocks mix samples; drop batch_dim to get the full blocks.")
+
+
+def _truncated(env: dict, k: int) -> dict:
+    """The environment with every jet cut to orders below ``k`` (remainders of order k)."""
+    def cut(v):
+        if isinstance(v, Jet):
+            return Jet(v.primal, {K: b for K, b in v.blocks.items() if len(K) < k}, v.varies)
+        if isinstance(v, tuple):
+            return tuple(cut(x) for x in v)
+        return v
+
+    return {n: cut(v) for n, v in env.items()}
 
 
 def _primal_of(v):
