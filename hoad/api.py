@@ -32,7 +32,8 @@ MODES = ("auto", "forward", "reverse")
 
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
-            mode: str = "auto", batch_dim: int | None = None) -> Compiled | Callable[[Callable], Compiled]:
+            mode: str = "auto", batch_dim: int | None = None,
+            diagonal: bool = False) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
     ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple of them;
@@ -50,8 +51,11 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     samples: blocks come back per sample, ``res[0, 0].shape == (B, *out[1:], *x[1:], *x[1:])``
     (``torch.func.vmap(hessian(f_single))(X)``), and an op that mixes samples raises
     :class:`hoad.BatchCouplingError` naming it.
+    ``diagonal=True`` computes pure derivatives only: ``res[0, 0][..., i] = ∂²f/∂x_i²`` with shape
+    ``f.shape + x.shape`` (each wrt input's axes once per block), at a fraction of the cost;
+    the Laplacian is ``res[0, 0].sum()`` over x's axes.
     """
-    options = dict(backend=backend, mode=mode, batch_dim=batch_dim)
+    options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
     _check_options(order, wrt, **options)
     if fn is None:
         return lambda f: Compiled(f, order, wrt, **options)
@@ -60,7 +64,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
-def _check_options(order, wrt, backend, mode, batch_dim=None) -> None:
+def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False) -> None:
     backend = DEFAULT_BACKEND if backend is None else backend
     if order is None:
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
@@ -83,6 +87,8 @@ def _check_options(order, wrt, backend, mode, batch_dim=None) -> None:
         raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
     if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):
         raise InvalidArgumentError(f"batch_dim must be None or 0 (samples along the first dim), got {batch_dim!r}")
+    if not isinstance(diagonal, bool):
+        raise InvalidArgumentError(f"diagonal must be True or False, got {diagonal!r}")
 
 
 class _Parameters:
@@ -109,9 +115,9 @@ class Compiled:
     """
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
-                 batch_dim: int | None = None, module: torch.nn.Module | None = None):
+                 batch_dim: int | None = None, diagonal: bool = False, module: torch.nn.Module | None = None):
         backend = DEFAULT_BACKEND if backend is None else backend
-        _check_options(order, wrt, backend, mode, batch_dim)
+        _check_options(order, wrt, backend, mode, batch_dim, diagonal)
         if module is None and isinstance(fn, torch.nn.Module):
             module, fn = fn, type(fn).forward
         elif module is None and inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
@@ -121,8 +127,8 @@ class Compiled:
         self.module = module
         self.order = order
         self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
-        self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim)
-        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim)
+        self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
+        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
         self._method = module is None and bool(names) and names[0] == "self"
@@ -325,7 +331,7 @@ class _Entry:
         self.build = b
         self.program = p = b.program
         self.run = b.run
-        self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order)
+        self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
 
     def result(self, tensors) -> Derivatives:
         return self.spec.result(self.run(*tensors))

@@ -14,16 +14,18 @@ from hoad.multiindex import MultiIndex
 class ResultSpec:
     """What every result of one compiled signature shares: built once, not per call."""
 
-    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order")
+    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order", "diagonal")
 
     def __init__(self, keys: Sequence[MultiIndex], zeros: Sequence[MultiIndex], wrt: Sequence[Hashable],
-                 aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]], order: int):
+                 aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]], order: int,
+                 diagonal: bool = False):
         self.keys = tuple(keys)
         self.zeros = frozenset(zeros)
         self.wrt = list(wrt)
         self.aliases = dict(aliases)
         self.slot_shapes = [tuple(s) for s in slot_shapes]
         self.order = order
+        self.diagonal = diagonal
 
     def result(self, outs) -> Derivatives:
         """Wrap a program's outputs ``(value, *blocks)``."""
@@ -81,7 +83,7 @@ class Derivatives(Mapping):
     def __getitem__(self, key) -> torch.Tensor:
         K, positions = self._resolve(key)
         block = self._block(K)
-        if positions == list(K):
+        if self._slots(positions) == self._slots(K):
             return block
         return block.permute(self._slot_permutation(K, positions))
 
@@ -124,15 +126,20 @@ class Derivatives(Mapping):
             self._zero_cache[K] = self.value.new_zeros(self._zero_shape(K))
         return self._zero_cache[K]
 
+    def _slots(self, K) -> list[int]:
+        """The wrt positions whose axes a block of K carries, in order (once each when diagonal)."""
+        return list(dict.fromkeys(K)) if self._spec.diagonal else list(K)
+
     def _zero_shape(self, K: MultiIndex) -> tuple[int, ...]:
         shape = list(self.value.shape)
-        for p in K:
+        for p in self._slots(K):
             shape += self._slot_shapes[p]
         return tuple(shape)
 
     def _slot_permutation(self, K: MultiIndex, positions: list[int]) -> list[int]:
         """Axis permutation taking the canonical block to the requested slot order."""
         r = self.value.ndim
+        K, positions = self._slots(K), self._slots(positions)
         ranks = [len(self._slot_shapes[p]) for p in K]
         offsets = [r + sum(ranks[:i]) for i in range(len(K))]
         used = [False] * len(K)

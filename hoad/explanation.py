@@ -28,7 +28,8 @@ class Explanation:
         out = math.prod(p.out_shape)
         rows = []
         for K in all_multi_indices(len(p.wrt_names), p.order):
-            dense = out * math.prod(math.prod(p.slot_shapes[k]) for k in K)
+            slots = dict.fromkeys(K) if p.diagonal else K  # pure derivatives carry each input once
+            dense = out * math.prod(math.prod(p.slot_shapes[k]) for k in slots)
             key = "(" + ", ".join(p.wrt_names[k] for k in K) + ")"
             if K in p.stored:
                 rows.append([len(K), key, dense, p.stored[K], f"{dense / max(p.stored[K], 1):.1f}x"])
@@ -46,8 +47,9 @@ class Explanation:
     def __str__(self) -> str:
         b, p = self.build, self.program
         ordered, canonical = self.symmetry()
+        extras = "".join([", batch_dim=0" if p.batch_dim is not None else "", ", diagonal" if p.diagonal else ""])
         lines = [f"hoad program: order {p.order}, wrt ({', '.join(p.wrt_names)}), output shape {tuple(p.out_shape)}, "
-                 f"direction {p.direction} (mode={b.config.mode}), backend {b.config.backend}",
+                 f"direction {p.direction} (mode={b.config.mode}), backend {b.config.backend}{extras}",
                  f"Schwarz symmetry: {canonical} canonical blocks computed instead of {ordered} ordered ones",
                  "",
                  tabulate(self.blocks_table(), headers=["order", "block", "dense entries", "stored entries", "saved"],

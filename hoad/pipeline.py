@@ -32,6 +32,7 @@ class Config:
     backend: str = "inductor"
     mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
     batch_dim: int | None = None  # 0: dim 0 of the output and of every wrt input indexes samples
+    diagonal: bool = False        # pure derivatives only (∂²/∂x_i², the diagonal of each block)
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -74,7 +75,7 @@ def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
     fused = b.config.backend == "inductor"
     b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                     fused=fused)
+                                     fused=fused, diagonal=b.config.diagonal)
                     for d in b.config.directions}
     return b
 

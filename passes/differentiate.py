@@ -52,18 +52,21 @@ class Program:
     slot_shapes: list[tuple[int, ...]]
     stored: dict[MultiIndex, int] = field(default_factory=dict)   # compact entries of each block
     batch_dim: int | None = None           # blocks are per sample along this axis (slot_shapes per sample)
+    diagonal: bool = False                 # blocks hold pure derivatives only (one axis copy per wrt input)
     stats: dict = field(default_factory=dict)
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
-                  fused: bool = False) -> Program:
+                  fused: bool = False, diagonal: bool = False) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
     With ``batch_dim=0`` the blocks come back per sample: the output's first axis must stay
     tied (diagonal) to the first axis of every slot, else :class:`BatchCouplingError` names the
-    op that coupled the samples. ``fused``: a fusing compiler (Inductor) will compile the
+    op that coupled the samples. With ``diagonal`` only pure derivatives are computed: the slots of
+    one wrt input share their labels, and each block comes back with one copy of its axes.
+    ``fused``: a fusing compiler (Inductor) will compile the
     program, so layout copies are cheap and matrix products may take their fastest orientation.
     """
     if direction not in DIRECTIONS:
@@ -73,7 +76,7 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     leaves = [n.meta["val"] for n in placeholders]
     wrt_names = [captured.leaf_names[i] for i in captured.wrt_leaves]
     interp = _Interpreter(primal, captured.wrt_leaves, [tuple(leaves[i].shape) for i in captured.wrt_leaves],
-                          wrt_names, order, where, batch_dim)
+                          wrt_names, order, where, batch_dim, diagonal)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     token = WIDE_GEMMS.set(fused)
     try:
@@ -85,14 +88,14 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim)
+                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, diagonal=diagonal)
 
 
 class _Interpreter:
     """Walks the primal graph with jets; its two ``*_program`` methods are what make_fx traces."""
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
-                 batch_dim: int | None = None):
+                 batch_dim: int | None = None, diagonal: bool = False):
         self.primal = primal
         self.nodes = list(primal.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
@@ -103,6 +106,7 @@ class _Interpreter:
         self.order = order
         self.where = where
         self.batch_dim = batch_dim
+        self.diagonal = diagonal
         self.deps = self._dependencies()
         self.names: list[tuple[fx.Node, str]] = []
         self.keys: list[MultiIndex] = []
@@ -176,7 +180,7 @@ class _Interpreter:
         if not keys:
             return _constant(out, varies)
         rule = self._rule(RULES, node)
-        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint)
+        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal)
         blocks = self._call(rule, node, ctx, args, kwargs)
         if adjoint is not None:
             return blocks
@@ -303,29 +307,38 @@ class _Interpreter:
         outputs = [value]
         for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):
-                t = blocks[K].materialize() if self.batch_dim is None else self._per_sample(blocks[K], K, value.ndim)
+                t = self._output_block(blocks[K], K, value.ndim)
             _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output")
             outputs.append(t)
         return tuple(outputs)
 
-    # ---------------------------------------------------------------------------- batch_dim
-    def _sample_axes(self, K: MultiIndex, r: int) -> list[int]:
-        """Dense axes of block K that index the sample: the output's first axis, each slot's first."""
-        axes, at = [0], r
+    # ------------------------------------------------------------------ batch_dim, diagonal
+    def _kept_groups(self, K: MultiIndex, r: int) -> list[list[int]]:
+        """Dense axes of block K returned as one: under batch_dim the output's first axis with
+        each slot's first (the sample), under diagonal the same axis of every slot of one wrt
+        input (the pure derivative ∂^m/∂x_i^m)."""
+        offsets, at = [], r
         for k in K:
-            axes.append(at)
+            offsets.append(at)
             at += len(self.slot_shapes[k])
-        return axes
+        groups: list[list[int]] = []
+        if self.diagonal:
+            for k in sorted(set(K)):
+                ps = [p for p in range(len(K)) if K[p] == k]
+                groups += [[offsets[p] + t for p in ps] for t in range(len(self.slot_shapes[k]))] if len(ps) > 1 else []
+        if self.batch_dim is not None:
+            sample = [0] + offsets
+            groups = [g for g in groups if not set(g) & set(sample)] + [sorted(set(sample).union(
+                *[g for g in groups if set(g) & set(sample)]))]
+        return groups
 
-    def _per_sample(self, blk: Block, K: MultiIndex, r: int) -> torch.Tensor:
-        """Block K with its sample axes collapsed into one: (B, *out[1:], *x[1:], …)."""
-        axes = self._sample_axes(K, r)
-        if blk.shape[0] == 1:  # a single sample: nothing to check, drop the slots' sample axes
-            dense = blk.materialize()
-            return dense.reshape([n for a, n in enumerate(dense.shape) if a not in axes[1:]])
-        if len({blk.dims[a] for a in axes}) != 1:
-            raise self._coupling_error()
-        return blk.materialize(keep=axes)
+    def _output_block(self, blk: Block, K: MultiIndex, r: int) -> torch.Tensor:
+        groups = self._kept_groups(K, r)
+        if self.batch_dim is not None and blk.shape[0] > 1:
+            sample = groups[-1]
+            if len({blk.dims[a] for a in sample}) != 1:
+                raise self._coupling_error()
+        return blk.materialize(groups)
 
     def _coupling_error(self) -> BatchCouplingError:
         """Name the first op whose first-order blocks stop keeping samples apart."""

@@ -138,7 +138,7 @@ def test_materialize_keep_ties(seed):
     x = torch.randn(3, 2, dtype=torch.float64)
     seed_blk = Block.identity(x, (3, 2))
     # keep axis 0 tied to slot axis 0: per-row Jacobian, i.e. the diagonal over rows
-    got = seed_blk.materialize(keep=[0, 2])
+    got = seed_blk.materialize([[0, 2]])
     torch.testing.assert_close(got, torch.eye(2, dtype=torch.float64).expand(3, 2, 2))
 
 

@@ -66,6 +66,9 @@ class Ctx:
     slot_shapes: tuple[tuple[int, ...], ...]
     out: Any
     adjoint: Block | None = None
+    # Pure derivatives only (∂²/∂x_i², not ∂²/∂x_i∂x_j): slots of the same wrt input share their
+    # einsum labels, so every block is computed on its diagonal and nowhere else.
+    diagonal: bool = False
 
     @property
     def max_order(self) -> int:
@@ -79,6 +82,8 @@ class Ctx:
         """Einsum labels of the slot axes of ``K`` at ``positions`` (all slots by default)."""
         if positions is None:
             positions = range(len(K))
+        if self.diagonal:
+            return [("s", K[p], a) for p in positions for a in range(len(self.slot_shapes[K[p]]))]
         return [("s", p, a) for p in positions for a in range(len(self.slot_shapes[K[p]]))]
 
     def slot_shape(self, K: MultiIndex) -> tuple[int, ...]:
