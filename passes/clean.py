@@ -110,8 +110,55 @@ def dce(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+# Constants larger than this stay computed at run time rather than stored with the program.
+FOLD_LIMIT_BYTES = 64 * 2**20
+
+
+def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    """Compute once, at compile time, every value that depends on no program input.
+
+    A function's closed-over tensors are constants of its program, so their derivative
+    products (W1 ⊗ W1 ⊗ W1 for the remainders of a first layer, identity matrices) need not be
+    recomputed on every call. Values over FOLD_LIMIT_BYTES stay in the program.
+    """
+    values: dict[fx.Node, object] = {}
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            values[node] = getattr(gm, node.target)
+            continue
+        if node.op != "call_function" or node.target in RANDOM or not _pure(node):
+            continue
+        if not all(a in values for a in node.all_input_nodes):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a])
+        values[node] = node.target(*args, **kwargs)
+    for node, value in values.items():
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        if all(u in values for u in node.users) or value.numel() * value.element_size() > FOLD_LIMIT_BYTES:
+            continue
+        name = f"_folded_{folded}"
+        folded += 1
+        gm.register_buffer(name, value.contiguous() if 0 in value.stride() else value, persistent=False)
+        with gm.graph.inserting_before(node):
+            const = gm.graph.get_attr(name)
+        const.meta = dict(node.meta)
+        node.replace_all_uses_with(const)
+    if folded:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _pure(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not schema.is_mutable
+
+
 def clean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold layout ops and merge duplicates until nothing changes."""
+    """Fold constants and layout ops and merge duplicates until nothing changes."""
+    gm = fold_constants(gm)
     before = None
     while before != len(gm.graph.nodes):
         before = len(gm.graph.nodes)
