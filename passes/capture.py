@@ -108,6 +108,18 @@ class CallLayout:
     names: tuple[str, ...]           # a readable name per tensor leaf
     tops: tuple                      # per tensor leaf: ("pos", i) / ("kw", name) if it is an argument itself
 
+    def flat(self, fn: Callable) -> Callable:
+        """``fn`` as a function of this call's tensor leaves alone (the rest is fixed)."""
+
+        def flat_fn(*ts):
+            leaves = list(self.static)
+            for slot, t in zip(self.tensor_slots, ts):
+                leaves[slot] = t
+            args, kwargs = pytree.tree_unflatten(leaves, self.treedef)
+            return fn(*args, **kwargs)
+
+        return flat_fn
+
 
 def user_frame(tb) -> str | None:
     """The innermost traceback frame outside torch and hoad, as 'file:line: code'."""
@@ -130,12 +142,7 @@ def user_frame(tb) -> str | None:
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int]) -> Captured:
     """Trace ``fn`` called with ``tensors`` placed into ``layout`` to an ATen GraphModule."""
 
-    def flat_fn(*ts):
-        leaves = list(layout.static)
-        for slot, t in zip(layout.tensor_slots, ts):
-            leaves[slot] = t
-        args, kwargs = pytree.tree_unflatten(leaves, layout.treedef)
-        return fn(*args, **kwargs)
+    flat_fn = layout.flat(fn)
 
     # fresh storage per leaf, so one tensor passed twice still gives two independent inputs
     fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
@@ -298,12 +305,7 @@ def locate(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], no
                 self.seen += 1
             return func(*args, **(kwargs or {}))
 
-    def flat_fn(*ts):
-        leaves = list(layout.static)
-        for slot, t in zip(layout.tensor_slots, ts):
-            leaves[slot] = t
-        args, kwargs = pytree.tree_unflatten(leaves, layout.treedef)
-        return fn(*args, **kwargs)
+    flat_fn = layout.flat(fn)
 
     fresh = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     try:
