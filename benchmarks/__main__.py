@@ -1,8 +1,9 @@
-"""``python -m benchmarks [--quick] [--only SUBSTRING] [--write-readme] [--no-compile]``
+"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--write-readme] [--no-compile]``
 
-Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, prints the
-tables, writes ``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with
-``--write-readme`` regenerates the README's benchmark section.
+Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, then the
+targets the issues set (:mod:`benchmarks.targets`), prints the tables, writes
+``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with ``--write-readme``
+regenerates the README's benchmark section.
 """
 
 from __future__ import annotations
@@ -19,35 +20,45 @@ from benchmarks.env import pin_one_thread
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     parser.add_argument("--quick", action="store_true", help="a few points per workload, short timing (< 5 min)")
-    parser.add_argument("--only", metavar="SUBSTRING", help="run the workloads whose id contains SUBSTRING")
+    parser.add_argument("--targets", action="store_true", help="run only the targets the issues set (no workloads)")
+    parser.add_argument("--only", metavar="SUBSTRING",
+                        help="run the workloads whose id contains SUBSTRING (and no targets)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     parser.add_argument("--write-readme", action="store_true", help="replace the README's benchmark section")
-    parser.add_argument("--list", action="store_true", help="list the workload ids and exit")
+    parser.add_argument("--list", action="store_true", help="list the workload ids and the targets, and exit")
     args = parser.parse_args(argv)
-    if args.write_readme and args.only:
-        parser.error("--write-readme needs the whole suite; drop --only")
+    if args.write_readme and (args.only or args.targets):
+        parser.error("--write-readme needs the whole suite; drop --only and --targets")
+    if args.only and args.targets:
+        parser.error("--only selects workloads and --targets runs no workloads: use one of them")
 
     faulthandler.enable()  # should hoad itself crash the process, show where
     pin_one_thread()  # before torch or jax is imported anywhere below
-    from benchmarks import env, report, workloads
+    from benchmarks import env, report, targets, workloads
     from benchmarks.runner import Settings, run_workload
     from benchmarks.timing import FULL, QUICK
 
-    chosen = workloads.select(args.quick, args.only)
+    chosen = [] if args.targets else workloads.select(args.quick, args.only)
     if args.list:
         print("\n".join(f"{w.id}{'  (quick)' if w.quick else ''}" for w in chosen))
+        if not args.only:
+            print("\n".join(f"target {t.row} (issue {t.issue}): {line.hoad}" for t in targets.TARGETS
+                            for line in t.lines))
         return 0
-    if not chosen:
+    if args.only and not chosen:
         parser.error(f"no workload id contains {args.only!r} (see --list)")
     settings = Settings(quick=args.quick, budget=QUICK if args.quick else FULL, compile_peers=not args.no_compile,
                         compile_timeout_s=180.0 if args.quick else 600.0)
     start = time.perf_counter()
-    results = {"machine": env.machine(), "mode": "quick" if args.quick else "full",
+    mode = "targets" if args.targets else "quick" if args.quick else "full"
+    results = {"machine": env.machine(), "mode": mode,
                "command": " ".join(["python -m benchmarks", *argv]), "only": args.only,
                "stamp": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "workloads": []}
     for i, w in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {w.id}", file=sys.stderr, flush=True)
         results["workloads"].append(run_workload(w, settings))
+    if not args.only:
+        results["targets"] = targets.run_targets(settings.budget)
     results["seconds"] = time.perf_counter() - start
 
     print(report.render(results))

@@ -32,6 +32,7 @@ import hoad
 from benchmarks import env
 from benchmarks.reference import TORCH, MultiIndex, answer_fn, canonical, compare, jax_transforms, nested_blocks
 from benchmarks.timing import median, time_calls
+from benchmarks.worker import PREFIX
 from benchmarks.workloads import Problem, Workload
 
 COLUMNS = ("hoad", "torch.func", "torch.compile", "autograd.F", "jax.jit")
@@ -138,13 +139,14 @@ class Hoad:
                 cf = self._compile(option)
             except (TypeError, hoad.InvalidArgumentError):
                 continue  # this hoad does not offer the option yet
-            outcome = InProcess("hoad", "", first=functools.partial(self._answer, cf, option, every_order=True)).start(ref)
-            outcome.config = self._config(cf, option)
+            answer = functools.partial(hoad_answer, self.p, cf, option.samples, True)
+            outcome = InProcess("hoad", "", first=answer).start(ref)
+            outcome.config = hoad_config(cf, option)
             if outcome.status == "error":
                 failures.append(outcome)
                 continue
             outcome.note = "; ".join(filter(None, [outcome.note, *(f"{f.config}: {f.note}" for f in failures)]))
-            self.timed = functools.partial(self._answer, cf, option, every_order=False)
+            self.timed = functools.partial(hoad_answer, self.p, cf, option.samples, False)
             return outcome
         if failures:
             first = failures[0]
@@ -170,19 +172,6 @@ class Hoad:
             return hoad.compile(summed, **kwargs)
         return hoad.compile(p.fn, **kwargs)
 
-    def _answer(self, cf: hoad.Compiled, option: HoadOption, every_order: bool) -> dict[MultiIndex, torch.Tensor]:
-        p = self.p
-        res = cf(*p.args)
-        orders = range(1, p.order + 1) if every_order and not p.laplacian else [p.order]
-        blocks = {}
-        for k in orders:
-            for K in canonical(len(p.wrt), k):
-                block = res[tuple(p.wrt[i] for i in K)]
-                if option.samples == "summed":  # res.value is Σ_b f(X_b): the output without its batch axis
-                    block = per_sample_blocks(block, res.value.ndim, p.sample.ndim - 1, k)
-                blocks[K] = TORCH.trace(block) if p.laplacian else block
-        return blocks
-
     def _dense_numel(self) -> int:
         """Elements of the dense top-order block of Σ_b f(X_b)."""
         X = self.p.sample
@@ -193,10 +182,26 @@ class Hoad:
         why = "batch_dim failed" if batch_dim_offered else "no batch_dim in this hoad"
         return f"{why}, and the Σ_b fallback needs a dense order-{self.p.order} block of {gib:.0f} GiB"
 
-    @staticmethod
-    def _config(cf: hoad.Compiled, option: HoadOption) -> str:
-        config = f"{option.backend}/{_chosen_mode(cf)}"
-        return config + {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
+
+def hoad_answer(p: Problem, cf: hoad.Compiled, samples: str, every_order: bool) -> dict[MultiIndex, torch.Tensor]:
+    """hoad's answer to ``p`` from one call of ``cf``: every order 1..N (what is checked) or the top
+    order only (what is timed); ``samples`` says how ``cf`` was compiled (see :class:`HoadOption`)."""
+    res = cf(*p.args)
+    orders = range(1, p.order + 1) if every_order and not p.laplacian else [p.order]
+    blocks = {}
+    for k in orders:
+        for K in canonical(len(p.wrt), k):
+            block = res[tuple(p.wrt[i] for i in K)]
+            if samples == "summed":  # res.value is Σ_b f(X_b): the output without its batch axis
+                block = per_sample_blocks(block, res.value.ndim, p.sample.ndim - 1, k)
+            blocks[K] = TORCH.trace(block) if p.laplacian else block
+    return blocks
+
+
+def hoad_config(cf: hoad.Compiled, option: HoadOption) -> str:
+    """The config label: backend/mode, then how per-sample blocks were obtained."""
+    config = f"{option.backend}/{_chosen_mode(cf)}"
+    return config + {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
 
 
 def _chosen_mode(cf: hoad.Compiled) -> str:
@@ -323,8 +328,8 @@ class CompiledInWorker:
     # ----------------------------------------------------------------------------- helpers
     def _read(self) -> None:
         for line in self.proc.stdout:
-            if line.startswith("@@bench "):
-                self.replies.put(json.loads(line[len("@@bench "):]))
+            if line.startswith(PREFIX):
+                self.replies.put(json.loads(line[len(PREFIX):]))
         self.replies.put(None)  # end of output: the worker is gone
 
     def _reply(self, timeout: float) -> dict | None:

@@ -29,6 +29,14 @@ against nested torch.func in float64 before it was timed: `WRONG` is never timed
 torch.compile runs in a worker process per workload; its first call uses the Inductor cache as
 found on the machine."""
 
+TARGETS_LEGEND = """\
+The numbers the issues ask for (`python -m benchmarks --targets` runs only these), measured side
+by side in this run: hoad first, the named baseline second, both checked against nested
+torch.func in float64 before being timed (medians of interleaved rounds). `measured` is hoad /
+baseline for times, or hoad's own size or time (peak memory growth and first calls are measured in
+fresh processes); `met` holds it against `target`. The notes give each contender's config and time
+(`auto→reverse`: the direction hoad's cost model chose) and whatever failed."""
+
 
 # ------------------------------------------------------------------------------- the file
 def write_results(results: dict) -> Path:
@@ -114,6 +122,31 @@ def problems(records: list[dict]) -> list[str]:
     return lines
 
 
+def _measured(r: dict) -> str:
+    if r["value"] is None:
+        return "skipped" if r["status"] == "skipped" else "—"
+    number = f"{r['value']:.0f}" if r["unit"] == "MB" else f"{r['value']:.2f}"
+    return f"{number} {r['unit']}".strip()
+
+
+def target_rows(records: list[dict]) -> list[list[str]]:
+    met = {True: "yes", False: "no", None: "—"}
+    return [[str(r["row"]), str(r["issue"]), r["hoad"], r["hoad_cell"], r["baseline"], r["baseline_cell"],
+             _measured(r), r["target"], met[r["met"]]] for r in records]
+
+
+def target_notes(records: list[dict]) -> list[str]:
+    return [f"{r['row']}. {r['note']}" for r in records if r["note"]]
+
+
+def render_targets(records: list[dict]) -> list[str]:
+    headers = ["#", "issue", "hoad", "hoad result", "baseline", "baseline result", "measured", "target", "met"]
+    met = sum(1 for r in records if r["met"])
+    return ["#### Targets from the issues", "", TARGETS_LEGEND, "",
+            tabulate(target_rows(records), headers, tablefmt="github", disable_numparse=True), "",
+            f"{met} of {len(records)} targets met.", "", *(f"- {line}" for line in target_notes(records))]
+
+
 def render(results: dict) -> str:
     """The whole report as Markdown (github tables read well in a terminal too)."""
     m = results["machine"]
@@ -121,7 +154,11 @@ def render(results: dict) -> str:
     pinned = f", pinned to {m['pinned_cores']} core" if m.get("pinned_cores") else ""
     out = [f"Machine: {m['cpu']}, {m['cores']} cores{pinned}, {m['threads']} thread; Python {m['python']}, "
            f"torch {m['torch']}, {jax}; hoad {m['hoad']} ({m['commit']}); {m['date']}. "
-           f"`{results['command']}` took {results['seconds'] / 60:.1f} min.", "", LEGEND]
+           f"`{results['command']}` took {results['seconds'] / 60:.1f} min."]
+    if results.get("targets"):
+        out += ["", *render_targets(results["targets"])]
+    if results["workloads"]:
+        out += ["", LEGEND]
     headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in PEERS), "hoad / best"]
     groups: dict[str, list[dict]] = {}
     for r in results["workloads"]:
@@ -129,9 +166,10 @@ def render(results: dict) -> str:
     for group, records in groups.items():
         out += ["", f"#### {group}", "", tabulate(steady_state_rows(records), headers, tablefmt="github",
                                                   disable_numparse=True)]
-    out += ["", "#### First call (trace + compile), seconds", "",
-            tabulate(first_call_rows(results["workloads"]), ["workload", *COMPILED], tablefmt="github",
-                     disable_numparse=True)]
+    if results["workloads"]:
+        out += ["", "#### First call (trace + compile), seconds", "",
+                tabulate(first_call_rows(results["workloads"]), ["workload", *COMPILED], tablefmt="github",
+                         disable_numparse=True)]
     lines = problems(results["workloads"])
     if lines:
         out += ["", "#### Failures, fallbacks, workloads hoad did not run", "", *(f"- {line}" for line in lines)]

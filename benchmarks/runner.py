@@ -1,5 +1,6 @@
 """One workload, start to finish: the reference, each contender's first call and check, then
-interleaved timing of the contenders that answered correctly."""
+interleaved timing of the contenders that answered correctly (:func:`measure`, which the targets
+use too)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,24 @@ def run_workload(w: Workload, settings: Settings) -> dict:
         record["seconds"] = time.perf_counter() - start
         return record
     contenders = peers.contenders(p, w, settings.quick, settings.compile_peers, settings.compile_timeout_s)
+    outcomes = measure([(c, ref) for c in contenders], settings.budget)
+    record["outcomes"] = {name: outcome.as_dict() for name, outcome in outcomes.items()}
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def measure(entries: list[tuple[object, dict]], budget: Budget) -> dict[str, Outcome]:
+    """Each contender's :class:`Outcome`, by name: its first call checked against its reference
+    (``entries`` pairs them), then interleaved timing of the ones that answered correctly."""
     outcomes: dict[str, Outcome] = {}
+    contenders = [c for c, _ in entries]
     try:
-        for c in contenders:
+        for c, ref in entries:
             _progress(f"    {c.name:<14} ", end="")  # named first: a crash of this process shows where
             outcomes[c.name] = c.start(ref)
             _progress(_first_call_line(outcomes[c.name]))
         timed = [c for c in contenders if outcomes[c.name].status == "ok"]
-        samples, failures = interleave(timed, settings.budget)
+        samples, failures = interleave(timed, budget)
         for c, times in zip(timed, samples):
             outcomes[c.name].times = times
         for i, e in failures.items():
@@ -52,9 +63,7 @@ def run_workload(w: Workload, settings: Settings) -> dict:
     finally:
         for c in contenders:
             c.close()
-    record["outcomes"] = {name: outcome.as_dict() for name, outcome in outcomes.items()}
-    record["seconds"] = time.perf_counter() - start
-    return record
+    return outcomes
 
 
 def _first_call_line(o: Outcome) -> str:

@@ -17,17 +17,28 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from benchmarks.env import pin_one_thread
 
 
-def main(workload_id: str, answer_path: str) -> None:
+PREFIX = "@@bench "  # marks a protocol line on stdout
+
+
+def protocol_channel() -> Callable[[dict], None]:
+    """``send(message)``: one protocol line on the original stdout; from here on, anything else
+    printed to stdout lands on stderr."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything else printed to stdout lands on stderr
+    os.dup2(2, 1)
 
     def send(message: dict) -> None:
-        protocol.write("@@bench " + json.dumps(message) + "\n")
+        protocol.write(PREFIX + json.dumps(message) + "\n")
 
+    return send
+
+
+def main(workload_id: str, answer_path: str) -> None:
+    send = protocol_channel()
     pin_one_thread()
     import torch
 

@@ -98,6 +98,27 @@ def seed_mlp(batch: int, size: int, depth: int, order: int, wrt_params: bool = F
     return build
 
 
+def seed_mlp_per_sample(batch: int, size: int = 10, depth: int = 3, order: int = 2) -> Callable[[], Problem]:
+    """The seed MLP with one output per sample: each row's softmax is weighted and summed on its
+    own, so row b depends on X_b only. The weights do not depend on ``batch`` (only X does)."""
+
+    def build() -> Problem:
+        g = _generator()
+        Ps = [torch.randn(size, size, generator=g, dtype=DT) / math.sqrt(size) for _ in range(depth)]
+        weights = torch.randn(size, generator=g, dtype=DT)
+        X = torch.randn(batch, size, generator=_generator(1), dtype=DT)
+
+        def mlp(x):  # one sample (size,) -> (), or a batch (B, size) -> (B,)
+            T = x
+            for P in Ps[:-1]:
+                T = torch.relu(T @ P)
+            return (torch.softmax(T @ Ps[-1], dim=-1) * weights).sum(-1)
+
+        return Problem(mlp, (X,), order, per_sample=True)
+
+    return build
+
+
 def _seed_grid(quick: bool) -> list[tuple[int, int, int]]:
     """(batch, size, depth) points: each axis varied around the seed's 10 x 10, depth 3."""
     batches, sizes, depths = ((40,), (40,), (6,)) if quick else ((20, 40, 80), (20, 40, 80), (2, 4, 6, 8, 10))
