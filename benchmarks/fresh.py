@@ -35,7 +35,7 @@ def memory(backend: str, batch: int, order: int) -> dict:
     option = HoadOption(backend, "batch_dim")
     cf = hoad.compile(p.fn, order=order, backend=backend, batch_dim=0)
     start = time.perf_counter()
-    answer = hoad_answer(p, cf, option.samples, every_order=True)
+    answer = hoad_answer(p, cf, option, every_order=True)
     first_call_s = time.perf_counter() - start
     rows = dataclasses.replace(p, args=(p.sample[:CHECK_ROWS],))
     check = compare({K: block[:CHECK_ROWS] for K, block in answer.items()}, reference(rows))
@@ -67,7 +67,7 @@ def first_call() -> dict:
     p = workloads.tanh_mlp(3, None)()
     cf = hoad.compile(p.fn, order=p.order)
     option = HoadOption(cf.config.backend, "dense")
-    answer = hoad_answer(p, cf, option.samples, every_order=True)
+    answer = hoad_answer(p, cf, option, every_order=True)
     seconds = time.perf_counter() - start
     check = compare(answer, reference(p))
     return {"status": "ok" if check.ok else "WRONG", "seconds": seconds, "config": hoad_config(cf, option),

@@ -107,14 +107,17 @@ class InProcess:
 class HoadOption:
     backend: str
     samples: str  # "dense" (not per-sample) | "batch_dim" | "summed" (Σ_b f(X_b), diagonal blocks read off)
+    diagonal: bool = False  # pure derivatives only (a Laplacian needs no mixed ∂²/∂x_i∂x_j)
 
 
 def hoad_options(p: Problem) -> Iterator[HoadOption]:
-    """hoad configurations, best first: per-sample blocks via batch_dim before the Σ_b fallback,
-    Inductor before eager. ``mode`` stays "auto": hoad picks the direction."""
-    for samples in (("batch_dim", "summed") if p.per_sample else ("dense",)):
-        for backend in ("inductor", "eager"):
-            yield HoadOption(backend, samples)
+    """hoad configurations, best first: pure derivatives for a Laplacian, per-sample blocks via
+    batch_dim before the Σ_b fallback, Inductor before eager. ``mode`` stays "auto": hoad picks
+    the direction."""
+    for diagonal in ((True, False) if p.laplacian else (False,)):
+        for samples in (("batch_dim", "summed") if p.per_sample else ("dense",)):
+            for backend in ("inductor", "eager"):
+                yield HoadOption(backend, samples, diagonal)
 
 
 class Hoad:
@@ -139,14 +142,14 @@ class Hoad:
                 cf = self._compile(option)
             except (TypeError, hoad.InvalidArgumentError):
                 continue  # this hoad does not offer the option yet
-            answer = functools.partial(hoad_answer, self.p, cf, option.samples, True)
+            answer = functools.partial(hoad_answer, self.p, cf, option, True)
             outcome = InProcess("hoad", "", first=answer).start(ref)
             outcome.config = hoad_config(cf, option)
             if outcome.status == "error":
                 failures.append(outcome)
                 continue
             outcome.note = "; ".join(filter(None, [outcome.note, *(f"{f.config}: {f.note}" for f in failures)]))
-            self.timed = functools.partial(hoad_answer, self.p, cf, option.samples, False)
+            self.timed = functools.partial(hoad_answer, self.p, cf, option, False)
             return outcome
         if failures:
             first = failures[0]
@@ -164,6 +167,8 @@ class Hoad:
     def _compile(self, option: HoadOption) -> hoad.Compiled:
         p = self.p
         kwargs = dict(order=p.order, wrt=p.wrt, backend=option.backend, mode="auto")
+        if option.diagonal:
+            kwargs["diagonal"] = True
         if option.samples == "batch_dim":
             return hoad.compile(p.fn, batch_dim=0, **kwargs)
         if option.samples == "summed":
@@ -183,9 +188,10 @@ class Hoad:
         return f"{why}, and the Σ_b fallback needs a dense order-{self.p.order} block of {gib:.0f} GiB"
 
 
-def hoad_answer(p: Problem, cf: hoad.Compiled, samples: str, every_order: bool) -> dict[MultiIndex, torch.Tensor]:
+def hoad_answer(p: Problem, cf: hoad.Compiled, option: HoadOption, every_order: bool) -> dict[MultiIndex, torch.Tensor]:
     """hoad's answer to ``p`` from one call of ``cf``: every order 1..N (what is checked) or the top
-    order only (what is timed); ``samples`` says how ``cf`` was compiled (see :class:`HoadOption`)."""
+    order only (what is timed); ``option`` says how ``cf`` was compiled."""
+    samples = option.samples
     res = cf(*p.args)
     orders = range(1, p.order + 1) if every_order and not p.laplacian else [p.order]
     blocks = {}
@@ -194,14 +200,18 @@ def hoad_answer(p: Problem, cf: hoad.Compiled, samples: str, every_order: bool) 
             block = res[tuple(p.wrt[i] for i in K)]
             if samples == "summed":  # res.value is Σ_b f(X_b): the output without its batch axis
                 block = per_sample_blocks(block, res.value.ndim, p.sample.ndim - 1, k)
-            blocks[K] = TORCH.trace(block) if p.laplacian else block
+            if p.laplacian:  # pure derivatives hold the Hessian's diagonal itself
+                block = block.sum(tuple(range(block.ndim - (p.sample.ndim - 1), block.ndim))) if option.diagonal \
+                    else TORCH.trace(block)
+            blocks[K] = block
     return blocks
 
 
 def hoad_config(cf: hoad.Compiled, option: HoadOption) -> str:
     """The config label: backend/mode, then how per-sample blocks were obtained."""
     config = f"{option.backend}/{_chosen_mode(cf)}"
-    return config + {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
+    config += {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
+    return config + (", diagonal" if option.diagonal else "")
 
 
 def _chosen_mode(cf: hoad.Compiled) -> str:

@@ -95,8 +95,8 @@ class HoadContender(InProcess):
     """hoad in one given configuration (:class:`benchmarks.peers.Hoad` picks the best one instead):
     ``answer(every_order)`` calls ``cf``; the config label says which direction it chose."""
 
-    def __init__(self, name: str, cf: hoad.Compiled, samples: str, answer: Callable[[bool], dict]):
-        self.cf, self.option = cf, HoadOption(cf.config.backend, samples)
+    def __init__(self, name: str, cf: hoad.Compiled, option: HoadOption, answer: Callable[[bool], dict]):
+        self.cf, self.option = cf, option
         super().__init__(name, "", first=functools.partial(answer, True), timed=functools.partial(answer, False))
 
     def start(self, ref) -> Outcome:
@@ -109,7 +109,8 @@ def fixed_hoad(p: Problem, name: str = "hoad", **options) -> HoadContender:
     """hoad on ``p`` compiled with ``options`` (backend, mode, batch_dim)."""
     samples = "batch_dim" if options.get("batch_dim") == 0 else "dense"
     cf = hoad.compile(p.fn, order=p.order, wrt=p.wrt, **options)
-    return HoadContender(name, cf, samples, functools.partial(hoad_answer, p, cf, samples))
+    option = HoadOption(cf.config.backend, samples, bool(options.get("diagonal")))
+    return HoadContender(name, cf, option, functools.partial(hoad_answer, p, cf, option))
 
 
 def torch_func_of(p: Problem, name: str, config: str, fn: Callable | None = None) -> InProcess:
@@ -325,7 +326,7 @@ def module_parameter_hessian(budget: Budget) -> list[Measured]:
         return {(i, j): out[names[i]][names[j]] for i, j in canonical(len(names), 2)}
 
     ref = reference(p)
-    mine = HoadContender("hoad", model.loss, "dense", hoad_blocks)
+    mine = HoadContender("hoad", model.loss, HoadOption(model.loss.config.backend, "dense"), hoad_blocks)
     measured = ratio((mine, ref), [(InProcess("torch.func", "hessian(functional_call)", func_blocks), ref)], budget)
     measured.hoad += f" ({sum(t.numel() for t in params.values())} parameters)"
     return [measured]
