@@ -9,3 +9,16 @@ def test_readme_op_table_matches_rule_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert optable.embedded(readme) == optable.markdown().strip(), (
         "README op table is stale: regenerate it with `python -m hoad.optable --write`")
+
+
+def test_readme_examples_run(capsys):
+    """The README's Python blocks, run in order in one namespace, do what they say."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["res"]["fc2.weight", "fc1.bias"].shape == (1, 8, 8)
+    assert namespace["laplacian"].shape == (8,)
+    assert "def program(" in capsys.readouterr().out
