@@ -21,6 +21,8 @@ the derivative program is traced.
 from __future__ import annotations
 
 import contextvars
+import functools
+import itertools
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Callable
@@ -28,7 +30,7 @@ from typing import Callable
 import opt_einsum
 import torch
 
-from hoad.errors import internal_check
+from hoad.errors import HoadInternalError, internal_check
 
 Label = Hashable
 
@@ -394,15 +396,26 @@ def _diagonal(t: torch.Tensor, labels: list) -> tuple[torch.Tensor, list]:
 
 
 # --------------------------------------------------------------------------------- algebra
-def contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[Label],
-             sizes: dict | None = None) -> Block:
+def contract(operands: Sequence[tuple[Block | Lazy, Sequence[Label]]], out: Sequence[Label],
+             sizes: dict | None = None, lazy: bool = False) -> Block | Lazy:
     """Einsum over blocks: multiply the operands, sum labels absent from ``out``.
 
     Each operand names its dense axes with labels; equal labels across operands are the same
     index. The result's dense axes are named by ``out`` (a label may repeat: a diagonal). Ties
     inside operands are honoured, so a diagonal times a dense block stays compact. ``sizes`` gives
     the sizes of ``out`` labels that no operand has (broadcast axes). Size-1 axes take no part.
+
+    :class:`Lazy` operands are expanded into their products, so the whole expression is
+    contracted along one path (a factor W2ᵀ·D² is then never formed when only its contraction
+    with an adjoint is needed). With ``lazy`` the result itself stays unevaluated.
     """
+    if lazy or any(isinstance(b, Lazy) for b, _ in operands):
+        return _lazy_contract(operands, out, sizes or {}, lazy)
+    return _contract(operands, out, sizes)
+
+
+def _contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[Label],
+              sizes: dict | None = None) -> Block:
     size: dict = dict(sizes or {})
     parent: dict = {}
 
@@ -472,11 +485,14 @@ def meet(partitions: Sequence[Sequence]) -> list:
     return [None if None in key else index.setdefault(key, len(index)) for key in zip(*partitions)]
 
 
-def add(blocks: Sequence[Block]) -> Block:
-    """Sum of blocks with the same dense shape (their class structures may differ)."""
+def add(blocks: Sequence[Block | Lazy]) -> Block | Lazy:
+    """Sum of blocks with the same dense shape (their class structures may differ); a sum with a
+    :class:`Lazy` term stays lazy."""
     blocks = list(blocks)
     if len(blocks) == 1:
         return blocks[0]
+    if any(isinstance(b, Lazy) for b in blocks):
+        return _bounded(Lazy([t for b in blocks for t in _terms(b)], blocks[0].shape))
     shape = blocks[0].shape
     internal_check(all(b.shape == shape for b in blocks), "add: blocks have different shapes")
     partition = meet([b.dims for b in blocks])
@@ -488,7 +504,7 @@ def add(blocks: Sequence[Block]) -> Block:
 
 
 # -------------------------------------------------------------- linear maps on the output part
-def map_out(blk: Block, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_out: Sequence[int],
+def map_out(blk: Block | Lazy, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_out: Sequence[int],
             keep: dict[int, int] | None = None) -> Block:
     """Apply a linear map to the first ``r`` dense axes (the output part), carrying the slots.
 
@@ -498,6 +514,7 @@ def map_out(blk: Block, r: int, fn: Callable[[torch.Tensor], torch.Tensor], new_
     new position, same size); they keep their ties, so e.g. slicing features leaves the sample
     axis of a per-sample block diagonal. Every other output axis is written out densely first.
     """
+    blk = force(blk)
     keep = dict(keep or {})
     for a in list(keep):
         c = blk.dims[a]
@@ -536,9 +553,12 @@ def permute_out(blk: Block, r: int, perm: Sequence[int]) -> Block:
     return blk.permute(list(perm) + list(range(r, blk.ndim)))
 
 
-def sum_out(blk: Block, r: int, axes: Sequence[int], keepdim: bool = False) -> Block:
+def sum_out(blk: Block | Lazy, r: int, axes: Sequence[int], keepdim: bool = False) -> Block | Lazy:
     """Sum over output axes. A summed axis tied to a slot just leaves the diagonal to the slot."""
     axes = sorted({a % r for a in axes}) if r else []
+    if isinstance(blk, Lazy):
+        return blk.relabel([None if a in axes and not keepdim else (_fresh(1) if a in axes else a)
+                            for a in range(blk.ndim)])
     data, dims = blk.data, list(blk.dims)
     reduce_classes, factor = [], 1
     alive = list(range(blk.ndim))
@@ -565,21 +585,29 @@ def sum_out(blk: Block, r: int, axes: Sequence[int], keepdim: bool = False) -> B
     return _canonical(data, [dims[a] for a in keep], [blk.shape[a] for a in keep], unit)
 
 
-def unsqueeze_out(blk: Block, r: int, dim: int) -> Block:
+def unsqueeze_out(blk: Block | Lazy, r: int, dim: int) -> Block | Lazy:
     dim = dim % (r + 1)
+    if isinstance(blk, Lazy):
+        return blk.relabel(list(range(dim)) + [_fresh(1)] + list(range(dim, blk.ndim)))
     return Block(blk.data, blk.dims[:dim] + (None,) + blk.dims[dim:], blk.shape[:dim] + (1,) + blk.shape[dim:], blk.unit)
 
 
-def squeeze_out(blk: Block, r: int, dims_to_drop: Sequence[int]) -> Block:
+def squeeze_out(blk: Block | Lazy, r: int, dims_to_drop: Sequence[int]) -> Block | Lazy:
     drop = {d % r for d in dims_to_drop if blk.shape[d % r] == 1} if r else set()
     keep = [a for a in range(blk.ndim) if a not in drop]
+    if isinstance(blk, Lazy):
+        return blk.relabel([a if a in keep else None for a in range(blk.ndim)])
     return Block(blk.data, [blk.dims[a] for a in keep], [blk.shape[a] for a in keep], blk.unit)
 
 
-def expand_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
+def expand_out(blk: Block | Lazy, r: int, new_out: Sequence[int]) -> Block | Lazy:
     """Broadcast the output part to ``new_out`` (leading axes may be added)."""
     lead = len(new_out) - r
     internal_check(lead >= 0, "expand_out: cannot drop axes")
+    if isinstance(blk, Lazy):
+        grown = [_fresh(n) for n in new_out[:lead]]
+        grown += [a if blk.shape[a] == new_out[lead + a] else _fresh(new_out[lead + a]) for a in range(r)]
+        return blk.relabel(grown + list(range(r, blk.ndim)))
     for _ in range(lead):
         blk = unsqueeze_out(blk, r, 0)
         r += 1
@@ -596,12 +624,19 @@ def expand_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
     return _canonical(data, dims, shape, blk.unit)
 
 
-def reshape_out(blk: Block, r: int, new_out: Sequence[int]) -> Block:
+def reshape_out(blk: Block | Lazy, r: int, new_out: Sequence[int]) -> Block | Lazy:
     """View the output part as ``new_out``; axes the view leaves alone keep their ties."""
     old_out = list(blk.shape[:r])
     new_out = list(new_out)
     if old_out == new_out:
         return blk
+    if isinstance(blk, Lazy) and [n for n in old_out if n != 1] == [n for n in new_out if n != 1]:
+        # only size-1 axes come or go: a relabelling
+        kept = [a for a in range(r) if old_out[a] != 1]
+        it = iter(kept)
+        axes = [next(it) if n != 1 else _fresh(1) for n in new_out]
+        return blk.relabel(axes + list(range(r, blk.ndim)))
+    blk = force(blk)
     groups = _view_groups(old_out, new_out)
     if groups is None:
         return map_out(blk, r, lambda d: d.reshape(new_out + list(d.shape[r:])), new_out)
@@ -675,3 +710,189 @@ def _view_groups(old: list[int], new: list[int]) -> list[tuple[list[int], list[i
                 j += 1
         groups.append((gi, gj))
     return groups
+
+
+# ------------------------------------------------------------------------------ lazy blocks
+# Caps on an unevaluated block: beyond them it is evaluated where it stands.
+MAX_TERMS = 8
+MAX_OPERANDS = 7
+# Tests turn this off to compare lazy programs with fully evaluated ones.
+LAZY_JETS = True
+
+_FRESH = itertools.count()
+
+
+class _Fresh:
+    """A dense axis a relabelling adds: a new label of the given size, in no operand."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def _fresh(size: int) -> _Fresh:
+    return _Fresh(size)
+
+
+class LTerm:
+    """One unevaluated product: ``scale · einsum(operands -> out)`` (``sizes`` for ``out`` labels
+    no operand has)."""
+
+    __slots__ = ("scale", "operands", "out", "sizes")
+
+    def __init__(self, scale: float, operands: list, out: list, sizes: dict):
+        self.scale, self.operands, self.out, self.sizes = scale, operands, out, sizes
+
+    def evaluate(self) -> Block:
+        return _contract(self.operands, self.out, self.sizes).scale(self.scale)
+
+
+class Lazy:
+    """A block held as a sum of unevaluated products, evaluated only when its data is needed.
+
+    Jets of orders >= 2 produced by the combinators stay lazy while their node has one user:
+    the consumer either absorbs them into a bigger contraction (a remainder's contraction with
+    the adjoint, where the path finder can reassociate W2ᵀ·φ''·W1ᵀ⊗W1ᵀ) or forces them.
+    """
+
+    __slots__ = ("terms", "shape", "_value")
+
+    def __init__(self, terms: list[LTerm], shape: Sequence[int]):
+        self.terms = terms
+        self.shape = tuple(shape)
+        self._value: Block | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def force(self) -> Block:
+        if self._value is None:
+            self._value = add([t.evaluate() for t in self.terms])
+        return self._value
+
+    # what needs data forces; relabellings stay lazy
+    data = property(lambda self: self.force().data)
+    dims = property(lambda self: self.force().dims)
+    unit = property(lambda self: False)
+    numel = property(lambda self: self.force().numel)
+
+    def materialize(self, groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+        return self.force().materialize(groups)
+
+    def refine(self, partition):
+        return self.force().refine(partition)
+
+    def untie(self, axes):
+        return self.force().untie(axes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtypes = [force(b).data.dtype for t in self.terms for b, _ls in t.operands]
+        return functools.reduce(torch.promote_types, dtypes)
+
+    def to(self, dtype: torch.dtype):
+        return self if self.dtype == dtype else self.force().to(dtype)
+
+    def scale(self, c: float) -> Lazy:
+        if c == 1:
+            return self
+        return Lazy([LTerm(t.scale * c, t.operands, t.out, t.sizes) for t in self.terms], self.shape)
+
+    def neg(self) -> Lazy:
+        return self.scale(-1.0)
+
+    def permute(self, perm: Sequence[int]) -> Lazy:
+        return self.relabel(list(perm))
+
+    def relabel(self, axes: Sequence) -> Lazy:
+        """New dense axes from old ones: entry ``a`` (an int) reuses old axis a, a :class:`_Fresh`
+        is a new broadcast axis; old axes missing from ``axes`` are summed."""
+        kept = {a for a in axes if isinstance(a, int)}
+        terms = []
+        for t in self.terms:
+            out, sizes, scale = [], dict(t.sizes), t.scale
+            for a in axes:
+                if isinstance(a, _Fresh):
+                    label = ("fresh", next(_FRESH))
+                    sizes[label] = a.size
+                    out.append(label)
+                elif a is not None:
+                    out.append(t.out[a])
+            in_operands = {l for _b, ls in t.operands for l in ls}
+            for a in range(self.ndim):  # summing a broadcast axis multiplies by its size
+                label = t.out[a]
+                if a not in kept and label not in out and label not in in_operands:
+                    scale *= sizes.get(label, 1)
+            terms.append(LTerm(scale, t.operands, out, sizes))
+        shape = [a.size if isinstance(a, _Fresh) else self.shape[a] for a in axes if a is not None]
+        return Lazy(terms, shape)
+
+
+def force(b: Block | Lazy) -> Block:
+    return b.force() if isinstance(b, Lazy) else b
+
+
+def _terms(b: Block | Lazy) -> list[LTerm]:
+    if isinstance(b, Lazy):
+        return b.terms
+    labels = [("b", a) for a in range(b.ndim)]
+    return [LTerm(1.0, [(b, labels)], labels, {})]
+
+
+def _bounded(z: Lazy) -> Block | Lazy:
+    """``z``, or its value once it has outgrown the caps."""
+    if len(z.terms) > MAX_TERMS or any(len(t.operands) > MAX_OPERANDS for t in z.terms):
+        return z.force()
+    return z
+
+
+def _lazy_contract(operands, out, sizes: dict, lazy: bool) -> Block | Lazy:
+    """contract() with lazy operands: distribute over their sums, splice their products in."""
+    choices = []
+    for b, labels in operands:
+        tag = next(_FRESH)
+        choices.append([_splice(t, list(labels), tag) for t in _terms(b)])
+    size = dict(sizes)
+    for b, labels in operands:
+        size.update(zip(labels, b.shape))
+    terms = []
+    for combo in itertools.product(*choices):
+        scale, ops, extra = 1.0, [], dict(sizes)
+        for s_, o_, e_ in combo:
+            scale *= s_
+            ops += o_
+            extra.update(e_)
+        terms.append(LTerm(scale, ops, list(out), extra))
+    z = Lazy(terms, [size[l] for l in out])
+    return _bounded(z) if lazy else z.force()
+
+
+def _splice(t: LTerm, labels: list, tag: int) -> tuple[float, list, dict]:
+    """Term ``t`` with its output axes renamed to ``labels`` and its inner labels made unique."""
+    rename: dict = {}
+    ties = []
+    for a, (inner, outer) in enumerate(zip(t.out, labels)):
+        if inner in rename and rename[inner] != outer:
+            ties.append((rename[inner], outer, a))
+        rename.setdefault(inner, outer)
+    ops = []
+    for blk, ls in t.operands:
+        ops.append((blk, [rename.get(l, ("lz", tag, l)) for l in ls]))
+    for first, other, a in ties:  # one inner label on two outer axes: those axes are equal
+        like = force(t.operands[0][0]).data
+        n = _size_of(t, a)
+        ops.append((Block(like.new_ones((1,)), (0, 0), (n, n), unit=True), [first, other]))
+    extra = {rename[l]: n for l, n in t.sizes.items() if l in rename}
+    return t.scale, ops, extra
+
+
+def _size_of(t: LTerm, a: int) -> int:
+    label = t.out[a]
+    if label in t.sizes:
+        return t.sizes[label]
+    for blk, ls in t.operands:
+        if label in ls:
+            return blk.shape[ls.index(label)]
+    raise HoadInternalError(f"lazy term has no size for label {label!r}")

@@ -138,9 +138,12 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if all(u in values for u in node.users) or value.numel() * value.element_size() > FOLD_LIMIT_BYTES:
             continue
+        value = _laid_out_like(value, node.meta.get("val"))
+        if value is None:  # a broadcast (stride-0) layout that later views rely on: keep computing it
+            continue
         name = f"_folded_{folded}"
         folded += 1
-        gm.register_buffer(name, value.contiguous() if 0 in value.stride() else value, persistent=False)
+        gm.register_buffer(name, value, persistent=False)
         with gm.graph.inserting_before(node):
             const = gm.graph.get_attr(name)
         const.meta = dict(node.meta)
@@ -149,6 +152,16 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:
+    """``value`` with the strides the program was traced with (later views depend on them)."""
+    if not isinstance(traced, torch.Tensor) or value.stride() == traced.stride():
+        return value
+    if 0 in traced.stride():
+        return None
+    out = torch.empty_strided(tuple(traced.shape), tuple(traced.stride()), dtype=value.dtype, device=value.device)
+    return out.copy_(value)
 
 
 def _pure(node: fx.Node) -> bool:

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import WIDE_GEMMS, Block, add, contract
+from hoad.blocks import WIDE_GEMMS, Block, Lazy, add, contract, force
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
@@ -210,15 +210,21 @@ class _Interpreter:
                                     f"node {node.name}{self.where(node)}: {type(e).__name__}: {e}") from e
 
     def _checked(self, blocks: dict, out: torch.Tensor, ctx: Ctx, node: fx.Node) -> dict:
+        """The rule's blocks, shape-checked. Unevaluated (lazy) blocks stay so only while the
+        node has a single user that can absorb them; order 1, which everything reads, is forced."""
+        shared = len(node.users) != 1 or node is self.output
         kept = {}
         for K, b in blocks.items():
             if K not in ctx.keys:
                 continue
             expected = tuple(out.shape) + ctx.slot_shape(K)
-            if not isinstance(b, Block) or b.shape != expected:
+            if not isinstance(b, (Block, Lazy)) or b.shape != expected:
                 raise HoadInternalError(f"rule for {node.target} gave block {K} = {b!r}, expected shape {expected}")
+            if isinstance(b, Lazy) and (shared or len(K) == 1):
+                b = b.force()
             kept[K] = b
-            _remember(self.names, b.data, f"d{len(K)}_{node.name}_{key_name(K, self.wrt_names)}", node.name)
+            if isinstance(b, Block):
+                _remember(self.names, b.data, f"d{len(K)}_{node.name}_{key_name(K, self.wrt_names)}", node.name)
         return kept
 
     def _adjoints(self, env: dict, f: torch.Tensor) -> dict:
@@ -301,6 +307,7 @@ class _Interpreter:
 
     def _outputs(self, value: torch.Tensor, blocks: dict) -> tuple:
         all_keys = all_multi_indices(len(self.slot_shapes), self.order)
+        blocks = {K: force(b) for K, b in blocks.items()}
         self.keys = [K for K in all_keys if K in blocks]
         self.zeros = [K for K in all_keys if K not in blocks]
         self.stored = {K: blocks[K].numel for K in self.keys}

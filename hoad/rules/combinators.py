@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hoad.blocks import Block, add, contract, expand_out, sum_out
+from hoad import blocks
+from hoad.blocks import Block, Lazy, add, contract, expand_out, sum_out
 from hoad.multiindex import distribution_terms, partition_terms
 from hoad.rules.base import Contracted, Ctx, Jet, adjoint_labels, out_labels
 
@@ -46,11 +47,17 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
                 operands.insert(0, (_on_output(coeff, u.shape), o))
             else:
                 scalar = coeff
-            prod = contract(_with_adjoint(ctx, operands, o), lead + ctx.slots(K)).scale(scalar)
+            prod = contract(_with_adjoint(ctx, operands, o), lead + ctx.slots(K), lazy=_lazy(ctx, K)).scale(scalar)
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))
     return result
+
+
+def _lazy(ctx: Ctx, K) -> bool:
+    """Jets of order >= 2 stay unevaluated (see :class:`hoad.blocks.Lazy`); contractions with an
+    adjoint are evaluated, absorbing whatever lazy factors they have."""
+    return blocks.LAZY_JETS and ctx.adjoint is None and len(K) >= 2
 
 
 def _lead(ctx: Ctx, o: list) -> tuple[list, int]:
@@ -85,7 +92,8 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
             if any(b is None for b in blocks):
                 continue
             operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
-            prod = contract(_with_adjoint(ctx, operands, out), lead + ctx.slots(K), sizes=dict(zip(out, out_shape)))
+            prod = contract(_with_adjoint(ctx, operands, out), lead + ctx.slots(K), sizes=dict(zip(out, out_shape)),
+                            lazy=_lazy(ctx, K))
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))
@@ -130,7 +138,8 @@ def scaled(ctx: Ctx, x: Jet, coeff: torch.Tensor | float, out_shape: Sequence[in
         return {K: b.scale(coeff) for K, b in xb.blocks.items() if K in ctx.keys}
     c = _on_output(coeff, out_shape)
     o = out_labels(len(out_shape))
-    return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K)) for K, b in xb.blocks.items() if K in ctx.keys}
+    return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K), lazy=isinstance(b, Lazy))
+            for K, b in xb.blocks.items() if K in ctx.keys}
 
 
 # ------------------------------------------------------------------------- adjoint helpers
