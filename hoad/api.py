@@ -212,7 +212,7 @@ class Compiled:
         target = self._stateful if stateful else self.fn
         layout, tensors = bind_layout(target, args, kwargs, state=stateful, names=self._positional)
         user_args = args[1:] if stateful else args
-        wrt = self._expanded_wrt(args[0] if stateful else {})
+        wrt = self._expanded_wrt()
         wrt_leaves = [self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
         if len(set(wrt_leaves)) != len(wrt_leaves):
             raise InvalidArgumentError(f"wrt={self.wrt!r} names the same input twice (e.g. by position and by name)")
@@ -227,7 +227,7 @@ class Compiled:
         return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves))
 
     # ----------------------------------------------------------------------------------- wrt
-    def _expanded_wrt(self, state: dict) -> tuple:
+    def _expanded_wrt(self) -> tuple:
         """wrt with :data:`hoad.parameters` replaced by every trainable parameter's name."""
         out: list = []
         for w in self.wrt:

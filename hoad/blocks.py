@@ -557,7 +557,7 @@ def sum_out(blk: Block | Lazy, r: int, axes: Sequence[int], keepdim: bool = Fals
     """Sum over output axes. A summed axis tied to a slot just leaves the diagonal to the slot."""
     axes = sorted({a % r for a in axes}) if r else []
     if isinstance(blk, Lazy):
-        return blk.relabel([None if a in axes and not keepdim else (_fresh(1) if a in axes else a)
+        return blk.relabel([None if a in axes and not keepdim else (_Fresh(1) if a in axes else a)
                             for a in range(blk.ndim)])
     data, dims = blk.data, list(blk.dims)
     reduce_classes, factor = [], 1
@@ -588,7 +588,7 @@ def sum_out(blk: Block | Lazy, r: int, axes: Sequence[int], keepdim: bool = Fals
 def unsqueeze_out(blk: Block | Lazy, r: int, dim: int) -> Block | Lazy:
     dim = dim % (r + 1)
     if isinstance(blk, Lazy):
-        return blk.relabel(list(range(dim)) + [_fresh(1)] + list(range(dim, blk.ndim)))
+        return blk.relabel(list(range(dim)) + [_Fresh(1)] + list(range(dim, blk.ndim)))
     return Block(blk.data, blk.dims[:dim] + (None,) + blk.dims[dim:], blk.shape[:dim] + (1,) + blk.shape[dim:], blk.unit)
 
 
@@ -605,8 +605,8 @@ def expand_out(blk: Block | Lazy, r: int, new_out: Sequence[int]) -> Block | Laz
     lead = len(new_out) - r
     internal_check(lead >= 0, "expand_out: cannot drop axes")
     if isinstance(blk, Lazy):
-        grown = [_fresh(n) for n in new_out[:lead]]
-        grown += [a if blk.shape[a] == new_out[lead + a] else _fresh(new_out[lead + a]) for a in range(r)]
+        grown = [_Fresh(n) for n in new_out[:lead]]
+        grown += [a if blk.shape[a] == new_out[lead + a] else _Fresh(new_out[lead + a]) for a in range(r)]
         return blk.relabel(grown + list(range(r, blk.ndim)))
     for _ in range(lead):
         blk = unsqueeze_out(blk, r, 0)
@@ -634,7 +634,7 @@ def reshape_out(blk: Block | Lazy, r: int, new_out: Sequence[int]) -> Block | La
         # only size-1 axes come or go: a relabelling
         kept = [a for a in range(r) if old_out[a] != 1]
         it = iter(kept)
-        axes = [next(it) if n != 1 else _fresh(1) for n in new_out]
+        axes = [next(it) if n != 1 else _Fresh(1) for n in new_out]
         return blk.relabel(axes + list(range(r, blk.ndim)))
     blk = force(blk)
     groups = _view_groups(old_out, new_out)
@@ -729,10 +729,6 @@ class _Fresh:
 
     def __init__(self, size: int):
         self.size = size
-
-
-def _fresh(size: int) -> _Fresh:
-    return _Fresh(size)
 
 
 class LTerm:
