@@ -22,3 +22,15 @@ def test_readme_examples_run(capsys):
     assert namespace["res"]["fc2.weight", "fc1.bias"].shape == (1, 8, 8)
     assert namespace["laplacian"].shape == (8,)
     assert "def program(" in capsys.readouterr().out
+
+
+def test_passes_install_as_hoad_passes_only(tmp_path):
+    """passes/ is packaged as hoad.passes: importable there, no top-level `passes` module
+    (checked from outside the checkout, where the source tree is not on sys.path)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, hoad.passes.differentiate as d; "
+            "print(importlib.util.find_spec('passes') is None, d.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "hoad.passes.differentiate"]
