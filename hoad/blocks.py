@@ -163,23 +163,36 @@ class Block:
 
     def materialize(self, groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
         """The dense tensor (contiguous). Each group of dense axes, which must share a class, is
-        kept as one axis at the position of its first member (per-sample or diagonal blocks)."""
-        partition: list = list(range(self.ndim))
+        kept as one axis at the position of its first member (per-sample or diagonal blocks).
+
+        Where a class still spans several output axes (a diagonal), the stored entries are
+        scattered into zeros: the cost is the dense size once, not a product per entry."""
         for group in groups:
-            group = [a for a in group if self.dims[a] is not None]
-            internal_check(len({self.dims[a] for a in group}) <= 1, "materialize: a kept group is not tied")
-            for a in group:
-                partition[a] = group[0]
-        blk = self.refine(_relabel(partition))
-        firsts = [a for a in range(self.ndim) if blk.dims[a] is None or blk.dims.index(blk.dims[a]) == a]
+            internal_check(len({self.dims[a] for a in group if self.dims[a] is not None}) <= 1,
+                           "materialize: a kept group is not tied")
         collapsed = {a for group in groups for a in group[1:]}
-        firsts = [a for a in firsts if a not in collapsed]
-        sizes = [blk.shape[a] for a in firsts if blk.dims[a] is not None]
-        data = blk.data.expand(sizes) if list(blk.data.shape) != sizes else blk.data
-        shape = [blk.shape[a] for a in firsts]
-        if list(data.shape) != shape:
-            data = data.reshape(shape)
-        return data.contiguous()
+        axes = [a for a in range(self.ndim) if a not in collapsed]
+        classes = [self.dims[a] for a in axes]
+        shape = [self.shape[a] for a in axes]
+        sizes = [0] * self.data.ndim
+        for a in range(self.ndim):
+            if self.dims[a] is not None:
+                sizes[self.dims[a]] = self.shape[a]
+        data = self.data.expand(sizes) if list(self.data.shape) != sizes else self.data
+        present = [c for c in classes if c is not None]
+        if len(present) == len(set(present)):  # no diagonal left: a permutation of the data
+            if present != list(range(len(present))):
+                data = data.permute(present)
+            return data.reshape(shape).contiguous()
+        index = []
+        for c in classes:
+            view = [1] * data.ndim
+            if c is None:
+                index.append(torch.zeros(view, dtype=torch.long, device=data.device))
+            else:
+                view[c] = sizes[c]
+                index.append(torch.arange(sizes[c], device=data.device).reshape(view))
+        return torch.index_put(data.new_zeros(shape), index, data)
 
 
 # ---------------------------------------------------------------------------------- helpers
