@@ -248,6 +248,24 @@ def seed_mlp_scaling(budget: Budget) -> list[Measured]:
     return [Measured(_ms(last), _ms(first), value, status, _summary(outcomes), _detail(outcomes))]
 
 
+ELEMENTS = 10**6
+
+
+def elementwise_order3(budget: Budget) -> list[Measured]:
+    """Order 3 of torch.sin, per element (batch_dim=0), against three plain elementwise kernels on
+    the same tensor: the yardstick the issue names (its own outputs are what it is checked on)."""
+    x = torch.randn(ELEMENTS, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    p = Problem(torch.sin, (x,), 3, per_sample=True)
+    ref = reference(p)
+
+    def three():
+        return {"sin": torch.sin(x), "cos": torch.cos(x), "exp": torch.exp(x)}
+
+    yardstick = (InProcess("three kernels", "torch.sin, torch.cos, torch.exp (eager)", three), three())
+    return [ratio((fixed_hoad(p, backend=backend, batch_dim=0), ref), [yardstick], budget)
+            for backend in ("eager", "inductor")]
+
+
 # ----------------------------------------------------------- issue 5: compiled, first calls
 def _jax(p: Problem, budget: Budget) -> list[Measured]:
     peer = jax_jit(p)
@@ -362,6 +380,9 @@ TARGETS: list[Target] = [
     Target(12, 7, (Line("Hessian of a classifier's cross-entropy w.r.t. hoad.parameters, @hoad.compile "
                         "on a module method", "torch.func.hessian(functional_call)", Goal(1)),),
            module_parameter_hessian),
+    Target(13, 4, tuple(Line(f"order 3 of torch.sin on {ELEMENTS:.0e} elements ({backend}, batch_dim=0): "
+                             "value and 3 derivatives", "three elementwise kernels (sin, cos, exp; eager)",
+                             Goal(1.5)) for backend in ("eager", "inductor")), elementwise_order3),
 ]
 
 
