@@ -56,8 +56,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     the Laplacian is ``res[0, 0].sum()`` over x's axes.
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
-    _check_options(order, wrt, **options)
     if fn is None:
+        _check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
         return lambda f: Compiled(f, order, wrt, **options)
     if not callable(fn):
         raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}")

@@ -211,11 +211,6 @@ def _first_appearance(dims: Sequence) -> list:
     return seen
 
 
-def _relabel(dims: Sequence) -> list:
-    index = {d: i for i, d in enumerate(_first_appearance(dims))}
-    return [None if d is None else index[d] for d in dims]
-
-
 def _canonical(data: torch.Tensor, dims: Sequence, shape: Sequence[int], unit: bool = False) -> Block:
     """Number classes by first appearance, give size-1 axes no class, and drop unused data axes."""
     dims = [None if n == 1 else d for d, n in zip(dims, shape)]
