@@ -42,6 +42,9 @@ DENSE_SEEDS = False
 # the price of extra permutes: worth it when a compiler fuses the permutes into neighbouring
 # kernels (Inductor), not when each permute is a copy of its own (eager). Set per program.
 WIDE_GEMMS: contextvars.ContextVar[bool] = contextvars.ContextVar("hoad_wide_gemms", default=False)
+# Under the same flag, batched products of matrices no larger than this on either side are
+# emitted as a broadcast multiply and sum for the compiler to fuse (see ``_pair``).
+SMALL_MATRIX = 64
 
 
 class Block:
@@ -309,6 +312,14 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         return [t.shape[ls.index(n)] for n in names]
 
     nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
+    if batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX:
+        # Many small products (per-sample Gram matrices): a broadcast product summed over the
+        # contracted labels, which Inductor fuses into one reduction kernel with the operands'
+        # producers. MKL's bmm runs [256,16,64]@[256,64,16] at 20 GFLOP/s (9 with a transposed
+        # operand), the fused reduction at 56; up to 64x64 matrices it is 2-4x faster.
+        full = batch + left + con + right
+        z = _arrange(a, as_, full) * _arrange(b, bs, full)
+        return z.sum(list(range(len(batch) + len(left), len(batch) + len(left) + len(con)))), batch + left + right
     lead = [math.prod(nb)] if batch else []
     a2 = _arrange(a, as_, batch + left + con).reshape(lead + [math.prod(m), math.prod(k)])
     b2 = _arrange(b, bs, batch + con + right).reshape(lead + [math.prod(k), math.prod(n)])

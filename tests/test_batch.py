@@ -10,6 +10,7 @@ from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
 import hoad.blocks
+import hoad.pipeline
 from helpers import assert_close, rand
 from op_cases import CASES
 
@@ -32,10 +33,23 @@ def vector_point(x):  # R^4 -> R^2 per sample, to check non-scalar per-sample ou
     return torch.stack([x.sin().sum(), (x[:2] * x[2:]).prod()])
 
 
+@pytest.fixture(params=["eager", "fused"])
+def layouts(request, monkeypatch):
+    """Run each test on the program laid out for eager and on the one laid out for Inductor
+    (run eagerly here: Inductor compiles cost seconds), whose contractions differ."""
+    if request.param == "fused":
+        differentiate = hoad.pipeline.differentiate
+        monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_per_sample_blocks_equal_vmap_of_torch_func(mode):
+def test_per_sample_blocks_equal_vmap_of_torch_func(mode, layouts):
     X = rand(5, 4, seed=1)
-    res = hoad.compile(batched, order=3, batch_dim=0, mode=mode)(X)
+    cf = hoad.compile(batched, order=3, batch_dim=0, mode=mode)
+    res = cf(X)
+    # per-sample products of small matrices: bmm for eager, a broadcast product and sum to fuse
+    assert ("aten.bmm" in str(cf.graph)) == (layouts == "eager")
     assert_close(res.value, vmap(point)(X), "value")
     assert_close(res[0], vmap(jacrev(point))(X), "per-sample gradient")
     assert_close(res[0, 0], vmap(hessian(point))(X), "per-sample Hessian")
@@ -44,7 +58,7 @@ def test_per_sample_blocks_equal_vmap_of_torch_func(mode):
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_per_sample_vector_output_and_two_inputs(mode):
+def test_per_sample_vector_output_and_two_inputs(mode, layouts):
     X, Y = rand(3, 4, seed=2), rand(3, 4, seed=3)
 
     def f(X, Y):
