@@ -312,11 +312,14 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         return [t.shape[ls.index(n)] for n in names]
 
     nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
-    if batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX:
+    inner = any(t.stride(ls.index(l)) == 1 and t.shape[ls.index(l)] > 1 for t, ls in ((a, as_), (b, bs)) for l in con)
+    if batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX and not inner:
         # Many small products (per-sample Gram matrices): a broadcast product summed over the
         # contracted labels, which Inductor fuses into one reduction kernel with the operands'
         # producers. MKL's bmm runs [256,16,64]@[256,64,16] at 20 GFLOP/s (9 with a transposed
-        # operand), the fused reduction at 56; up to 64x64 matrices it is 2-4x faster.
+        # operand), the fused reduction at 56; up to 64x64 matrices it is 2-4x faster. Not when
+        # a contracted axis is an operand's innermost: Inductor then vectorizes the reduction
+        # itself, 3.6x slower than bmm (256 Gram matrices, 16x16 over 64, stored [b,i,k]).
         full = batch + left + con + right
         z = _arrange(a, as_, full) * _arrange(b, bs, full)
         return z.sum(list(range(len(batch) + len(left), len(batch) + len(left) + len(con)))), batch + left + right
