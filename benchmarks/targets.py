@@ -210,7 +210,9 @@ def memory_growth(budget: Budget) -> list[Measured]:
 
 
 def _memory(backend: str) -> Measured:
-    reply = run_fresh(["memory", backend, str(MEMORY_BATCH), "3"], timeout_s=600)
+    # malloc as the system has it: blocks that hoad's malloc setting keeps from the checking call
+    # would otherwise be reused by the measured one and hide part of its working set
+    reply = run_fresh(["memory", backend, str(MEMORY_BATCH), "3"], timeout_s=600, environ={"HOAD_MALLOC": "system"})
     if reply.get("status") != "ok":
         return Measured(reply.get("status", "failed"), "—", None, "failed", reply.get("note", ""), reply)
     note = (f"hoad ({reply['config']}): one call {reply['call_s']:.2f} s (first call, compile included: "

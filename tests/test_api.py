@@ -6,13 +6,18 @@ is derived from hoad's own output.
 
 import itertools
 import math
+import platform
 import re
+import resource
+import sys
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.func import jacfwd, jacrev
 
 import hoad
+import hoad.passes.compile
 from helpers import assert_close, check, rand, reference
 
 DT = torch.float64
@@ -417,3 +422,35 @@ def test_structural_zero_for_matrix_output():
     assert res.is_structural_zero((0, 0))
     assert res[0, 0].shape == (2, 4, 2, 3, 2, 3)
     assert torch.count_nonzero(res[0, 0]) == 0
+
+
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                           reason="glibc malloc only")
+
+
+@glibc
+def test_freed_intermediates_are_reused_not_faulted_back():
+    """Per call, a program allocates MB-sized blocks afresh; glibc would hand them back to the OS
+    and page-fault them in again on the next call (800-1500 faults per call measured here)."""
+    W1, W2 = rand(16, 64, seed=41) / 4, rand(64, 64, seed=42) / 8
+
+    def f(X):  # per-sample Hessians: [256, 64, 16] intermediates of 2 MB
+        return torch.tanh(torch.tanh(X @ W1) @ W2).sum(1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0)
+    X = rand(256, 16, seed=43)
+    for _ in range(3):
+        cf(X)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        cf(X)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+    assert faults < 100, f"{faults:.0f} page faults per call"
+    assert hoad.passes.compile.keep_freed_memory()
+
+
+@glibc
+def test_malloc_left_alone_when_asked(monkeypatch):
+    monkeypatch.setattr(hoad.passes.compile, "_malloc_tuned", None)
+    monkeypatch.setenv("HOAD_MALLOC", "system")
+    assert not hoad.passes.compile.keep_freed_memory()
