@@ -157,8 +157,9 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     _malloc_tuned = bool(libc.mallopt(m_mmap_threshold, KEEP_FREED_BYTES)) and bool(
         libc.mallopt(m_trim_threshold, 2 * KEEP_FREED_BYTES))
-    log.info("hoad: glibc malloc keeps freed blocks up to %d MB for reuse (HOAD_MALLOC=system leaves malloc alone)",
-             KEEP_FREED_BYTES >> 20)
+    if _malloc_tuned:
+        log.info("hoad: glibc malloc keeps freed blocks up to %d MB for reuse (HOAD_MALLOC=system leaves it alone)",
+                 KEEP_FREED_BYTES >> 20)
     return _malloc_tuned
 
 
