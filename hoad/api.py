@@ -332,9 +332,31 @@ class _Entry:
         self.program = p = b.program
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
+        self.inference_only = b.config.backend == "inductor"
 
     def result(self, tensors) -> Derivatives:
-        return self.spec.result(self.run(*tensors))
+        outs = self.run(*tensors)
+        if self.inference_only and torch.is_grad_enabled():
+            needs = [t for t in tensors if t.requires_grad]
+            if needs:  # the compiled program records no autograd graph: make backward say so
+                outs = _NoBackward.apply(len(outs), *outs, *needs)
+        return self.spec.result(outs)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Outputs of an Inductor program attached to the inputs that require grad, so that
+    backpropagating through them raises instead of silently giving those inputs no gradient."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise InvalidArgumentError(
+            "backpropagation through derivatives computed by backend='inductor' is not supported: its compiled "
+            "program records no autograd graph. Compile with backend='eager' to train through derivatives "
+            "(e.g. a PINN loss on a Hessian), or .detach() the derivatives that need no gradient.")
 
 
 def _leaf_key(leaf) -> Hashable:
