@@ -30,6 +30,7 @@ from typing import Callable
 import opt_einsum
 import torch
 
+from hoad import kernels
 from hoad.errors import HoadInternalError, internal_check
 
 Label = Hashable
@@ -330,7 +331,12 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         # MKL's batched product is ~2.5x slower on batches that are not densely packed; under
         # Inductor the copy fuses into the kernel that produces the operand
         a2, b2 = _dense_batches(a2), _dense_batches(b2)
-    z = torch.bmm(a2, b2) if batch else torch.mm(a2, b2)
+    if batch:
+        z = torch.bmm(a2, b2)
+    elif WIDE_GEMMS.get() and kernels.suits(a2, b2):  # dense operands: Inductor writes them so, no copy
+        z = torch.ops.hoad.mm(a2.contiguous(), b2.contiguous())
+    else:
+        z = torch.mm(a2, b2)
     return z.reshape(nb + m + n), batch + left + right
 
 

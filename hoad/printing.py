@@ -21,7 +21,7 @@ def _fmt(a) -> str:
 
 def _op(target) -> str:
     name = str(target)
-    if name.startswith("aten."):
+    if name.startswith(("aten.", "hoad.")):
         parts = name.split(".")
         return ".".join(parts[:2]) if parts[-1] in ("default", "Tensor", "int", "Scalar") else name
     return getattr(target, "__name__", name)
