@@ -18,6 +18,10 @@ _FREE = {aten.view.default, aten.permute.default, aten.expand.default, aten.unsq
          aten.alias.default, aten.slice.Tensor, aten.select.int, aten.diagonal.default, aten._unsafe_view.default}
 
 
+# matrix products, by name: hoad::mm is registered only where its kernel could be built
+_PRODUCTS = {"aten.mm.default", "aten.bmm.default", "hoad.mm.default"}
+
+
 def _numel(v) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel()
@@ -35,7 +39,7 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     ins = [a.meta.get("val") for a in node.all_input_nodes]
     n_in = sum(_numel(v) for v in ins)
     size = out.element_size() if isinstance(out, torch.Tensor) else 8
-    if node.target in (aten.mm.default, aten.bmm.default):
+    if str(node.target) in _PRODUCTS:
         a, b = (arg.meta["val"] for arg in node.args[:2])
         flops = 2 * math.prod(a.shape) * b.shape[-1]
     else:

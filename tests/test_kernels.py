@@ -8,6 +8,7 @@ from torch.func import hessian, jacfwd, jacrev
 import hoad
 import hoad.pipeline
 from hoad import kernels
+from hoad.passes.cost import node_cost
 from helpers import assert_close, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
@@ -58,6 +59,11 @@ def test_inductor_layout_programs_use_it_and_stay_exact(monkeypatch):
     assert "hoad.mm(" in str(cf.graph)
     assert_close(res[0, 0], hessian(mlp)(x), "Hessian")
     assert_close(res[0, 0, 0], jacfwd(jacfwd(jacrev(mlp)))(x), "third order")
+    # the cost model counts its FLOPs as a matrix product's (it chooses between directions)
+    products = [n for n in cf._last.program.gm.graph.nodes if n.target is torch.ops.hoad.mm.default]
+    for n in products:
+        (m, k), (_k, cols) = (a.meta["val"].shape for a in n.args)
+        assert node_cost(n)[0] == 2 * m * k * cols
 
 
 def test_eager_layout_programs_keep_aten_mm():
