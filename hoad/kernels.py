@@ -160,11 +160,14 @@ def available() -> bool:
     global _state
     if _state is None:
         _state = False
-        path = _build()
-        if path is not None:
-            torch.ops.load_library(path)
-            torch.library.register_fake("hoad::mm")(_shape)
-            _state = True
+        try:
+            path = _build()
+            if path is not None:
+                torch.ops.load_library(path)
+                torch.library.register_fake("hoad::mm")(_shape)
+                _state = True
+        except (OSError, RuntimeError) as e:  # unwritable cache, a library that does not load
+            log.warning("hoad: the float64 matrix kernel is not available (%s); programs use aten.mm", e)
     return _state
 
 

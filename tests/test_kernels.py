@@ -87,3 +87,14 @@ def test_compiled_program_with_it_matches_torch_func():
     assert "hoad.mm(" in str(cf.graph)
     assert_close(res[0, 0], hessian(mlp)(x), "Hessian")
     assert_close(res[0, 0, 0], jacfwd(jacfwd(jacrev(mlp)))(x), "third order")
+
+
+def test_unwritable_cache_means_aten_mm(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only cache directory")
+
+    monkeypatch.setattr(kernels, "_state", None)
+    exists = kernels.os.path.exists
+    monkeypatch.setattr(kernels.os.path, "exists", lambda path: "hoad_mm-" not in path and exists(path))  # never built
+    monkeypatch.setattr(kernels.os, "makedirs", refuse)
+    assert not kernels.available()
