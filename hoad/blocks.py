@@ -313,8 +313,8 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         return [t.shape[ls.index(n)] for n in names]
 
     nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
-    inner = any(t.stride(ls.index(l)) == 1 and t.shape[ls.index(l)] > 1 for t, ls in ((a, as_), (b, bs)) for l in con)
-    if batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX and not inner:
+    if (batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX
+            and not _innermost(con, (a, as_), (b, bs))):
         # Many small products (per-sample Gram matrices): a broadcast product summed over the
         # contracted labels, which Inductor fuses into one reduction kernel with the operands'
         # producers. MKL's bmm runs [256,16,64]@[256,64,16] at 20 GFLOP/s (9 with a transposed
@@ -338,6 +338,11 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
     else:
         z = torch.mm(a2, b2)
     return z.reshape(nb + m + n), batch + left + right
+
+
+def _innermost(labels: list, *operands: tuple[torch.Tensor, list]) -> bool:
+    """Whether one of ``labels`` is the stride-1 axis (of size > 1) of one of the operands."""
+    return any(t.stride(ls.index(l)) == 1 and t.shape[ls.index(l)] > 1 for t, ls in operands for l in labels)
 
 
 def _path(operands: list[tuple[tuple, list]], out: list) -> list[tuple[int, int]]:

@@ -2,9 +2,9 @@
 
 Derivative programs multiply many small float64 matrices with short inner dimensions: a
 Jacobian [16,64] by a product of weights [64,256], a [64,64] layer by per-sample Jacobians
-[64,4096]. MKL runs these at 33-45 GFLOP/s on one core of this AMD EPYC (its AVX2 code: MKL
-chooses by CPU vendor), XLA at 84-94. The kernel below is a plain register-blocked loop, 4 rows
-by 32 columns of C in 16 AVX-512 accumulators, no packing: 65-85 GFLOP/s on those shapes (one
+[64,4096]. MKL runs these at 33-45 GFLOP/s on one core of an AMD EPYC with AVX-512 (it takes
+its AVX2 code: MKL chooses by CPU vendor), XLA at 84-94. The kernel below is a plain register-blocked loop, 4 rows
+by 32 columns of C in 16 AVX-512 accumulators, no packing: 65-100 GFLOP/s on those shapes (one
 [16,64]@[64,256] in 8.1 us against MKL's 15.7), but slower than MKL for narrow products (fewer
 than MIN_COLUMNS columns), and no better once operands outgrow the caches. So Inductor programs
 use it for float64 on CPU with an inner dimension up to MAX_K; with more than one thread, MKL
