@@ -156,6 +156,11 @@ def ratio(hoad_side: tuple, baselines: list[tuple], budget: Budget) -> Measured:
     return Measured(_ms(mine), baseline, value, status, _summary(outcomes), _detail(outcomes))
 
 
+def _fresh_failed(reply: dict) -> Measured:
+    """A fresh process (:func:`run_fresh`) that did not answer ok: its status is this line's result."""
+    return Measured(reply.get("status", "failed"), "—", None, "failed", reply.get("note", ""), reply)
+
+
 def _failed(e: Exception) -> Measured:
     """hoad (or a baseline) raised before it could be measured: that is this line's result."""
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
@@ -214,7 +219,7 @@ def _memory(backend: str) -> Measured:
     # would otherwise be reused by the measured one and hide part of its working set
     reply = run_fresh(["memory", backend, str(MEMORY_BATCH), "3"], timeout_s=600, environ={"HOAD_MALLOC": "system"})
     if reply.get("status") != "ok":
-        return Measured(reply.get("status", "failed"), "—", None, "failed", reply.get("note", ""), reply)
+        return _fresh_failed(reply)
     note = (f"hoad ({reply['config']}): one call {reply['call_s']:.2f} s (first call, compile included: "
             f"{reply['first_call_s']:.1f} s; first {reply['checked_rows']} samples checked)")
     return Measured(f"{reply['growth_mb']:.0f} MB, {reply['call_s']:.2f} s", "—", reply["growth_mb"], note=note,
@@ -295,7 +300,7 @@ def fresh_first_calls(budget: Budget) -> list[Measured]:
         for state in ("empty", "warm"):
             reply = run_fresh(["first-call"], timeout_s=600, environ=where)
             if reply.get("status") != "ok":
-                out.append(Measured(reply.get("status", "failed"), "—", None, "failed", reply.get("note", ""), reply))
+                out.append(_fresh_failed(reply))
                 continue
             note = f"hoad ({reply['config']}): {state} cache"
             out.append(Measured(f"{reply['seconds']:.1f} s", "—", reply["seconds"], note=note, detail=reply))
