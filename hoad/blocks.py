@@ -303,8 +303,16 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
             cost = _moves(as_, batch + left + con) + _moves(bs, batch + con + right)
             cost += int(order is not None and out != [l for l in order if l in out])
             # BLAS runs a short-wide product (m <= n) up to twice as fast as a tall-skinny one
-            # (MKL dgemm, one thread: 64x64 @ 64x4096 at 51 GFLOP/s, 4096x64 @ 64x64 at 27)
-            key = (int(m > 4 * n), cost) if WIDE_GEMMS.get() else (cost, int(m > 4 * n))
+            # (MKL dgemm, one thread: 64x64 @ 64x4096 at 51 GFLOP/s, 4096x64 @ 64x64 at 27).
+            # hoad::mm runs a tall one with 32+ columns as fast (4096x64 @ 64x64 in 344 us,
+            # 64x64 @ 64x4096 in 506), and its result is sample-major for per-sample products;
+            # with 16 columns the wide form still won (order 3 at a point: 66 vs 75 us)
+            tall = int(m > 4 * n)
+            if WIDE_GEMMS.get():
+                k = math.prod(a.shape[as_.index(l)] for l in con)
+                key = (0 if not batch and n >= kernels.MIN_COLUMNS and kernels.fits(a, m, k, n) else tall, cost)
+            else:
+                key = (cost, tall)
             if best is None or key < best[0]:
                 best = (key, a, as_, b, bs, batch, left, con, right)
     _cost, a, as_, b, bs, batch, left, con, right = best
@@ -331,13 +339,16 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         # MKL's batched product is ~2.5x slower on batches that are not densely packed; under
         # Inductor the copy fuses into the kernel that produces the operand
         a2, b2 = _dense_batches(a2), _dense_batches(b2)
-    if batch:
-        z = torch.bmm(a2, b2)
-    elif WIDE_GEMMS.get() and kernels.suits(a2, b2):  # dense operands: Inductor writes them so, no copy
-        z = torch.ops.hoad.mm(a2.contiguous(), b2.contiguous())
-    else:
-        z = torch.mm(a2, b2)
+    z = torch.bmm(a2, b2) if batch else mm(a2, b2)
     return z.reshape(nb + m + n), batch + left + right
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D operands: ``hoad::mm`` where it runs faster and the program is laid out
+    for Inductor (which writes the operands densely, so the copies are free), else ``aten.mm``."""
+    if WIDE_GEMMS.get() and kernels.suits(a, b):
+        return torch.ops.hoad.mm(a.contiguous(), b.contiguous())
+    return torch.mm(a, b)
 
 
 def _innermost(labels: list, *operands: tuple[torch.Tensor, list]) -> bool:
@@ -384,9 +395,49 @@ def _dense_batches(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _gram(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor | None:
+    """Per-sample weighted Gram matrices as one ``hoad::gram`` call, or None if ``terms`` are not that.
+
+    The pattern is the second-order chain rule through an elementwise node under a batch:
+    sum over k of w[b,k] J[b,k,i] J[b,k,j], the same Jacobian J twice (its free labels i and j
+    differ), every other term a weight over the batch and contracted labels. Only for programs
+    laid out for Inductor (the operator has no autograd), float64 on CPU where the kernel runs.
+    """
+    if not WIDE_GEMMS.get():
+        return None
+    twice = [i for i, (t, _ls) in enumerate(terms) if sum(u is t for u, _l in terms) == 2]
+    if len(twice) != 2:
+        return None
+    (j, first), (_j, second) = terms[twice[0]], terms[twice[1]]
+    if len(first) != len(second) or len(set(first)) != len(first):
+        return None
+    shared = [a for a, b in zip(first, second) if a == b]
+    free = [(a, b) for a, b in zip(first, second) if a != b]
+    f1, f2 = [a for a, _b in free], [b for _a, b in free]
+    batch, con = [l for l in shared if l in out], [l for l in shared if l not in out]
+    weights = [terms[i] for i in range(len(terms)) if i not in twice]
+    if (not (free and batch and con) or len(out) != len(batch + f1 + f2) or set(out) != set(batch + f1 + f2)
+            or set(f1) & set(f2) or any(not set(ls) <= set(shared) for _t, ls in weights)
+            or any(j.shape[first.index(l)] != size[l] for l in shared)):  # a broadcast J: matrix products do better
+        return None
+    nb, nk, nf = ([size[l] for l in ls] for ls in (batch, con, f1))
+    if not kernels.gram_suits(j, math.prod(nk), math.prod(nf)):
+        return None
+    w = j.new_ones(())
+    for t, ls in weights:
+        w = w * _arrange(t, ls, batch + con)
+    w = w.expand(nb + nk).reshape(math.prod(nb), math.prod(nk))
+    jj = _arrange(j, first, batch + con + f1).reshape(math.prod(nb), math.prod(nk), math.prod(nf))
+    g = torch.ops.hoad.gram(jj, w).reshape(nb + nf + nf)
+    return _arrange(g, batch + f1 + f2, out)
+
+
 def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor:
     """Contract labelled tensors into ``out`` order along a cheap pairwise path."""
     terms = list(terms)
+    gram = _gram(terms, out, size)
+    if gram is not None:
+        return gram
     if 2 < len(terms) <= 5:
         path = _path([(tuple(t.shape), list(ls)) for t, ls in terms], out)
     elif len(terms) > 5:

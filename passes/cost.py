@@ -42,6 +42,9 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     if str(node.target) in _PRODUCTS:
         a, b = (arg.meta["val"] for arg in node.args[:2])
         flops = 2 * math.prod(a.shape) * b.shape[-1]
+    elif str(node.target) == "hoad.gram.default":  # J [B,K,N] -> [B,N,N]
+        j = node.args[0].meta["val"]
+        flops = 2 * math.prod(j.shape) * j.shape[-1]
     else:
         flops = max(n_out, n_in)
     return flops, (n_out + n_in) * size

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import WIDE_GEMMS, Block, Lazy, add, contract, force
+from hoad.blocks import WIDE_GEMMS, Block, Lazy, add, contract, force, mm
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
@@ -172,7 +172,7 @@ class _Interpreter:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
             p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)
-            out = node.target(*p_args, **p_kwargs)
+            out = _primal(node.target, p_args, p_kwargs)
         else:
             out = _primal_of(env[node])
         keys = self._keys(node, orders)
@@ -378,6 +378,14 @@ def _truncated(env: dict, k: int) -> dict:
         return v
 
     return {n: cut(v) for n, v in env.items()}
+
+
+def _primal(target, args: tuple, kwargs: dict):
+    """The primal op on primal values; its matrix products go through :func:`hoad.blocks.mm`
+    (capture decomposes addmm, so mm is the only 2-D product here)."""
+    if target is torch.ops.aten.mm.default and not kwargs:
+        return mm(*args)
+    return target(*args, **kwargs)
 
 
 def _primal_of(v):

@@ -1,9 +1,10 @@
-"""hoad::mm, the float64 AVX-512 matrix product Inductor programs use for short inner dimensions:
-equal to torch.mm on every tail shape, and used by the programs whose products suit it."""
+"""hoad::mm and hoad::gram, the float64 AVX-512 kernels Inductor programs use for products with
+short inner dimensions and for per-sample Gram matrices: equal to torch on every tail shape and
+layout, and used by the programs whose products suit them."""
 
 import pytest
 import torch
-from torch.func import hessian, jacfwd, jacrev
+from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
 import hoad.pipeline
@@ -15,8 +16,8 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 17])
-@pytest.mark.parametrize("n", [1, 8, 31, 32, 33, 70])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 17])
+@pytest.mark.parametrize("n", [1, 8, 16, 31, 32, 33, 48, 70])
 @pytest.mark.parametrize("k", [1, 5, 64, 256])
 def test_equals_torch_mm_on_tail_shapes(m, n, k):
     a, b = rand(m, k, seed=m * 1000 + k), rand(k, n, seed=n * 1000 + k)
@@ -98,3 +99,93 @@ def test_unwritable_cache_means_aten_mm(monkeypatch):
     monkeypatch.setattr(kernels.os.path, "exists", lambda path: "hoad_mm-" not in path and exists(path))  # never built
     monkeypatch.setattr(kernels.os, "makedirs", refuse)
     assert not kernels.available()
+
+
+def gram_reference(J, w):
+    return torch.einsum("bki,bk,bkj->bij", J, w, J)
+
+
+def gram_layouts(B, K, N, seed):
+    """J [B,K,N] stored four ways: dense, contracted axis innermost, sample axis between the others
+    (one wide GEMM's result), and strided with gaps."""
+    yield "dense", rand(B, K, N, seed=seed)
+    yield "k innermost", rand(B, N, K, seed=seed).transpose(1, 2)
+    yield "wide", rand(K, B, N, seed=seed).permute(1, 0, 2)
+    yield "gaps", rand(B, 2 * K, N + 3, seed=seed)[:, ::2, 1:N + 1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("N", [1, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("B,K", [(1, 1), (3, 2), (5, 64)])
+def test_gram_equals_einsum_on_every_layout(B, K, N):
+    w = rand(B, K, seed=N)
+    for name, J in gram_layouts(B, K, N, seed=B * 100 + K):
+        G = torch.ops.hoad.gram(J, w)
+        torch.testing.assert_close(G, gram_reference(J, w), rtol=1e-12, atol=1e-12, msg=name)
+        assert torch.equal(G, G.transpose(1, 2)), f"{name}: not exactly symmetric"
+        assert G.is_contiguous()
+
+
+@needs_kernel
+def test_gram_broadcast_weights_other_dtypes_and_bad_shapes():
+    J = rand(4, 6, 16, seed=1)
+    w = rand(1, 6, seed=2).expand(4, 6)  # stride 0 over samples
+    torch.testing.assert_close(torch.ops.hoad.gram(J, w), gram_reference(J, w), rtol=1e-12, atol=1e-12)
+    J32, w32 = J.float(), w.float()
+    torch.testing.assert_close(torch.ops.hoad.gram(J32, w32), gram_reference(J32, w32))  # not float64: bmm
+    assert torch.ops.hoad.gram(rand(3, 0, 9, seed=3), rand(3, 0, seed=4)).abs().sum() == 0  # no terms: zeros
+    with pytest.raises(RuntimeError, match="J \\[B,K,N\\] and w \\[B,K\\] expected"):
+        torch.ops.hoad.gram(J, rand(4, 5, seed=5))
+
+
+V1, V2, V3 = rand(16, 32, seed=11) / 4, rand(32, 32, seed=12) / 6, rand(32, 1, seed=13) / 6
+
+
+def sample_mlp(x):  # one sample R^16 -> R; the per-sample products are 16x16 over 32 hidden units
+    return (torch.tanh(torch.tanh(x @ V1) @ V2) @ V3).squeeze(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_per_sample_programs_use_gram_and_stay_exact(monkeypatch, mode):
+    """The per-sample program laid out for Inductor, run eagerly: the second-order terms of both
+    tanh layers are hoad::gram calls, the layer products (primal ones too) hoad::mm."""
+    differentiate = hoad.pipeline.differentiate
+    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+    X = rand(40, 16, seed=14)
+    cf = hoad.compile(sample_mlp, order=3, batch_dim=0, mode=mode)
+    res = cf(X)
+    assert_close(res[0, 0], vmap(hessian(sample_mlp))(X), "per-sample Hessian")
+    assert_close(res[0, 0, 0], vmap(jacfwd(hessian(sample_mlp)))(X), "per-sample third order")
+    nodes = cf._last.program.gm.graph.nodes
+    grams = [n for n in nodes if n.target is torch.ops.hoad.gram.default]
+    assert grams, "no hoad::gram in the per-sample program"
+    for n in grams:
+        B, K, N = n.args[0].meta["val"].shape
+        assert node_cost(n)[0] == 2 * B * K * N * N
+    products = [n for n in nodes if n.target is torch.ops.hoad.mm.default]
+    assert any(n.args[0].op == "placeholder" for n in products), "the primal x @ V1 is not hoad::mm"
+
+
+@needs_kernel
+def test_gram_only_for_per_sample_jacobians(monkeypatch):
+    """The pattern: the same per-sample J twice and weights over its batch and contracted labels."""
+    from hoad import blocks
+
+    monkeypatch.setattr(blocks, "WIDE_GEMMS", blocks.contextvars.ContextVar("t", default=True))
+    J, w, size = rand(5, 12, 16, seed=1), rand(5, 12, seed=2), {"b": 5, "k": 12, "i": 16, "j": 16}
+    gram = blocks._gram([(w, ["b", "k"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"], size)
+    torch.testing.assert_close(gram, gram_reference(J, w), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(blocks._gram([(J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "j", "i"], size),
+                               gram_reference(J, torch.ones(5, 12, dtype=J.dtype)), rtol=1e-12, atol=1e-12)
+    other = J.clone()
+    assert blocks._gram([(J, ["b", "k", "i"]), (other, ["b", "k", "j"])], ["b", "i", "j"], size) is None
+    shared = rand(1, 12, 16, seed=3)  # the same for every sample: a matrix product does better
+    assert blocks._gram([(w, ["b", "k"]), (shared, ["b", "k", "i"]), (shared, ["b", "k", "j"])], ["b", "i", "j"],
+                        size) is None
+    free_weight = rand(5, 16, seed=4)  # a weight over a free label is not a Gram weight
+    assert blocks._gram([(free_weight, ["b", "i"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"],
+                        size) is None
+    small = rand(5, 12, 4, seed=5)  # 4x4 Gram matrices: the fused reduction does better
+    assert blocks._gram([(small, ["b", "k", "i"]), (small, ["b", "k", "j"])], ["b", "i", "j"],
+                        {**size, "i": 4, "j": 4}) is None
