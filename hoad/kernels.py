@@ -162,6 +162,40 @@ static void gram_one(int64_t K, int64_t N, int64_t NP, const double* S, const do
     for (int64_t j = 0; j < i; j++) G[i * N + j] = G[j * N + i];
 }
 
+// dst[c * ld + r] = src[r * rs + c] for r < R, c < C: 8x8 blocks transposed in registers.
+__attribute__((target("avx512f")))
+static void transpose(int64_t R, int64_t C, const double* src, int64_t rs, double* dst, int64_t ld) {
+  const __m512i lo2 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi2 = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  const __m512i lo4 = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), hi4 = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+  int64_t r0 = 0;
+  for (; r0 + 8 <= R; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= C; c0 += 8) {
+      __m512d x[8], t[8], u[8];
+      for (int i = 0; i < 8; i++) x[i] = _mm512_loadu_pd(src + (r0 + i) * rs + c0);
+      for (int i = 0; i < 8; i += 2) {  // t[i]: even columns of rows i, i+1 interleaved; t[i+1]: odd ones
+        t[i] = _mm512_unpacklo_pd(x[i], x[i + 1]);
+        t[i + 1] = _mm512_unpackhi_pd(x[i], x[i + 1]);
+      }
+      for (int h = 0; h < 8; h += 4) {  // u: columns {0,4}, {2,6}, {1,5}, {3,7} of four rows
+        u[h] = _mm512_permutex2var_pd(t[h], lo2, t[h + 2]);
+        u[h + 1] = _mm512_permutex2var_pd(t[h], hi2, t[h + 2]);
+        u[h + 2] = _mm512_permutex2var_pd(t[h + 1], lo2, t[h + 3]);
+        u[h + 3] = _mm512_permutex2var_pd(t[h + 1], hi2, t[h + 3]);
+      }
+      const int col[4] = {0, 2, 1, 3};
+      for (int i = 0; i < 4; i++) {
+        _mm512_storeu_pd(dst + (c0 + col[i]) * ld + r0, _mm512_permutex2var_pd(u[i], lo4, u[i + 4]));
+        _mm512_storeu_pd(dst + (c0 + col[i] + 4) * ld + r0, _mm512_permutex2var_pd(u[i], hi4, u[i + 4]));
+      }
+    }
+    for (; c0 < C; c0++)
+      for (int64_t r = r0; r < r0 + 8; r++) dst[c0 * ld + r] = src[r * rs + c0];
+  }
+  for (; r0 < R; r0++)
+    for (int64_t c = 0; c < C; c++) dst[c * ld + r0] = src[r0 * rs + c];
+}
+
 // G[b] = J[b]^T diag(w[b]) J[b] for J [B, K, N] and w [B, K] of any strides; G [B, N, N].
 static at::Tensor gram_cpu(const at::Tensor& J, const at::Tensor& w) {
   TORCH_CHECK(J.dim() == 3 && w.dim() == 2 && w.size(0) == J.size(0) && w.size(1) == J.size(1),
@@ -184,8 +218,7 @@ static at::Tensor gram_cpu(const at::Tensor& J, const at::Tensor& w) {
     if (sn == 1) {
       for (int64_t k = 0; k < K; k++) std::memcpy(&S[k * NP], jb + k * sk, N * sizeof(double));
     } else if (sk == 1) {
-      for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++) S[k * NP + n] = jb[n * sn + k];
+      transpose(N, K, jb, sn, S.data(), NP);
     } else {
       for (int64_t k = 0; k < K; k++)
         for (int64_t n = 0; n < N; n++) S[k * NP + n] = jb[k * sk + n * sn];

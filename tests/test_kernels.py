@@ -90,6 +90,16 @@ def test_compiled_program_with_it_matches_torch_func():
     assert_close(res[0, 0, 0], jacfwd(jacfwd(jacrev(mlp)))(x), "third order")
 
 
+@needs_kernel
+def test_compiled_per_sample_program_with_gram_matches_torch_func():
+    """One Inductor compile: hoad::gram's declared output (shape, dense strides) is what it returns."""
+    X = rand(40, 16, seed=15)
+    cf = hoad.compile(sample_mlp, order=2, batch_dim=0, backend="inductor")
+    res = cf(X)
+    assert "hoad.gram(" in str(cf.graph)
+    assert_close(res[0, 0], vmap(hessian(sample_mlp))(X), "per-sample Hessian")
+
+
 def test_unwritable_cache_means_aten_mm(monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError("read-only cache directory")
