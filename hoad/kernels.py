@@ -209,23 +209,26 @@ static at::Tensor gram_cpu(const at::Tensor& J, const at::Tensor& w) {
   at::Tensor out = at::empty({B, N, N}, J.options());
   if (out.numel() == 0) return out;
   if (K == 0) return out.zero_();
-  std::vector<double> S(K * NP, 0.0), ws(K);
   const double* jp = J.const_data_ptr<double>();
   const double* wp = w.const_data_ptr<double>();
   double* gp = out.mutable_data_ptr<double>();
-  for (int64_t b = 0; b < B; b++) {
-    const double* jb = jp + b * sb;
-    if (sn == 1) {
-      for (int64_t k = 0; k < K; k++) std::memcpy(&S[k * NP], jb + k * sk, N * sizeof(double));
-    } else if (sk == 1) {
-      transpose(N, K, jb, sn, S.data(), NP);
-    } else {
-      for (int64_t k = 0; k < K; k++)
-        for (int64_t n = 0; n < N; n++) S[k * NP + n] = jb[k * sk + n * sn];
+  // samples are independent: with more than one thread, each takes a share with its own scratch
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    std::vector<double> S(K * NP, 0.0), ws(K);
+    for (int64_t b = begin; b < end; b++) {
+      const double* jb = jp + b * sb;
+      if (sn == 1) {
+        for (int64_t k = 0; k < K; k++) std::memcpy(&S[k * NP], jb + k * sk, N * sizeof(double));
+      } else if (sk == 1) {
+        transpose(N, K, jb, sn, S.data(), NP);
+      } else {
+        for (int64_t k = 0; k < K; k++)
+          for (int64_t n = 0; n < N; n++) S[k * NP + n] = jb[k * sk + n * sn];
+      }
+      for (int64_t k = 0; k < K; k++) ws[k] = wp[b * wb + k * wk];
+      gram_one(K, N, NP, S.data(), ws.data(), gp + b * N * N);
     }
-    for (int64_t k = 0; k < K; k++) ws[k] = wp[b * wb + k * wk];
-    gram_one(K, N, NP, S.data(), ws.data(), gp + b * N * N);
-  }
+  });
   return out;
 }
 
@@ -258,7 +261,10 @@ def _build() -> str | None:
     from hoad.passes.compile import cache_dir
 
     source = SOURCE.replace("THREADED_MACS", str(THREADED_MACS))
-    digest = hashlib.sha256("\\0".join([source, compiler, torch.__version__]).encode()).hexdigest()[:16]
+    # at::parallel_for is OpenMP in torch's headers; the library then shares torch's libgomp
+    flags = ["-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    digest = hashlib.sha256("\\0".join([source, compiler, *flags, torch.__version__]).encode()).hexdigest()[:16]
     where = os.path.join(os.path.dirname(cache_dir()), "kernels")
     path = os.path.join(where, f"hoad_mm-{digest}.so")
     if os.path.exists(path):
@@ -270,9 +276,7 @@ def _build() -> str | None:
         src, lib = os.path.join(tmp, "hoad_mm.cpp"), os.path.join(tmp, "hoad_mm.so")
         with open(src, "w") as f:
             f.write(source)
-        command = [compiler, "-O3", "-shared", "-fPIC", "-std=c++20",
-                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                   *[f"-I{p}" for p in include_paths()], src, "-o", lib,
+        command = [compiler, *flags, *[f"-I{p}" for p in include_paths()], src, "-o", lib,
                    *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

@@ -141,6 +141,13 @@ def test_gram_broadcast_weights_other_dtypes_and_bad_shapes():
     J = rand(4, 6, 16, seed=1)
     w = rand(1, 6, seed=2).expand(4, 6)  # stride 0 over samples
     torch.testing.assert_close(torch.ops.hoad.gram(J, w), gram_reference(J, w), rtol=1e-12, atol=1e-12)
+    big, weights = rand(70, 24, 16, seed=6), rand(70, 24, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # samples split between threads
+        torch.testing.assert_close(torch.ops.hoad.gram(big, weights), gram_reference(big, weights), rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_num_threads(threads)
     J32, w32 = J.float(), w.float()
     torch.testing.assert_close(torch.ops.hoad.gram(J32, w32), gram_reference(J32, w32))  # not float64: bmm
     assert torch.ops.hoad.gram(rand(3, 0, 9, seed=3), rand(3, 0, seed=4)).abs().sum() == 0  # no terms: zeros
