@@ -15,7 +15,8 @@ more than one thread, MKL keeps the products large enough to parallelize.
 second-order chain rule through an elementwise layer under a batch: each sample's J is copied
 into a dense scratch (whatever its strides), then tiles of 8x16 entries of the upper triangle
 accumulate in registers and the lower triangle is mirrored. 256 of 16x16 over 64 terms take
-0.16-0.24 ms, MKL's bmm 0.6, Inductor's fused reduction 0.27-0.73 depending on J's layout.
+0.13-0.17 ms whatever J's layout (one thread), MKL's bmm 0.42-0.6, Inductor's fused reduction
+0.27-0.73 depending on J's layout; samples are split between threads when there are several.
 
 Eager programs keep ``aten.mm`` and ``bmm``: they are differentiable by autograd, and these
 operators have no derivatives of their own. The library is built once per machine with the
