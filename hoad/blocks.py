@@ -46,8 +46,9 @@ WIDE_GEMMS: contextvars.ContextVar[bool] = contextvars.ContextVar("hoad_wide_gem
 # Under the same flag, batched products of matrices no larger than this on either side are
 # emitted as a broadcast multiply and sum for the compiler to fuse (see ``_pair``).
 SMALL_MATRIX = 64
-# and 2-D products of at most this many multiply-adds are a broadcast product and sum too: fused,
-# about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 63.5 -> 61.2 us)
+# and so are vector-matrix products (one row or one column) of at most this many multiply-adds:
+# fused, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us).
+# Not matrix-matrix ones: [40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us.
 TINY_PRODUCT = 4096
 
 
@@ -349,10 +350,11 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for 2-D operands. In programs laid out for Inductor: ``hoad::mm`` where it runs
     faster (Inductor writes the operands densely, so the copies are free), a fused reduction for
-    tiny products; else ``aten.mm``."""
+    a small vector-matrix product; else ``aten.mm``."""
     if WIDE_GEMMS.get() and kernels.suits(a, b):
         return torch.ops.hoad.mm(a.contiguous(), b.contiguous())
-    if WIDE_GEMMS.get() and a.shape[0] * a.shape[1] * b.shape[1] <= TINY_PRODUCT:
+    (m, k), n = a.shape, b.shape[1]
+    if WIDE_GEMMS.get() and min(m, n) == 1 and m * k * n <= TINY_PRODUCT:
         return (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)
     return torch.mm(a, b)
 
