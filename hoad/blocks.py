@@ -426,7 +426,7 @@ def _gram(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torc
     weights = [terms[i] for i in range(len(terms)) if i not in twice]
     if (not (free and batch and con) or len(out) != len(batch + f1 + f2) or set(out) != set(batch + f1 + f2)
             or set(f1) & set(f2) or any(not set(ls) <= set(shared) for _t, ls in weights)
-            or any(j.shape[i] != size[l] for i, l in enumerate(first))):  # a broadcast J: matrix products do better
+            or any(j.shape[i] != size.get(l) for i, l in enumerate(first))):  # a broadcast J: matrix products do better
         return None
     nb, nk, nf = ([size[l] for l in ls] for ls in (batch, con, f1))
     if not kernels.gram_suits(j, math.prod(nk), math.prod(nf)):

@@ -204,6 +204,9 @@ def test_gram_only_for_per_sample_jacobians(monkeypatch):
     free_weight = rand(5, 16, seed=4)  # a weight over a free label is not a Gram weight
     assert blocks._gram([(free_weight, ["b", "i"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"],
                         size) is None
+    unlabelled = rand(5, 12, 1, 16, seed=6)  # a size-1 axis without a label (None) is not the pattern
+    assert blocks._gram([(unlabelled, ["b", "k", None, "i"]), (unlabelled, ["b", "k", None, "j"])], ["b", "i", "j"],
+                        size) is None
     small = rand(5, 12, 4, seed=5)  # 4x4 Gram matrices: the fused reduction does better
     assert blocks._gram([(small, ["b", "k", "i"]), (small, ["b", "k", "j"])], ["b", "i", "j"],
                         {**size, "i": 4, "j": 4}) is None
