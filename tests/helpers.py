@@ -8,8 +8,16 @@ import torch
 from torch.func import jacfwd, jacrev
 
 import hoad
+import hoad.pipeline
 
 DT = torch.float64
+
+
+def lay_out_for_inductor(monkeypatch):
+    """Make programs compiled from here on take the layout built for Inductor (its contractions
+    and kernels differ) while still running eagerly: Inductor compiles cost seconds."""
+    differentiate = hoad.pipeline.differentiate
+    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
 
 
 def reference(f, args, wrt, order):

@@ -10,8 +10,7 @@ from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
 import hoad.blocks
-import hoad.pipeline
-from helpers import assert_close, rand
+from helpers import assert_close, lay_out_for_inductor, rand
 from op_cases import CASES
 
 W1 = rand(4, 8, seed=21) / 2
@@ -38,8 +37,7 @@ def layouts(request, monkeypatch):
     """Run each test on the program laid out for eager and on the one laid out for Inductor
     (run eagerly here: Inductor compiles cost seconds), whose contractions differ."""
     if request.param == "fused":
-        differentiate = hoad.pipeline.differentiate
-        monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+        lay_out_for_inductor(monkeypatch)
     return request.param
 
 
@@ -68,8 +66,7 @@ def test_fused_layout_sums_small_per_sample_products(monkeypatch):
         return str(cf.graph)
 
     eager = program()
-    differentiate = hoad.pipeline.differentiate
-    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+    lay_out_for_inductor(monkeypatch)
     fused = program()  # run eagerly: the same values from the program laid out for Inductor
     assert fused.count("aten.bmm") < eager.count("aten.bmm")
     assert fused.count("aten.sum.dim_IntList") > eager.count("aten.sum.dim_IntList")

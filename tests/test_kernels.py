@@ -7,10 +7,9 @@ import torch
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
-import hoad.pipeline
 from hoad import kernels
 from hoad.passes.cost import node_cost
-from helpers import assert_close, rand
+from helpers import assert_close, lay_out_for_inductor, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
 
@@ -52,8 +51,7 @@ def mlp(x):
 @needs_kernel
 def test_inductor_layout_programs_use_it_and_stay_exact(monkeypatch):
     """The program laid out for Inductor, run eagerly: its [16,64]@[64,256] products are hoad::mm."""
-    differentiate = hoad.pipeline.differentiate
-    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+    lay_out_for_inductor(monkeypatch)
     x = rand(16, seed=8)
     cf = hoad.compile(mlp, order=3, mode="reverse")
     res = cf(x)
@@ -168,8 +166,7 @@ def sample_mlp(x):  # one sample R^16 -> R; the per-sample products are 16x16 ov
 def test_per_sample_programs_use_gram_and_stay_exact(monkeypatch, mode):
     """The per-sample program laid out for Inductor, run eagerly: the second-order terms of both
     tanh layers are hoad::gram calls, the layer products (primal ones too) hoad::mm."""
-    differentiate = hoad.pipeline.differentiate
-    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+    lay_out_for_inductor(monkeypatch)
     X = rand(40, 16, seed=14)
     cf = hoad.compile(sample_mlp, order=3, batch_dim=0, mode=mode)
     res = cf(X)
