@@ -18,7 +18,7 @@ _FREE = {aten.view.default, aten.permute.default, aten.expand.default, aten.unsq
          aten.alias.default, aten.slice.Tensor, aten.select.int, aten.diagonal.default, aten._unsafe_view.default}
 
 
-# matrix products, by name: hoad::mm is registered only where its kernel could be built
+# matrix products, by name: hoad::mm (and hoad::gram) are registered only where their kernels could be built
 _PRODUCTS = {"aten.mm.default", "aten.bmm.default", "hoad.mm.default"}
 
 
@@ -39,10 +39,11 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     ins = [a.meta.get("val") for a in node.all_input_nodes]
     n_in = sum(_numel(v) for v in ins)
     size = out.element_size() if isinstance(out, torch.Tensor) else 8
-    if str(node.target) in _PRODUCTS:
+    name = str(node.target)
+    if name in _PRODUCTS:
         a, b = (arg.meta["val"] for arg in node.args[:2])
         flops = 2 * math.prod(a.shape) * b.shape[-1]
-    elif str(node.target) == "hoad.gram.default":  # J [B,K,N] -> [B,N,N]
+    elif name == "hoad.gram.default":  # J [B,K,N] -> [B,N,N]
         j = node.args[0].meta["val"]
         flops = 2 * math.prod(j.shape) * j.shape[-1]
     else:
