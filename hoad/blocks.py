@@ -295,13 +295,15 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
         out = [l for l in (order or []) if l in xs or l in ys] or xs + [l for l in ys if l not in xs]
         return _arrange(x, xs, out) * _arrange(y, ys, out), out
 
+    def sizes(t, ls, names):
+        return [t.shape[ls.index(n)] for n in names]
+
     best = None
     for a, as_, b, bs in ((x, xs, y, ys), (y, ys, x, xs)):
         batch = [l for l in as_ if l in bs and l in keep]
         left = [l for l in as_ if l not in bs]
         right = [l for l in bs if l not in as_]
-        m = math.prod(a.shape[as_.index(l)] for l in left)
-        n = math.prod(b.shape[bs.index(l)] for l in right)
+        m, n = math.prod(sizes(a, as_, left)), math.prod(sizes(b, bs, right))
         for con in (contracted, [l for l in bs if l in contracted]):
             out = batch + left + right
             cost = _moves(as_, batch + left + con) + _moves(bs, batch + con + right)
@@ -313,16 +315,13 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
             # with 16 columns the wide form still won (order 3 at a point: 66 vs 75 us)
             tall = int(m > 4 * n)
             if WIDE_GEMMS.get():
-                k = math.prod(a.shape[as_.index(l)] for l in con)
+                k = math.prod(sizes(a, as_, con))
                 key = (0 if not batch and n >= kernels.MIN_COLUMNS and kernels.fits(a, m, k, n) else tall, cost)
             else:
                 key = (cost, tall)
             if best is None or key < best[0]:
                 best = (key, a, as_, b, bs, batch, left, con, right)
     _cost, a, as_, b, bs, batch, left, con, right = best
-
-    def sizes(t, ls, names):
-        return [t.shape[ls.index(n)] for n in names]
 
     nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
     if (batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX
