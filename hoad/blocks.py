@@ -632,6 +632,24 @@ def map_out(blk: Block | Lazy, r: int, fn: Callable[[torch.Tensor], torch.Tensor
     return _canonical(new, dims, list(new_out) + list(blk.shape[r:]))
 
 
+def select_out(blk: Block | Lazy, r: int, mask: torch.Tensor) -> Block:
+    """``where(mask, blk, 0)`` with ``mask`` a boolean tensor over the output part (broadcast to
+    it): entries not selected become exact zeros, even where ``blk`` holds inf or NaN (a product
+    with a 0/1 mask would leak them, e.g. the derivative of the branch ``where`` did not take).
+    Ties stay: the mask is laid over the data's classes, one diagonal per shared class."""
+    blk = force(blk)
+    out = list(blk.shape[:r])
+    m = mask.expand(out) if list(mask.shape) != out else mask
+    labels = list(blk.dims[:r])
+    keep = [a for a, c in enumerate(labels) if c is not None]
+    m = m.reshape([out[a] for a in keep]) if len(keep) != r else m
+    labels = [labels[a] for a in keep]
+    m, labels = _diagonal(m, labels)
+    m = _arrange(m, labels, list(range(blk.data.ndim)))
+    return Block(torch.where(m, blk.data, torch.zeros((), dtype=blk.data.dtype, device=blk.data.device)),
+                 blk.dims, blk.shape)
+
+
 def along(r: int, axes: Sequence[int], removed: bool = False) -> dict[int, int]:
     """``keep`` for an op acting along ``axes`` of an ``r``-axis output: every other axis passes
     through, shifting left past the acted-on axes when ``removed`` (select, diagonal)."""

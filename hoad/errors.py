@@ -40,6 +40,11 @@ class BatchCouplingError(HoadError):
     """``batch_dim`` promised independent samples, but an operator mixes them."""
 
 
+class ExecutionError(HoadError, RuntimeError):
+    """A compiled derivative program failed while running (e.g. an index out of range for these
+    input values)."""
+
+
 class HoadInternalError(HoadError, RuntimeError):
     """An invariant of hoad itself failed: please report it with the function that triggered it."""
 

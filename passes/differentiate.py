@@ -54,6 +54,9 @@ class Program:
     batch_dim: int | None = None           # blocks are per sample along this axis (slot_shapes per sample)
     diagonal: bool = False                 # blocks hold pure derivatives only (one axis copy per wrt input)
     stats: dict = field(default_factory=dict)
+    # the part computed from free tensors alone (hoad.passes.hoist): its outputs are gm's last inputs
+    prefix: fx.GraphModule | None = None
+    prefix_reads: list[int] = field(default_factory=list)   # which free tensors the prefix reads
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
@@ -83,6 +86,12 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         with fx_traceback.preserve_node_meta():
             gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*leaves)
+    except HoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - hoad's own failure: name where it happened
+        node = interp.current
+        at = f" at node {node.name} ({node.target}){where(node)}" if node is not None else ""
+        raise HoadInternalError(f"building the {direction} derivative program failed{at}: {type(e).__name__}: {e}") from e
     finally:
         WIDE_GEMMS.reset(token)
     _apply_names(gm, interp.names, captured.leaf_names)
@@ -112,6 +121,7 @@ class _Interpreter:
         self.keys: list[MultiIndex] = []
         self.zeros: list[MultiIndex] = []
         self.stored: dict[MultiIndex, int] = {}
+        self.current: fx.Node | None = None   # the primal node being transformed, for errors
 
     # ------------------------------------------------------------------------- analysis
     def _dependencies(self) -> dict[fx.Node, frozenset]:
@@ -125,6 +135,11 @@ class _Interpreter:
                 deps.setdefault(node, frozenset())
                 continue
             inputs = frozenset().union(*[deps.get(a, frozenset()) for a in node.all_input_nodes])
+            if inputs and node in live and _complex(node.meta.get("val")):
+                raise UnsupportedOperatorError(
+                    f"{node.target} (node {node.name}){self.where(node)} computes complex values from a "
+                    "differentiated input; hoad differentiates real floating-point programs only. Write the "
+                    "computation with real and imaginary parts as separate real tensors.")
             if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")) or node not in live:
                 inputs = frozenset()
             deps[node] = inputs
@@ -155,6 +170,7 @@ class _Interpreter:
             env[node] = Jet(t, {(k,): Block.identity(t, t.shape)} if k is not None and max_order >= 1 else None,
                             varies=k is not None)
         for node in self.nodes:
+            self.current = node
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "get_attr":
@@ -236,6 +252,7 @@ class _Interpreter:
         adj: dict[fx.Node, object] = {self.output: Block.identity(f, tuple(f.shape))}
         owner = {id(v): n for n, v in env.items() if isinstance(v, Jet)}
         for node in reversed(self.nodes):
+            self.current = node
             g = adj.get(node)
             if g is None or node.op != "call_function" or not self.deps[node]:
                 continue
@@ -283,6 +300,7 @@ class _Interpreter:
             below = env if k == self.order else _truncated(env, k)
             parts: dict[MultiIndex, list] = {}
             for node in self.nodes:
+                self.current = node
                 g = adj.get(node)
                 if not isinstance(g, Block) or node.op != "call_function" or node.target is operator.getitem:
                     continue
@@ -394,6 +412,14 @@ def _primal_of(v):
     if isinstance(v, (tuple, list)):
         return tuple(_primal_of(x) for x in v)
     return v
+
+
+def _complex(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.dtype.is_complex
+    if isinstance(out, (tuple, list)):
+        return any(_complex(o) for o in out)
+    return False
 
 
 def _differentiable(out) -> bool:

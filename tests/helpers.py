@@ -48,13 +48,14 @@ def assert_close(got, ref, what=""):
     torch.testing.assert_close(got, ref.to(got.dtype), rtol=1e-9, atol=1e-9 * scale, msg=lambda m: f"{what}: {m}")
 
 
-def check(f, args, wrt=(0,), order=3, **options):
-    """Compile ``f`` with hoad and compare every canonical block (and permuted keys) to torch.func."""
+def check(f, args, wrt=(0,), order=3, reference_fn=None, **options):
+    """Compile ``f`` with hoad and compare every canonical block (and permuted keys) to torch.func
+    (of ``reference_fn``, the same function in plain ops, when given)."""
     wrt = tuple(wrt)
     cf = hoad.compile(f, order=order, wrt=wrt, **options)
     res = cf(*args)
     assert_close(res.value, f(*args), "value")
-    ref = reference(f, args, wrt, order)
+    ref = reference(reference_fn or f, args, wrt, order)
     for K, expected in ref.items():
         key = tuple(wrt[k] for k in K)
         assert_close(res[key], expected, f"block {key}")

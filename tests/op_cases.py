@@ -26,6 +26,8 @@ class Case:
     order: int = 4
     tol: float | None = None          # looser tolerance (float32 casts)
     ops: tuple = field(default=())    # extra ops that must appear
+    # the same function in plain ops, for torch.func where it has no derivative of the op itself
+    reference: Callable | None = None
 
 
 def _idx(*v):
@@ -69,6 +71,19 @@ CASES: dict = {
     aten.cat.default: Case(lambda x, y: torch.cat([x.sin(), y, x * y], 0).tanh().sum(0), (rand(2, 3), rand(2, 3)), wrt=(0, 1), order=3),
     aten.split_with_sizes.default: Case(lambda x: (lambda a, b: a.sin().sum() * b.cos().sum())(*torch.split(x, [1, 2], 1)), (rand(2, 3),)),
     aten.repeat.default: Case(lambda x: x.repeat(2, 1).sin().cumsum(0).sum(1), (rand(2, 3),)),
+    aten.fmod.Tensor: Case(lambda x, y: torch.fmod(x * 3, y.exp()).sin().sum(0), (rand(2, 3), rand(3)), wrt=(0, 1), order=3),
+    aten.fmod.Scalar: Case(lambda x: torch.fmod(x.sin() * 3, 0.7).exp().sum(), (rand(2, 3),)),
+    aten.remainder.Tensor: Case(lambda x, y: torch.remainder(x * 3, y.exp()).sin(), (rand(2, 3), rand(3)), wrt=(0, 1), order=3),
+    aten.remainder.Scalar: Case(lambda x: torch.remainder(x.sin() * 3, 0.7).exp().sum(), (rand(2, 3),)),
+    # torch has no derivative of remainder(scalar, tensor): the reference writes out a - floor(a/b)·b
+    aten.remainder.Scalar_Tensor: Case(lambda x: (2.5 % x.exp()).sin().sum(), (rand(2, 3),),
+                                       reference=lambda x: (2.5 - (2.5 / x.exp()).floor().detach() * x.exp()).sin().sum()),
+    aten.clamp.Tensor: Case(lambda x, y: torch.clamp(x.sin(), y[:1] - 0.5, y[1:] + 0.5).exp().sum(), (rand(2, 3), rand(2, 3)),
+                            wrt=(0, 1), order=3),
+    aten.slice_scatter.default: Case(lambda x, y: aten.slice_scatter(x.sin(), y.exp(), 1, 0, 3, 2).tanh().sum(0),
+                                     (rand(2, 3), rand(2, 2)), wrt=(0, 1), order=3),
+    aten.diagonal_scatter.default: Case(lambda x, y: aten.diagonal_scatter(x.sin(), y.exp(), 1).tanh().sum(0),
+                                        (rand(2, 3), rand(2)), wrt=(0, 1), order=3),
     aten.sort.default: Case(lambda x: x.sort(1).values.sin() * W23, (rand(2, 3),)),
     aten.topk.default: Case(lambda x: x.sin().topk(2).values.exp().sum(), (rand(2, 3),)),
     # ------------------------------------------------------------------------ multilinear
@@ -92,6 +107,7 @@ CASES: dict = {
     aten.tanh.default: Case(lambda x: x.tanh().sum(), (rand(2, 3),), order=5),
     aten.sigmoid.default: Case(lambda x: x.sigmoid().sum(), (rand(2, 3),), order=5),
     aten.tan.default: Case(lambda x: (x * 0.5).tan().sum(), (rand(2, 3),), order=5),
+    aten.special_entr.default: Case(lambda x: torch.special.entr(x).sum(), (rand(2, 3, positive=True),), order=5),
     aten.atan.default: Case(lambda x: x.atan().sum(), (rand(2, 3),), order=5),
     aten.erf.default: Case(lambda x: x.erf().sum(), (rand(2, 3),), order=5),
     aten.sqrt.default: Case(lambda x: x.sqrt().sum(), (rand(2, 3, positive=True),), order=5),

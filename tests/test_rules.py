@@ -38,7 +38,7 @@ def test_rule(op, mode, monkeypatch):
         import helpers
 
         monkeypatch.setattr(helpers, "assert_close", _loose(case.tol))
-    check(case.fn, case.args, wrt=case.wrt, order=case.order, **options)
+    check(case.fn, case.args, wrt=case.wrt, order=case.order, reference_fn=case.reference, **options)
     assert calls, f"{op} never reached its rule: the case does not exercise it"
     top = max(len(K) for keys in calls for K in keys)
     if mode == "forward":

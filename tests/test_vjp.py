@@ -16,7 +16,11 @@ from op_cases import CASES
 
 
 # ops torch.func cannot differentiate out of place, with an equivalent reference
-REFERENCE = {torch.ops.aten.copy.default: lambda dst, src, non_blocking=False: src.expand_as(dst).to(dst.dtype) + 0 * dst}
+REFERENCE = {
+    torch.ops.aten.copy.default: lambda dst, src, non_blocking=False: src.expand_as(dst).to(dst.dtype) + 0 * dst,
+    # torch has no derivative of remainder(scalar, tensor)
+    torch.ops.aten.remainder.Scalar_Tensor: lambda a, b: a - torch.div(a, b, rounding_mode="floor").detach() * b,
+}
 
 
 def test_every_rule_has_a_vjp():
@@ -41,8 +45,9 @@ def _values(gm: fx.GraphModule, args) -> dict:
 def test_vjp_rule(op):
     case = CASES[op]
     layout, tensors = bind_layout(case.fn, case.args, {})
-    gm = capture(case.fn, layout, tensors, list(range(len(tensors)))).gm
-    env = _values(gm, tensors)
+    captured = capture(case.fn, layout, tensors, list(range(len(tensors))))
+    gm = captured.gm
+    env = _values(gm, list(tensors) + captured.free)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
     assert nodes, f"{op} does not appear in its case"
     gen = torch.Generator().manual_seed(0)

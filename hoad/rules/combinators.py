@@ -11,14 +11,16 @@ the remainder terms of the adjoint form.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from hoad import blocks
-from hoad.blocks import Block, Lazy, add, contract, expand_out, sum_out
+from hoad.blocks import Block, Lazy, add, contract, expand_out, reshape_out, sum_out
 from hoad.multiindex import distribution_terms, partition_terms
-from hoad.rules.base import Contracted, Ctx, Jet, adjoint_labels, out_labels
+from hoad.rules.base import Contracted, Ctx, Jet, VjpCtx, adjoint_labels, out_labels
 
 Coefficient = torch.Tensor | float | int | None
 
@@ -163,3 +165,77 @@ def unbroadcast(g: Block, r: int, shape: Sequence[int]) -> Block:
     if grown:
         g = sum_out(g, r, grown, keepdim=True)
     return g
+
+
+# ---------------------------------------------------------------------------- 0-d inputs
+# An op taking a dim treats a 0-d tensor as a vector of one entry (dim 0 or -1 is its only
+# axis): the rule runs on that vector and its blocks are viewed back as 0-d.
+def _as_vector(x):
+    if isinstance(x, Jet) and x.ndim == 0:
+        return Jet(x.primal.reshape(1), {K: reshape_out(b, 0, [1]) for K, b in x.blocks.items()}, x.varies)
+    return x
+
+
+def _vector_out(out, lift: bool):
+    if not lift:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.reshape(1) if out.ndim == 0 else out
+    return type(out)(_vector_out(o, lift) for o in out)
+
+
+def _keeps_axis(args: tuple, kwargs: dict, reduces: bool) -> bool:
+    """Whether the op's output keeps the dim it acts along (so the lifted output has one axis)."""
+    if not reduces:
+        return True
+    return bool(kwargs.get("keepdim", args[1] if len(args) > 1 else False))
+
+
+def on_0d(rule: Callable | None = None, *, reduces: bool = False) -> Callable:
+    """A rule of an op with a dim argument, made to accept a 0-d first argument: the op acts on
+    a 0-d tensor as on a vector of one entry. ``reduces``: the op drops the dim unless
+    ``keepdim`` (its argument after ``dim``) is set."""
+    if rule is None:
+        return functools.partial(on_0d, reduces=reduces)
+
+    @functools.wraps(rule)
+    def wrapped(ctx: Ctx, x, *args, **kwargs):
+        if not isinstance(x, Jet) or x.ndim != 0:
+            return rule(ctx, x, *args, **kwargs)
+        out1 = _vector_out(ctx.out, _keeps_axis(args, kwargs, reduces))
+        adjoint = ctx.adjoint
+        if adjoint is not None and isinstance(ctx.out, torch.Tensor):
+            adjoint = reshape_out(adjoint, ctx.out.ndim, list(out1.shape))
+        lifted = replace(ctx, out=out1, adjoint=adjoint)
+        result = rule(lifted, _as_vector(x), *(_as_vector(a) for a in args), **kwargs)
+        return _restore(result, out1, ctx.out)
+
+    return wrapped
+
+
+def _restore(result, lifted, out):
+    if isinstance(out, torch.Tensor):
+        r = lifted.ndim
+        return {K: b if isinstance(b, Contracted) else reshape_out(b, r, list(out.shape)) for K, b in result.items()}
+    return [_restore(b, l, o) if isinstance(o, torch.Tensor) else b for b, l, o in zip(result, lifted, out)]
+
+
+def on_0d_vjp(vjp: Callable | None = None, *, reduces: bool = False) -> Callable:
+    """The VJP of an op with a dim argument, made to accept a 0-d first argument (see :func:`on_0d`)."""
+    if vjp is None:
+        return functools.partial(on_0d_vjp, reduces=reduces)
+
+    @functools.wraps(vjp)
+    def wrapped(v: VjpCtx, g, x, *args, **kwargs):
+        if not isinstance(x, Jet) or x.ndim != 0:
+            return vjp(v, g, x, *args, **kwargs)
+        x1 = _as_vector(x)
+        out1 = _vector_out(v.out, _keeps_axis(args, kwargs, reduces))
+        if isinstance(v.out, torch.Tensor):
+            g1 = reshape_out(g, v.out.ndim, list(out1.shape))
+        else:
+            g1 = [None if gi is None else reshape_out(gi, o.ndim, list(o1.shape)) for gi, o, o1 in zip(g, v.out, out1)]
+        pairs = vjp(replace(v, out=out1), g1, x1, *(_as_vector(a) for a in args), **kwargs)
+        return [(x, reshape_out(c, 1, [])) if jet is x1 else (jet, c) for jet, c in pairs]
+
+    return wrapped

@@ -12,8 +12,7 @@ aten = torch.ops.aten
 
 PIECEWISE_CONSTANT = frozenset({
     aten.sign.default, aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
-    aten.detach.default, aten.div.Tensor_mode, aten.remainder.Tensor, aten.remainder.Scalar,
-    aten.fmod.Tensor, aten.fmod.Scalar, aten.frac.default,
+    aten.detach.default, aten.div.Tensor_mode,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
     aten.scalar_tensor.default,

@@ -251,11 +251,36 @@ def atan(n, x, y):
     return out
 
 
+@derivatives(aten.special_entr.default)
+def entr(n, x, y):
+    """-x log x: φ' = -(1 + log x), φ^(k) = (-1)^(k-1) (k-2)! x^(1-k) from k = 2 (torch's formula,
+    so +inf at 0 and NaN below 0, where the decomposition's ``where`` would give 0)."""
+    out = [-(x.log() + 1)]
+    r = x.reciprocal()
+    for k in range(2, n + 1):
+        out.append(_power_of(r, k - 1) * ((-1) ** (k - 1) * math.factorial(k - 2)))
+    return out
+
+
+def _log_of(c: float) -> float:
+    """log c for a Python number, as torch computes it: -inf at 0, NaN below."""
+    return math.log(c) if c > 0 else (-math.inf if c == 0 else math.nan)
+
+
+def _exponential_coeffs(n: int, y: torch.Tensor, log_c, at_zero_base: torch.Tensor | None) -> list:
+    """φ^(k) = (log c)^k c^x for c^x; where the base is 0 and the exponent >= 0, torch takes the
+    derivative as 0 (``at_zero_base``), not 0 · (-inf)^k."""
+    coeffs = [y * log_c**k if not isinstance(log_c, torch.Tensor) else y * _power_of(log_c, k) for k in range(1, n + 1)]
+    if at_zero_base is None:
+        return coeffs
+    return [torch.where(at_zero_base, torch.zeros((), dtype=y.dtype, device=y.device), c) for c in coeffs]
+
+
 @RULES.register(aten.pow.Scalar)
 def pow_base_rule(ctx: Ctx, base, x: Jet):
     """c^x: φ^(k) = (log c)^k c^x."""
-    log_c = math.log(base)
-    return chain(ctx, x, [ctx.out * log_c**k for k in range(1, ctx.max_order + 1)])
+    zero = (x.primal >= 0) if base == 0 else None
+    return chain(ctx, x, _exponential_coeffs(ctx.max_order, ctx.out, _log_of(base), zero))
 
 
 @RULES.register(aten.pow.Tensor_Tensor)
@@ -273,7 +298,8 @@ def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     log_a = a.primal.log()
     if a.constant:
         lb = log_a.expand(y.shape)
-        return chain(ctx, broadcast(b, y.shape), [y * _power_of(lb, k) for k in range(1, ctx.max_order + 1)])
+        zero = ((a.primal == 0) & (b.primal >= 0)).expand(y.shape)
+        return chain(ctx, broadcast(b, y.shape), _exponential_coeffs(ctx.max_order, y, lb, zero))
     # both vary: a^b = exp(b · log a), composed from the log, product and exp rules
     inner = ctx.inner(log_a)
     la = Jet(log_a, chain(inner, a, log(inner.max_order, a.primal, log_a)))
@@ -325,7 +351,8 @@ def _horner(coeffs: list[int], z: torch.Tensor):
 
 @VJPS.register(aten.pow.Scalar)
 def pow_base_vjp(v, g: Block, base, x: Jet):
-    return [(x, scale_out(g, v.out * math.log(base), x.shape))]
+    zero = (x.primal >= 0) if base == 0 else None
+    return [(x, scale_out(g, _exponential_coeffs(1, v.out, _log_of(base), zero)[0], x.shape))]
 
 
 @VJPS.register(aten.pow.Tensor_Tensor)

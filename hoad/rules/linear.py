@@ -10,21 +10,23 @@ import math
 
 import torch
 
-from hoad.blocks import Block, add, along, expand_out, map_out, permute_out, reshape_out, sum_out
+from hoad.blocks import Block, add, along, expand_out, map_out, permute_out, reshape_out, select_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable
-from hoad.rules.combinators import linear, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.combinators import broadcast, linear, on_0d, on_0d_vjp, scale_out, scaled, sum_blocks, unbroadcast
 
 aten = torch.ops.aten
 RULES = RuleTable("linear")
 
 
 def _dims(dim, r: int) -> list[int]:
-    """Normalise a dim argument (int, list, or None/[] for all dims)."""
+    """Normalise a dim argument (int, list, or None/[] for all dims); a 0-d tensor has none."""
+    if r == 0:
+        return []
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return list(range(r))
     if isinstance(dim, int):
         dim = [dim]
-    return [d % r if r else 0 for d in dim]
+    return [d % r for d in dim]
 
 
 @RULES.register(aten.view.default, aten.squeeze.dims, aten.unsqueeze.default)
@@ -71,6 +73,7 @@ def select_rule(ctx: Ctx, x: Jet, dim: int, index: int):
 
 
 @RULES.register(aten.index_select.default)
+@on_0d
 def index_select_rule(ctx: Ctx, x: Jet, dim: int, index):
     r, new, idx = x.ndim, tuple(ctx.out.shape), index.primal
     d = dim % r
@@ -85,11 +88,13 @@ def index_rule(ctx: Ctx, x: Jet, indices):
 
 
 @RULES.register(aten.gather.default)
+@on_0d
 def gather_rule(ctx: Ctx, x: Jet, dim: int, index, sparse_grad: bool = False):
     return _select_along(ctx, x, dim, index.primal, tuple(ctx.out.shape))
 
 
 @RULES.register(aten.flip.default)
+@on_0d
 def flip_rule(ctx: Ctx, x: Jet, dims):
     r = x.ndim
     ds = _dims(dims, r)
@@ -105,6 +110,7 @@ def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
 
 
 @RULES.register(aten.cumsum.default)
+@on_0d
 def cumsum_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     r = x.ndim
     d = dim % r
@@ -127,6 +133,7 @@ def sum_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
 
 
 @RULES.register(aten.mean.dim, aten.mean.default)
+@on_0d(reduces=True)
 def mean_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     r = x.ndim
     axes = _dims(dim, r)
@@ -161,12 +168,118 @@ def add_scalar_rule(ctx: Ctx, a: Jet, other, alpha=1):
     return _combine(ctx, [(a, 1.0)])
 
 
+def _quotient(a, b, mode: str) -> torch.Tensor:
+    """The piecewise-constant q of ``a - q·b``: a/b rounded by ``mode`` ("trunc" or "floor")."""
+    va, vb = (x.primal if isinstance(x, Jet) else x for x in (a, b))
+    if not isinstance(va, torch.Tensor):
+        va = torch.as_tensor(va, dtype=vb.dtype, device=vb.device)
+    return torch.div(va, vb, rounding_mode=mode)
+
+
+def _modulo_terms(a, b, mode: str) -> list[tuple[object, object]]:
+    """fmod(a, b) = a - trunc(a/b)·b, remainder(a, b) = a - floor(a/b)·b: linear in (a, b) with
+    the quotient constant almost everywhere, as torch's derivatives have it."""
+    varies = isinstance(b, Jet) and not b.constant
+    return [(a, 1.0), (b, -_quotient(a, b, mode) if varies else 0.0)]
+
+
+@RULES.register(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod_rule(ctx: Ctx, a, b):
+    return _combine(ctx, _modulo_terms(a, b, "trunc"))
+
+
+@RULES.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder_rule(ctx: Ctx, a, b):
+    return _combine(ctx, _modulo_terms(a, b, "floor"))
+
+
+def _branches(cond, a, b) -> list[tuple[object, torch.Tensor]]:
+    """The arguments of ``where(cond, a, b)`` with the mask of the entries each one supplies."""
+    mask = cond.primal if isinstance(cond, Jet) else cond
+    return [(a, mask), (b, ~mask)]
+
+
+def _select(ctx: Ctx, branches: list[tuple[object, torch.Tensor]]) -> dict:
+    """Blocks of an entrywise choice between arguments, each supplying the entries of its mask:
+    Σ where(mask, Dx, 0). A selection, not a product with the mask: the branch not taken may
+    have inf or NaN derivatives (log at 0 in ``xlogy``, a fully masked softmax row), and they
+    must not leak."""
+    shape, r = tuple(ctx.out.shape), ctx.out.ndim
+    parts = []
+    for x, mask in branches:
+        if isinstance(x, Jet) and not x.constant:
+            xb = broadcast(x, shape)
+            parts.append({K: select_out(blk, r, mask) for K, blk in xb.blocks.items() if K in ctx.keys})
+    return {K: blk.to(ctx.out.dtype) for K, blk in sum_blocks(*parts).items()}
+
+
+def _select_vjp(v, g: Block, branches: list[tuple[object, torch.Tensor]]) -> list:
+    r = v.out.ndim
+    return [(x, unbroadcast(select_out(g, r, mask), r, x.shape).to(x.primal.dtype))
+            for x, mask in branches if isinstance(x, Jet) and not x.constant]
+
+
 @RULES.register(aten.where.self)
 def where_rule(ctx: Ctx, cond, a, b):
-    """where(c, a, b) with a constant condition: c ⊙ Da + (1 - c) ⊙ Db."""
-    mask = cond.primal if isinstance(cond, Jet) else cond
-    dtype = ctx.out.dtype
-    return _combine(ctx, [(a, mask.to(dtype)), (b, (~mask).to(dtype))])
+    """where(c, a, b) with a constant condition: where(c, Da, 0) + where(c, 0, Db)."""
+    return _select(ctx, _branches(cond, a, b))
+
+
+def _clamp_branches(x: Jet, lo, hi) -> list[tuple[object, torch.Tensor]]:
+    """clamp(x, lo, hi) with tensor bounds, as torch's backward assigns it: x where lo <= x <= hi,
+    lo where x < lo < hi, hi where x > hi or hi < lo (then every entry is hi)."""
+    v, vlo, vhi = x.primal, lo.primal if isinstance(lo, Jet) else lo, hi.primal if isinstance(hi, Jet) else hi
+    inside = torch.ones_like(v, dtype=torch.bool)
+    branches = []
+    if vlo is not None:
+        inside = inside & (v >= vlo)
+        below = v < vlo
+        if vhi is not None:
+            below = below & (vlo < vhi)
+        branches.append((lo, below))
+    if vhi is not None:
+        inside = inside & (v <= vhi)
+        above = v > vhi
+        if vlo is not None:
+            above = above | (vhi < vlo)
+        branches.append((hi, above))
+    return [(x, inside)] + branches
+
+
+@RULES.register(aten.clamp.Tensor)
+def clamp_tensor_rule(ctx: Ctx, x: Jet, min=None, max=None):
+    return _select(ctx, _clamp_branches(x, min, max))
+
+
+def _zero_region(t: torch.Tensor, region, scatter) -> torch.Tensor:
+    """``t`` with the entries a view op reads set to zero (the part a scatter overwrites)."""
+    return scatter(t, torch.zeros_like(region(t)))
+
+
+@RULES.register(aten.slice_scatter.default)
+def slice_scatter_rule(ctx: Ctx, x: Jet, src: Jet, dim: int = 0, start=None, end=None, step: int = 1):
+    """x with a slice replaced by src: x's blocks outside the slice plus src's placed into it."""
+    r, new = x.ndim, tuple(ctx.out.shape)
+    d = dim % r
+    region = lambda t: aten.slice.Tensor(t, d, start, end, step)  # noqa: E731
+    scatter = lambda t, u: aten.slice_scatter(t, u, d, start, end, step)  # noqa: E731
+    kept = linear(ctx, x, lambda b: map_out(b, r, lambda t: _zero_region(t, region, scatter), new, along(r, [d])))
+    placed = linear(ctx, src, lambda b: map_out(b, r, lambda t: scatter(t.new_zeros(new + t.shape[r:]), t), new,
+                                                along(r, [d])))
+    return sum_blocks(kept, placed)
+
+
+@RULES.register(aten.diagonal_scatter.default)
+def diagonal_scatter_rule(ctx: Ctx, x: Jet, src: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    r, new = x.ndim, tuple(ctx.out.shape)
+    d1, d2 = dim1 % r, dim2 % r
+    region = lambda t: t.diagonal(offset, d1, d2)  # noqa: E731
+    scatter = lambda t, u: aten.diagonal_scatter(t, u, offset, d1, d2)  # noqa: E731
+    kept = linear(ctx, x, lambda b: map_out(b, r, lambda t: _zero_region(t, region, scatter), new, along(r, [d1, d2])))
+    to_out = {b: a for a, b in along(r, [d1, d2], removed=True).items()}
+    placed = linear(ctx, src, lambda b: map_out(
+        b, r - 1, lambda t: scatter(t.new_zeros(new + t.shape[r - 1:]), t.movedim(r - 2, -1)), new, to_out))
+    return sum_blocks(kept, placed)
 
 
 @RULES.register(aten.copy.default)
@@ -241,6 +354,7 @@ def _select_along(ctx: Ctx, x: Jet, dim: int, indices: torch.Tensor, new) -> dic
 
 
 @RULES.register(aten.sort.default)
+@on_0d
 def sort_rule(ctx: Ctx, x: Jet, dim: int = -1, descending: bool = False):
     """(values, indices): the values are x gathered at the indices."""
     values, indices = ctx.out
@@ -248,6 +362,7 @@ def sort_rule(ctx: Ctx, x: Jet, dim: int = -1, descending: bool = False):
 
 
 @RULES.register(aten.topk.default)
+@on_0d
 def topk_rule(ctx: Ctx, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
     values, indices = ctx.out
     return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
@@ -308,6 +423,7 @@ def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
 
 
 @VJPS.register(aten.index_select.default)
+@on_0d_vjp
 def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
     r, idx = x.ndim, index.primal
     d = dim % r
@@ -335,21 +451,25 @@ def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:
 
 
 @VJPS.register(aten.gather.default)
+@on_0d_vjp
 def gather_vjp(v, g: Block, x: Jet, dim: int, index, sparse_grad: bool = False):
     return [(x, _scatter_along(g, x, dim, index.primal))]
 
 
 @VJPS.register(aten.sort.default)
+@on_0d_vjp
 def sort_vjp(v, g, x: Jet, dim: int = -1, descending: bool = False):
     return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
 
 
 @VJPS.register(aten.topk.default)
+@on_0d_vjp
 def topk_vjp(v, g, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
     return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
 
 
 @VJPS.register(aten.flip.default)
+@on_0d_vjp
 def flip_vjp(v, g: Block, x: Jet, dims):
     r = x.ndim
     ds = _dims(dims, r)
@@ -365,6 +485,7 @@ def pad_vjp(v, g: Block, x: Jet, pad, value=0):
 
 
 @VJPS.register(aten.cumsum.default)
+@on_0d_vjp
 def cumsum_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
     r = x.ndim
     d = dim % r
@@ -395,6 +516,7 @@ def sum_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
 
 
 @VJPS.register(aten.mean.dim, aten.mean.default)
+@on_0d_vjp(reduces=True)
 def mean_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     n = math.prod(x.shape[a] for a in _dims(dim, x.ndim))
     return [(x, _unsum(g, x, dim, keepdim).scale(1.0 / n).to(x.primal.dtype))]
@@ -428,11 +550,52 @@ def add_scalar_vjp(v, g: Block, a: Jet, other, alpha=1):
     return [(a, g)]
 
 
+@VJPS.register(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod_vjp(v, g: Block, a, b):
+    return _spread(v, g, _modulo_terms(a, b, "trunc"))
+
+
+@VJPS.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder_vjp(v, g: Block, a, b):
+    return _spread(v, g, _modulo_terms(a, b, "floor"))
+
+
 @VJPS.register(aten.where.self)
 def where_vjp(v, g: Block, cond, a, b):
-    mask = cond.primal if isinstance(cond, Jet) else cond
-    dtype = v.out.dtype
-    return _spread(v, g, [(a, mask.to(dtype)), (b, (~mask).to(dtype))])
+    return _select_vjp(v, g, _branches(cond, a, b))
+
+
+@VJPS.register(aten.clamp.Tensor)
+def clamp_tensor_vjp(v, g: Block, x: Jet, min=None, max=None):
+    return _select_vjp(v, g, _clamp_branches(x, min, max))
+
+
+def _scatter_view_vjp(g: Block, x: Jet, src: Jet, r: int, region, scatter, keep_x: dict, keep_src: dict) -> list:
+    """Cotangents of a scatter of ``src`` into the view ``region`` of ``x``: x's is g outside the
+    view, src's is the view of g."""
+    pairs = []
+    if not x.constant:
+        pairs.append((x, map_out(g, r, lambda t: _zero_region(t, region, scatter), x.shape, keep_x)))
+    if not src.constant:
+        pairs.append((src, map_out(g, r, region, src.shape, keep_src)))
+    return pairs
+
+
+@VJPS.register(aten.slice_scatter.default)
+def slice_scatter_vjp(v, g: Block, x: Jet, src: Jet, dim: int = 0, start=None, end=None, step: int = 1):
+    r = x.ndim
+    d = dim % r
+    return _scatter_view_vjp(g, x, src, r, lambda t: aten.slice.Tensor(t, d, start, end, step),
+                             lambda t, u: aten.slice_scatter(t, u, d, start, end, step), along(r, [d]), along(r, [d]))
+
+
+@VJPS.register(aten.diagonal_scatter.default)
+def diagonal_scatter_vjp(v, g: Block, x: Jet, src: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    r = x.ndim
+    d1, d2 = dim1 % r, dim2 % r
+    return _scatter_view_vjp(g, x, src, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2),
+                             lambda t, u: aten.diagonal_scatter(t, u.movedim(r - 2, -1), offset, d1, d2),
+                             along(r, [d1, d2]), along(r, [d1, d2], removed=True))
 
 
 @VJPS.register(aten.copy.default)

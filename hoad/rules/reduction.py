@@ -6,7 +6,7 @@ import torch
 
 from hoad.blocks import along, map_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
-from hoad.rules.combinators import leibniz, linear, scaled
+from hoad.rules.combinators import leibniz, linear, on_0d, on_0d_vjp, scaled
 from hoad.rules.linear import _dims
 
 aten = torch.ops.aten
@@ -48,6 +48,7 @@ def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
 
 
 @RULES.register(aten.prod.dim_int, aten.prod.default)
+@on_0d(reduces=True)
 def prod_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     out_shape = tuple(ctx.out.shape)
     if dim is None:  # all elements: flatten first
@@ -67,6 +68,7 @@ def _select_max(ctx: Ctx, x: Jet, dims: list[int], keepdim: bool, mask: torch.Te
 
 
 @RULES.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+@on_0d(reduces=True)
 def amax_rule(ctx: Ctx, x: Jet, dim=(), keepdim: bool = False):
     """Ties share the derivative equally, as torch's backward does."""
     dims = _dims(dim, x.ndim)
@@ -80,6 +82,7 @@ def amax_rule(ctx: Ctx, x: Jet, dim=(), keepdim: bool = False):
 
 
 @RULES.register(aten.max.dim, aten.min.dim)
+@on_0d(reduces=True)
 def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     """(values, indices): the derivative follows the returned index, as torch's backward does."""
     d = dim % max(x.ndim, 1)
@@ -104,6 +107,7 @@ def _exclusive_product(x: torch.Tensor, d: int) -> torch.Tensor:
 
 
 @VJPS.register(aten.prod.dim_int, aten.prod.default)
+@on_0d_vjp(reduces=True)
 def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     from hoad.rules.combinators import scale_out
     from hoad.rules.linear import _unsum
@@ -127,6 +131,7 @@ def _max_vjp(g: Block, x: Jet, dims: list[int], keepdim: bool, weight: torch.Ten
 
 
 @VJPS.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
+@on_0d_vjp(reduces=True)
 def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
     dims = _dims(dim, x.ndim)
     kept = v.out if keepdim else v.out.reshape([1 if a in dims else n for a, n in enumerate(x.shape)])
@@ -136,6 +141,7 @@ def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
 
 
 @VJPS.register(aten.max.dim, aten.min.dim)
+@on_0d_vjp(reduces=True)
 def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
     if g[0] is None:
         return []

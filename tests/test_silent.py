@@ -1,0 +1,255 @@
+"""Nothing silently wrong: the classes of wrong values and raw crashes the operator sweep found,
+each fixed at its mechanism, checked here against nested torch.func in float64 (or the same maths
+in plain ops where torch.func has no answer), in both directions.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import jacfwd, jacrev
+
+import hoad
+from hoad.passes.capture import _mutates, bind_layout, capture
+from helpers import assert_close, check, rand
+
+aten = torch.ops.aten
+MODES = ["forward", "reverse"]
+
+
+# ------------------------------------------------------------------- piecewise-linear modulo
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", [torch.fmod, torch.remainder])
+def test_modulo_is_linear_in_both_arguments(op, mode):
+    """d/da = 1 and d/db = -q with q the rounded quotient, not the zero of a step function."""
+    check(lambda a, b: op(a * 3, b.exp()).sin() * a, (rand(2, 3), rand(3)), wrt=(0, 1), order=3, mode=mode)
+
+
+# --------------------------------------------------------------------------- complex values
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.fft.irfft(torch.fft.rfft(x), n=x.shape[-1]).sin().sum(),
+    lambda x: torch.view_as_real(torch.complex(x, 2 * x).exp()).sum(),
+    lambda x: torch.fft.fft(x).abs().sum(),
+], ids=["rfft-irfft", "complex-exp", "fft-abs"])
+def test_complex_intermediates_raise_instead_of_zero(fn):
+    with pytest.raises(hoad.UnsupportedOperatorError, match="complex"):
+        hoad.compile(fn, order=1)(rand(2, 4))
+
+
+def test_complex_values_off_the_differentiated_path_are_fine():
+    phase = torch.view_as_real(torch.polar(torch.ones(4, dtype=torch.float64), torch.arange(4.0).double()))
+
+    def f(x):
+        return (x.sin() * phase[:, 0]).sum()
+
+    check(f, (rand(4),), order=2)
+
+
+# ----------------------------------------------------------------------------------- padding
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pad_mode,shape,pad", [
+    ("circular", (1, 2, 5), (2, 1)), ("circular", (1, 2, 3, 4), (1, 2, 2, 1)),
+    ("reflect", (1, 2, 5), (2, 1)), ("replicate", (1, 2, 3, 4), (1, 2, 2, 1)),
+])
+def test_padding_modes(pad_mode, shape, pad, mode):
+    w = rand(*shape[:-len(pad) // 2], *[n + pad[2 * i] + pad[2 * i + 1] for i, n in
+                                        enumerate(reversed(shape[-len(pad) // 2:]))][::-1], seed=5)
+    check(lambda x: (F.pad(x, pad, mode=pad_mode).sin() * w).sum(), (rand(*shape),), order=3, mode=mode)
+
+
+# ---------------------------------------------------------------------- fully masked softmax
+ROW_MASK = torch.tensor([[True, False, True], [False, False, False]])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_safe_softmax_of_a_fully_masked_row_is_zero_with_zero_derivatives(mode):
+    def f(x):
+        return aten._safe_softmax(x.masked_fill(~ROW_MASK, float("-inf")), -1).sin().sum()
+
+    res, _cf = check(f, (rand(2, 3),), order=3, mode=mode)
+    assert torch.isfinite(res[0, 0, 0]).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_where_a_query_sees_no_key(mode):
+    """scaled_dot_product_attention with a boolean mask row of all False: torch gives zeros there.
+    torch.func cannot differentiate CPU flash attention, so the reference is the same maths."""
+    mask = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sin().sum()
+
+    def plain(q):
+        scores = (q @ q.transpose(-1, -2) / 2).masked_fill(~mask, float("-inf"))
+        return (aten._safe_softmax(scores, -1) @ q).sin().sum()
+
+    check(f, (rand(1, 2, 3, 4),), order=2, mode=mode, reference_fn=plain)
+
+
+def test_masked_softmax_rescued_by_nan_to_num_in_forward_mode():
+    """torch.softmax of an all -inf row is NaN; nan_to_num then replaces it. The ``where`` that
+    does so selects, so the NaN branch's derivatives do not leak (they did through a product)."""
+    def f(x):
+        return torch.softmax(x.masked_fill(~ROW_MASK, float("-inf")), -1).nan_to_num().sin().sum()
+
+    check(f, (rand(2, 3),), order=3, mode="forward")
+
+
+def test_where_does_not_leak_the_untaken_branch():
+    """Forward propagation selects: the derivatives of x·log x, untaken at x = 0, do not leak."""
+    x = torch.tensor([0.0, 0.5, 2.0, 0.0], dtype=torch.float64)
+
+    def f(x):
+        return torch.where(x > 0, x * x.log(), torch.zeros_like(x)).sum() + x.sin().sum()
+
+    def safe(x):  # the same function with the log's argument kept away from 0
+        return torch.where(x > 0, x * torch.where(x > 0, x, 1.0).log(), torch.zeros_like(x)).sum() + x.sin().sum()
+
+    res = hoad.compile(f, order=3, mode="forward")(x)
+    g = jacrev(safe)
+    assert_close(res[0], g(x), "gradient")
+    assert_close(res[0, 0], jacfwd(g)(x), "Hessian")
+    assert torch.isfinite(res[0, 0, 0]).all()
+    # the adjoint sweep multiplies the zero cotangent of the untaken branch by log 0, as torch's
+    # backward does: NaN exactly where torch has NaN, and equal elsewhere
+    torch.testing.assert_close(hoad.compile(f, order=1, mode="reverse")(x)[0], jacrev(f)(x), equal_nan=True)
+
+
+# ---------------------------------------------------------------------------- domain edges
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.special.entr(x).sum(),
+    lambda x: torch.pow(0.0, x).sum(),
+    lambda x: torch.pow(torch.tensor([0.0, 0.0, 2.0, 0.0, 0.0], dtype=torch.float64), x).sum(),
+], ids=["entr", "zero-base", "zero-base-tensor"])
+def test_domain_edges_follow_torch(fn, mode):
+    """At the edge, torch's own formula gives inf or 0 (entr' = -(1 + log x) is +inf at 0; 0**x has
+    derivative 0 for x >= 0), where a where() decomposition gave NaN or 0. Compared on the
+    diagonal: off it, torch's Hessian holds 0·inf NaNs of its forward tangents, hoad exact zeros."""
+    x = torch.tensor([0.0, 0.5, 1.5, -0.3, 0.0], dtype=torch.float64)
+    res = hoad.compile(fn, order=3, mode=mode)(x)
+    g = jacrev(fn)
+    torch.testing.assert_close(res[0], g(x), equal_nan=True)
+    h = jacfwd(g)(x)
+    torch.testing.assert_close(res[0, 0].diagonal(), h.diagonal(), equal_nan=True)
+    off = ~torch.eye(5, dtype=torch.bool)
+    assert (res[0, 0][off] == 0).all()
+
+
+# -------------------------------------------------------------------------------- 0-d inputs
+ZERO_D = {
+    "cumsum": lambda s: s.cumsum(0).sin(),
+    "mean": lambda s: s.mean(0).sin() * s.mean(),
+    "sort": lambda s: s.sort(0).values.sin(),
+    "topk": lambda s: s.topk(1).values.sin().sum(),
+    "prod": lambda s: s.prod(0).sin() * s.exp().prod(),
+    "prod-keepdim": lambda s: s.exp().prod(0, keepdim=True).sin(),
+    "index_select": lambda s: s.index_select(0, torch.tensor([0])).sin().sum(),
+    "gather": lambda s: s.gather(0, torch.tensor(0)).sin(),
+    "amax": lambda s: s.exp().amax(0).sin(),
+    "max.dim": lambda s: s.exp().max(0).values.sin(),
+    "max.dim-keepdim": lambda s: s.exp().max(0, keepdim=True).values.sin(),
+    "logsumexp": lambda s: s.sin().logsumexp(0).exp(),
+    "softmax": lambda s: (s * s).softmax(0).sin(),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(ZERO_D))
+def test_zero_dimensional_inputs_of_ops_with_a_dim(name, mode):
+    check(ZERO_D[name], (torch.tensor(0.7, dtype=torch.float64),), order=3, mode=mode)
+
+
+# ------------------------------------------------------------------------------ model zoo
+def _gru():
+    cell = nn.GRUCell(3, 4).double()
+    return lambda x: cell(x).sin().sum()
+
+
+def _lstm():
+    lstm = nn.LSTM(3, 4, num_layers=2).double()
+    return lambda x: lstm(x[None])[0].sin().sum()
+
+
+def _rnn():
+    rnn = nn.RNN(3, 4, nonlinearity="tanh").double()
+    return lambda x: rnn(x[None])[0].sin().sum()
+
+
+def _mlp():
+    net = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 2), nn.SiLU()).double()
+    return lambda x: net(x).sum()
+
+
+def _norms():  # group_norm's decomposition emits as_strided (of a contiguous value: a view)
+    ln, gn = nn.LayerNorm(3).double(), nn.GroupNorm(1, 3).double()
+    rms = nn.RMSNorm(3).double()
+    bn = nn.BatchNorm1d(3).double().eval()
+    return lambda x: (ln(x).sin() + gn(x).cos() + rms(x) * bn(x)).sum() + F.cosine_similarity(x, x.flip(0)).sum()
+
+
+ZOO = {"mlp": _mlp, "gru-cell": _gru, "lstm": _lstm, "rnn": _rnn, "norms": _norms}
+
+
+def _in_place_ops(fn, x) -> set[str]:
+    layout, tensors = bind_layout(fn, (x,), {})
+    return {str(n.target) for n in capture(fn, layout, tensors, [0]).gm.graph.nodes if _mutates(n)}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_model_zoo_has_no_in_place_ops_and_matches_torch_func(name):
+    torch.manual_seed(0)
+    fn = ZOO[name]()
+    x = rand(2, 3)
+    assert not _in_place_ops(fn, x)
+    check(fn, (x,), order=2)
+
+
+def test_transformer_encoder_layer_has_no_in_place_ops():
+    """torch.func cannot take its second derivatives (CPU flash attention has no forward AD), so
+    the gradient is checked against torch.autograd and the Hessian for symmetry."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0, batch_first=True).double().eval()
+
+    def f(x):
+        return layer(x).sin().sum()
+
+    x = rand(1, 3, 4)
+    assert not _in_place_ops(f, x)
+    res = hoad.compile(f, order=2)(x)
+    assert_close(res[0], jacrev(f)(x), "gradient")
+    h = res[0, 0].reshape(12, 12)
+    assert_close(h, h.T, "Hessian symmetry")
+
+
+# -------------------------------------------------------------- every error is a HoadError
+def test_an_error_in_the_users_function_is_a_capture_error():
+    def f(x):
+        return x @ torch.ones(5, 2, dtype=torch.float64)  # shapes do not match
+
+    with pytest.raises(hoad.CaptureError, match="tracing the function failed") as info:
+        hoad.compile(f, order=1)(rand(2, 3))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_failure_at_run_time_is_an_execution_error():
+    def f(x, i):
+        return x[i].sin().sum()
+
+    cf = hoad.compile(f, order=1)
+    cf(rand(3), torch.tensor([0, 2]))
+    with pytest.raises(hoad.ExecutionError, match="failed while running") as info:
+        cf(rand(3), torch.tensor([0, 7]))
+    assert info.value.__cause__ is not None
+
+
+def test_an_internal_failure_names_the_node(monkeypatch):
+    from hoad.rules import RULES
+
+    def broken(ctx, *args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+    monkeypatch.setitem(RULES, aten.sin.default, broken)
+    with pytest.raises(hoad.HoadInternalError, match="sin") as info:
+        hoad.compile(lambda x: x.sin().sum(), order=1)(rand(3))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
