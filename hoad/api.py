@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.errors import InvalidArgumentError
+from hoad.errors import ExecutionError, HoadError, InvalidArgumentError
 from hoad.passes.capture import CallLayout, bind_layout, positional_names
 from hoad.pipeline import Build, Config, build
 from hoad.printing import ProgramView
@@ -173,8 +173,10 @@ class Compiled:
             key = tuple((a.shape, a.dtype, a.device) for a in args)
             entry = self._cache.get(key)
             if entry is not None:
-                self._last = entry
-                return entry.result(args)
+                free = entry.read_free()
+                if free is not None:
+                    self._last = entry
+                    return entry.result(args, free)
         else:
             key = None
         extra: tuple = ()
@@ -184,11 +186,19 @@ class Compiled:
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
         entry = self._cache.get(key)
-        if entry is None:
+        free = entry.read_free() if entry is not None else None
+        if free is None:
+            if entry is not None:
+                log.info("hoad: a tensor %s reads changed its shape, dtype or device; tracing again",
+                         getattr(self.fn, "__name__", "the function"))
+                del self._cache[key]
             entry = self._new_signature(key, args, kwargs)
+            free = entry.read_free()
+            if free is None:
+                raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
         self._last = entry
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        return entry.result(tensors)
+        return entry.result(tensors, free)
 
     def _new_signature(self, key, args: tuple, kwargs: dict) -> _Entry:
         """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
@@ -223,8 +233,16 @@ class Compiled:
                     f"wrt input {w!r} has dtype {t.dtype}; derivatives need a floating-point tensor "
                     "(convert it with .double() or .float())")
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
-        b = build(target, layout, tensors, wrt_leaves, self.config)
-        return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves))
+        roots = self._roots()
+        b = build(target, layout, tensors, wrt_leaves, self.config, roots=roots)
+        return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
+
+    def _roots(self) -> dict:
+        """Where the tensors the function reaches without receiving them are looked up."""
+        roots = {"fn": self.fn}
+        if self.module is not None:
+            roots["module"] = self.module
+        return roots
 
     # ----------------------------------------------------------------------------------- wrt
     def _expanded_wrt(self) -> tuple:
@@ -325,17 +343,57 @@ class Compiled:
 
 
 class _Entry:
-    """One compiled signature: the program and how to wrap its outputs."""
+    """One compiled signature: the program, the free tensors it reads, how to wrap its outputs."""
 
-    def __init__(self, b: Build, wrt: tuple, aliases: dict):
+    def __init__(self, b: Build, wrt: tuple, aliases: dict, roots: dict):
         self.build = b
         self.program = p = b.program
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         self.inference_only = b.config.backend == "inductor"
+        free = b.captured.free
+        self.roots = roots
+        self.sources = list(b.sources)
+        self.metas = [(t.shape, t.dtype, t.device) for t in free]
+        # tensors whose source was not found are held by identity (in-place updates still seen)
+        self.held = [t if s is None else None for t, s in zip(free, self.sources)]
+        lost = [f"{tuple(t.shape)} {t.dtype}" for t, s in zip(free, self.sources) if s is None]
+        if lost:
+            log.warning("hoad: %s reads tensors (%s) reached through objects hoad does not follow; each call reads "
+                        "the same tensor objects, so in-place updates are seen but rebinding them to new tensors "
+                        "is not. Pass them as arguments to be safe.", getattr(b.fn, "__name__", "the function"),
+                        ", ".join(lost))
 
-    def result(self, tensors) -> Derivatives:
-        outs = self.run(*tensors)
+    def read_free(self) -> list[torch.Tensor] | None:
+        """The free tensors as they are now, or None if one changed shape, dtype or device (or
+        its source is gone): then the program must be traced again."""
+        if not self.metas:
+            return []
+        out = []
+        for src, meta, held in zip(self.sources, self.metas, self.held):
+            if held is not None:
+                t = held
+            else:
+                try:
+                    t = src.resolve(self.roots)
+                except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+                    return None
+            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != meta:
+                return None
+            out.append(t)
+        return out
+
+    def result(self, tensors, free) -> Derivatives:
+        tensors = list(tensors) + list(free) if free else tensors
+        try:
+            outs = self.run(*tensors)
+        except HoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
+            raise ExecutionError(
+                f"the derivative program failed while running: {type(e).__name__}: {e}. If the function itself "
+                "fails on these inputs (an index out of range, say), the program does too; otherwise please "
+                "report it") from e
         if self.inference_only and torch.is_grad_enabled():
             needs = [t for t in tensors if t.requires_grad]
             if needs:  # the compiled program records no autograd graph: make backward say so

@@ -1,4 +1,4 @@
-"""The pipeline, declared once: capture → differentiate → prune → clean → choose → compile.
+"""The pipeline, declared once: capture → differentiate → prune → clean → hoist → choose → compile.
 
 Each stage takes the :class:`Build` so far and returns it with its own product filled in; the
 list :data:`PIPELINE` is the architecture. Per-stage node counts and times land in
@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from hoad.errors import InvalidArgumentError
+from hoad.binding import Source, find_sources
+from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError
 from hoad.passes.capture import CallLayout, Captured, capture, locate
 from hoad.passes.clean import clean
-from hoad.passes.compile import compile_program
+from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import Program, differentiate
+from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.prune import prune
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,11 @@ class Build:
 
     fn: Callable
     layout: CallLayout
-    tensors: Sequence[torch.Tensor]
+    tensors: Sequence[torch.Tensor]      # the program's inputs: the call's tensor leaves, then free tensors
     wrt_leaves: list[int]
     config: Config
+    roots: dict = field(default_factory=dict)   # where free tensors are searched for (hoad.binding)
+    sources: list[Source | None] = field(default_factory=list)   # one per free tensor
     captured: Captured | None = None
     candidates: dict[str, Program] = field(default_factory=dict)
     program: Program | None = None
@@ -56,7 +60,12 @@ class Build:
 
 
 def _capture(b: Build) -> Build:
-    b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves)
+    def name_free(free: list[torch.Tensor]) -> list[str]:
+        b.sources = find_sources(b.roots, free)
+        return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
+
+    b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free)
+    b.tensors = list(b.tensors) + b.captured.free
     if b.config.batch_dim is not None:
         out = b.captured.out_shape
         if not out:
@@ -92,6 +101,14 @@ def _clean(b: Build) -> Build:
     return b
 
 
+def _hoist(b: Build) -> Build:
+    """Split off what the free tensors alone determine; it is reused while they do not change."""
+    for p in b.candidates.values():
+        p.prefix, p.gm, p.prefix_reads = hoist(p.gm, len(b.captured.free))
+        p.stats["hoisted"] = 0 if p.prefix is None else len(p.prefix.graph.output_node().args[0])
+    return b
+
+
 def _choose(b: Build) -> Build:
     """Keep the candidate with the lowest estimated cost (the only one unless mode="auto")."""
     for p in b.candidates.values():
@@ -103,10 +120,33 @@ def _choose(b: Build) -> Build:
 
 
 def _compile(b: Build) -> Build:
-    b.run = compile_program(b.program, b.config.backend, example_inputs=b.tensors)
+    p = b.program
+    if p.prefix is None:
+        b.run = compile_program(p, b.config.backend, example_inputs=b.tensors)
+    else:
+        n_user = len(b.tensors) - len(b.captured.free)
+        prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
+        with torch.no_grad():
+            hoisted = prefix(b.tensors[n_user:])
+        main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted))
+        b.run = _WithPrefix(main, prefix, n_user)
     if hasattr(b.run, "cache_hit"):
         b.stats["inductor"] = {"seconds": b.run.seconds, "cache_hit": b.run.cache_hit}
     return b
+
+
+class _WithPrefix:
+    """A main program fed by a prefix program's (reused) outputs."""
+
+    __slots__ = ("main", "prefix", "n_user", "seconds", "cache_hit")
+
+    def __init__(self, main, prefix: Prefix, n_user: int):
+        self.main, self.prefix, self.n_user = main, prefix, n_user
+        if hasattr(main, "cache_hit"):
+            self.seconds, self.cache_hit = main.seconds, main.cache_hit
+
+    def __call__(self, *tensors):
+        return self.main(*tensors, *self.prefix(tensors[self.n_user:]))
 
 
 PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
@@ -114,16 +154,23 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
     ("differentiate", _differentiate),
     ("prune", _prune),
     ("clean", _clean),
+    ("hoist", _hoist),
     ("choose", _choose),
     ("compile", _compile),
 )
 
 
-def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: list[int], config: Config) -> Build:
-    b = Build(fn, layout, tensors, wrt_leaves, config)
+def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: list[int], config: Config,
+          roots: dict | None = None) -> Build:
+    b = Build(fn, layout, tensors, wrt_leaves, config, roots=dict(roots or {"fn": fn}))
     for name, stage in PIPELINE:
         start = time.perf_counter()
-        b = stage(b)
+        try:
+            b = stage(b)
+        except HoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
+            raise HoadInternalError(f"the {name} stage failed: {type(e).__name__}: {e}") from e
         gms = [p.gm for p in b.candidates.values()] or ([b.captured.gm] if b.captured is not None else [])
         b.stats[name] = {"seconds": time.perf_counter() - start, "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
                          if b.candidates else _count(gms[0]) if gms else None}

@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -65,12 +65,56 @@ def _dot(a, b):
     return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
 
 
+def _safe_softmax(x, dim, dtype=None):
+    """Softmax that is 0 on rows where every entry is -inf (attention rows that see no key).
+
+    Core ATen's decomposition computes the softmax of such a row (NaN) and then replaces it with
+    zeros: the value is right but NaN flows through every derivative of that row. Here the row is
+    made finite before the softmax, so no NaN is ever computed.
+    """
+    if dtype is not None:
+        x = x.to(dtype)
+    masked = (x == -math.inf).all(dim, keepdim=True)
+    finite = torch.where(masked, torch.zeros((), dtype=x.dtype, device=x.device), x)
+    return torch.where(masked, torch.zeros((), dtype=x.dtype, device=x.device), torch.softmax(finite, dim))
+
+
+def _contiguous_strides(size) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(list(size)):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return strides[::-1]
+
+
+def _as_strided(x, size, stride, storage_offset=None):
+    """as_strided of a contiguous tensor (decompositions such as group_norm's emit it) as what it
+    reads: a view when the strides are those of ``size`` laid out densely, else the entries at
+    offset + Σ i_k·stride_k of the flat tensor, a gather with a constant index. A strided view of a
+    non-contiguous tensor reads its storage, not its entries: left to the rule table (unsupported)."""
+    if not x.is_contiguous():
+        return NotImplemented
+    offset = int(storage_offset or 0)
+    size, stride = [int(n) for n in size], [int(s) for s in stride]
+    if offset == 0 and math.prod(size) == x.numel() and stride == _contiguous_strides(size):
+        return x.view(size)
+    index = torch.full(size, offset, dtype=torch.long, device=x.device)
+    for k, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[k] = n
+        index = index + torch.arange(n, device=x.device).reshape(shape) * s
+    return x.reshape(-1)[index]
+
+
 @functools.lru_cache(maxsize=None)
 def decomposition_table() -> dict:
     """Core ATen decompositions, keeping ``detach`` (a stop-gradient) and splitting composites
     (softmax, layer_norm, gelu, silu, addmm, variance) into ops with rules."""
     table = dict(core_aten_decompositions())
     table.pop(aten.detach.default, None)
+    # ops torch differentiates by their own formula, which the decomposition's where() branches
+    # do not reproduce at the domain edge (entr at 0)
+    table.pop(aten.special_entr.default, None)
     table.update(get_decompositions([
         aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu, aten.addmm,
         aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,
@@ -78,6 +122,8 @@ def decomposition_table() -> dict:
         aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
         aten._native_batch_norm_legit_functional,
     ]))
+    table[aten._safe_softmax.default] = _safe_softmax
+    table[aten.as_strided.default] = _as_strided
     table[aten.mv.default] = _mv
     table[aten.dot.default] = _dot
     table[aten.vdot.default] = _dot
@@ -96,6 +142,9 @@ class Captured:
     leaf_names: list[str]            # one per placeholder, in order
     wrt_leaves: list[int]            # placeholder index of each wrt entry
     out_shape: tuple[int, ...]
+    # tensors the function reached without receiving them (closed over, globals, module state):
+    # the last placeholders, after the call's own tensor leaves
+    free: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -139,8 +188,13 @@ def user_frame(tb) -> str | None:
     return f"{filename}:{lineno}: {code}"
 
 
-def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int]) -> Captured:
-    """Trace ``fn`` called with ``tensors`` placed into ``layout`` to an ATen GraphModule."""
+def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
+            name_free: Callable[[list[torch.Tensor]], list[str]] | None = None) -> Captured:
+    """Trace ``fn`` called with ``tensors`` placed into ``layout`` to an ATen GraphModule.
+
+    Tensors the function reaches without receiving them become placeholders after the call's own
+    (``Captured.free``, named by ``name_free``), so the program reads them at every call.
+    """
 
     flat_fn = layout.flat(fn)
 
@@ -154,11 +208,14 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     )
     try:
         gm = traced(*fresh)
+        free = _lift_free_tensors(gm)
+        gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - sorted into the errors a user can act on
         _raise_capture_error(e)
-        raise
+        raise CaptureError(f"tracing the function failed: {type(e).__name__}: {_first_line(e)}"
+                           f"{_at(user_frame(e.__traceback__))}") from e
 
     _replace_view_mutations(gm)
     out = _output_node(gm)
@@ -190,12 +247,117 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 f"the function draws random numbers ({node.target}){where}; a derivative program must be "
                 "deterministic. Put modules in eval() mode (dropout), or pass the noise in as an argument."
             )
+    names = list(layout.names) + _unique_after(list(layout.names), name_free(free) if name_free else
+                                                [f"c{i}" for i in range(len(free))])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, layout.names):
+    for node, name in zip(placeholders, names):
         node._rename(name)
         node.target = name
     gm.recompile()
-    return Captured(gm, list(layout.names), list(wrt_leaves), tuple(val.shape))
+    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free)
+
+
+def _unique_after(taken: list[str], names: list[str]) -> list[str]:
+    """``names`` made identifiers distinct from each other and from ``taken``."""
+    return _unique(taken + [_identifier(n) for n in names])[len(taken):]
+
+
+def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Turn the tensors tracing saw as constants into placeholders (after the existing ones),
+    one per tensor object; returns those objects in placeholder order.
+
+    Tracing records a tensor the function reached from outside (a closure, a global, a module's
+    parameter) as a ``get_attr`` holding that very object. A tensor the function builds from
+    Python data (``torch.tensor([1., 2.])``) also becomes a ``get_attr``, but only ever read
+    through ``lift_fresh_copy``: it is the same at every call and stays a constant.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    free: list[torch.Tensor] = []
+    lifted: dict[int, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.users and all(u.target is aten.lift_fresh_copy.default for u in node.users):
+            continue
+        ph = lifted.get(id(value))
+        if ph is None:
+            if last is None:
+                with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+                    ph = gm.graph.placeholder(f"c{len(free)}")
+            else:
+                with gm.graph.inserting_after(last):
+                    ph = gm.graph.placeholder(f"c{len(free)}")
+            ph.meta = dict(node.meta)
+            ph.meta.setdefault("val", value)
+            last = lifted[id(value)] = ph
+            free.append(value)
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+    if free:
+        used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+        for name in [n for n, _ in gm.named_buffers()] + [n for n, _ in gm.named_parameters()]:
+            if name not in used and "." not in name:
+                delattr(gm, name)
+        for name in list(vars(gm)):
+            if name.startswith("_tensor_constant") and name not in used:
+                delattr(gm, name)
+        gm.recompile()
+    return free
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _at(line: str | None) -> str:
+    return f" at {line}" if line else ""
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+# In-place ops that make_fx leaves after functionalization: those a decomposition emits (it runs
+# below the functionalization layer: rms_norm's ``add_``, circular padding's ``copy_`` into an
+# ``empty``) and the in-place view ops (matmul's ``squeeze_``), rewritten separately.
+MAX_FUNCTIONALIZE = 4
+
+
+def _functional(gm: fx.GraphModule, example: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """``gm`` without in-place ops, but for view ops and writes into its inputs: traced again under
+    functionalization until the decompositions leave none (each pass decomposes one level
+    deeper). A write into an input (``copy_`` into a placeholder: functionalization's write-back
+    of an argument or a buffer the function updates, batch norm's running statistics in training
+    mode) is kept, and the derivative program replays it as the function would."""
+    for _ in range(MAX_FUNCTIONALIZE):
+        left = [n for n in gm.graph.nodes if _mutates(n) and not _is_view_mutation(n) and not _writes_input(n)]
+        if not left:
+            return gm
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), decomposition_table=decomposition_table(),
+                     tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    left = sorted({str(n.target) for n in left})
+    raise CaptureError(f"in-place operations {left} are left in the traced program after functionalization; "
+                       "rewrite them out of place (e.g. x = x + y instead of x.add_(y))")
+
+
+def _writes_input(node: fx.Node) -> bool:
+    return (node.target is aten.copy_.default and isinstance(node.args[0], fx.Node)
+            and node.args[0].op == "placeholder")
+
+
+def _is_view_mutation(node: fx.Node) -> bool:
+    return _out_of_place_target(node.target)
+
+
+def _out_of_place_target(target) -> bool:
+    return target in (aten.squeeze_.dim, aten.squeeze_.dims, aten.squeeze_.default, aten.unsqueeze_.default,
+                      aten.transpose_.default, aten.t_.default)
 
 
 def _out_of_place(node: fx.Node) -> tuple:

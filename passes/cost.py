@@ -22,6 +22,11 @@ _FREE = {aten.view.default, aten.permute.default, aten.expand.default, aten.unsq
 _PRODUCTS = {"aten.mm.default", "aten.bmm.default", "hoad.mm.default"}
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether a node only relabels memory (costs no arithmetic)."""
+    return node.op == "call_function" and node.target in _FREE
+
+
 def _numel(v) -> int:
     if isinstance(v, torch.Tensor):
         return v.numel()

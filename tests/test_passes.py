@@ -6,6 +6,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hoad.passes.clean import clean
+from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.prune import prune
 from helpers import rand
 from op_cases import CASES
@@ -57,7 +58,9 @@ def test_clean_folds_layout_and_merges_duplicates():
 def test_passes_preserve_outputs(op, direction):
     case = CASES[op]
     layout, tensors = bind_layout(case.fn, case.args, {})
-    program = differentiate(capture(case.fn, layout, tensors, list(case.wrt)), 2, direction)
+    captured = capture(case.fn, layout, tensors, list(case.wrt))
+    program = differentiate(captured, 2, direction)
+    tensors = list(tensors) + captured.free
     raw = program.gm(*tensors)
     for name, p in (("prune", prune), ("clean", clean)):
         gm = p(program.gm)
@@ -113,3 +116,43 @@ def test_lazy_jets_reassociate_the_second_order_chain():
     shapes = [(tuple(n.args[0].meta["val"].shape), tuple(n.args[1].meta["val"].shape)) for n in mms]
     assert ((64, 64), (64, 256)) not in shapes and ((256, 64), (64, 64)) not in shapes, "W2ᵀ·D² was formed"
     assert flops < 2.5e6  # 3.9e6 when the chain is evaluated layer by layer
+
+
+def test_hoist_splits_off_what_only_free_tensors_determine():
+    W = rand(3, 3, seed=9)
+
+    def f(x):
+        return (x @ (W @ W.t()).exp()).sin().sum()
+
+    x = rand(2, 3)
+    layout, tensors = bind_layout(f, (x,), {})
+    captured = capture(f, layout, tensors, [0])
+    assert [t is W for t in captured.free] == [True]
+    program = differentiate(captured, 2, "forward")
+    inputs = [x, W]
+    expected = program.gm(*inputs)
+    prefix, main, reads = hoist(program.gm, 1)
+    assert reads == [0] and aten.exp.default in calls(prefix) and aten.exp.default not in calls(main)
+    for a, b in zip(expected, main(*inputs, *prefix(W))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_prefix_runs_again_only_when_its_tensors_change():
+    runs = []
+    W = rand(3, seed=1)
+    prefix = Prefix(lambda w: (runs.append(1), (w * 2,))[1], reads=[0], n_inputs=1)
+    first = prefix([W])
+    assert prefix([W])[0] is first[0] and len(runs) == 1
+    W.add_(1.0)  # in place: a new version
+    torch.testing.assert_close(prefix([W])[0], 2 * W)
+    assert len(runs) == 2
+    prefix([W.clone()])  # another object with the same values
+    assert len(runs) == 3
+    P = W.clone().requires_grad_(True)
+    prefix([P])
+    prefix([P])  # autograd must see every call: never reused
+    assert len(runs) == 5
+    with torch.no_grad():
+        prefix([P])
+        prefix([P])
+    assert len(runs) == 6

@@ -1,0 +1,189 @@
+"""Where the tensors a function reaches come from, so that every call reads them afresh.
+
+A function closes over tensors (``W = ...; f = lambda x: x @ W``), reads module globals, or calls
+an ``nn.Module`` whose parameters and buffers it never receives as arguments. Tracing sees these
+as constants. hoad makes each of them a program input instead and, at every call, reads it again
+through its *source*: the chain of lookups (closure cell, global name, module attribute, …) that
+reached it from the function. So an in-place update (an optimizer step) and a rebinding
+(``W = W - lr * g``) are both seen, as under torch.compile.
+
+A tensor whose source cannot be found (reached through an object hoad does not search) is held
+by identity: in-place updates are still seen, a rebinding is not, and hoad warns once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# How far the search follows references from the function (function -> closure object ->
+# attribute -> module -> parameter is depth 4), and how many entries of a container it looks at.
+MAX_DEPTH = 6
+MAX_ITEMS = 64
+
+Step = tuple  # (kind, key)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A tensor's place: ``steps`` applied to the root object named ``root``."""
+
+    root: str
+    steps: tuple[Step, ...]
+
+    def resolve(self, roots: dict) -> torch.Tensor:
+        obj = roots[self.root]
+        for step in self.steps:
+            obj = _STEP[step[0]](obj, step[1])
+        return obj
+
+    @property
+    def name(self) -> str:
+        """A readable name: the global or closure variable and the attributes after it."""
+        parts = [str(key) for kind, key in self.steps if kind in _NAMED]
+        return ".".join(parts) or self.root
+
+
+def _cell(fn, name):
+    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+
+
+_STEP: dict[str, Callable] = {
+    "cell": _cell,
+    "global": lambda fn, name: fn.__globals__[name],
+    "default": lambda fn, i: fn.__defaults__[i],
+    "kwdefault": lambda fn, name: fn.__kwdefaults__[name],
+    "self": lambda m, _: m.__self__,
+    "func": lambda m, _: m.__func__,
+    "partial": lambda p, _: p.func,
+    "partial_arg": lambda p, i: p.args[i],
+    "partial_kw": lambda p, k: p.keywords[k],
+    "param": lambda m, name: m._parameters[name],
+    "buffer": lambda m, name: m._buffers[name],
+    "module": lambda m, name: m._modules[name],
+    "attr": getattr,
+    "item": lambda c, k: c[k],
+}
+_NAMED = {"cell", "global", "param", "buffer", "module", "attr", "item", "kwdefault", "partial_kw"}
+
+
+def find_sources(roots: dict, tensors: Sequence[torch.Tensor]) -> list[Source | None]:
+    """The source of each tensor (by identity) reachable from ``roots``, None where not found.
+
+    Breadth-first, so the shortest chain wins (a parameter is found through its module, not
+    through some other object that also holds the module).
+    """
+    wanted = {id(t): i for i, t in enumerate(tensors)}
+    found: list[Source | None] = [None] * len(tensors)
+    left = len(wanted)
+    seen: set[int] = set()
+    frontier = [(name, obj, ()) for name, obj in roots.items()]
+    for _depth in range(MAX_DEPTH + 1):
+        following = []
+        for root, obj, steps in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                i = wanted.get(id(obj))
+                if i is not None and found[i] is None:
+                    found[i] = Source(root, steps)
+                    left -= 1
+                continue
+            following += [(root, child, steps + (step,)) for step, child in _children(obj)]
+        if not left or not following:
+            break
+        frontier = following
+    return found
+
+
+def _children(obj) -> Iterator[tuple[Step, object]]:
+    """The references the search follows out of ``obj``, each with the step that reads it."""
+    if isinstance(obj, (types.ModuleType, type, str, bytes, int, float, complex, bool)) or obj is None:
+        return
+    if isinstance(obj, torch.nn.Module):
+        for kind, table in (("param", obj._parameters), ("buffer", obj._buffers), ("module", obj._modules)):
+            for name, value in table.items():
+                if value is not None:
+                    yield (kind, name), value
+        yield from _attributes(obj, skip=("_parameters", "_buffers", "_modules"))
+        forward = getattr(type(obj), "forward", None)
+        if isinstance(forward, types.FunctionType):
+            yield from _function_refs(forward, through=None)
+        return
+    if isinstance(obj, types.MethodType):
+        yield ("self", None), obj.__self__
+        yield ("func", None), obj.__func__
+        return
+    if isinstance(obj, functools.partial):
+        yield ("partial", None), obj.func
+        yield from ((("partial_arg", i), a) for i, a in enumerate(obj.args[:MAX_ITEMS]))
+        yield from ((("partial_kw", k), v) for k, v in list(obj.keywords.items())[:MAX_ITEMS])
+        return
+    if isinstance(obj, types.FunctionType):
+        yield from _function_refs(obj, through="self")
+        return
+    if isinstance(obj, (list, tuple)):
+        yield from ((("item", i), v) for i, v in enumerate(obj[:MAX_ITEMS]))
+        return
+    if isinstance(obj, dict):
+        for k, v in list(obj.items())[:MAX_ITEMS]:
+            if isinstance(k, (str, int)):
+                yield ("item", k), v
+        return
+    yield from _attributes(obj)
+
+
+def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return
+    for name, value in list(attrs.items())[:MAX_ITEMS]:
+        if isinstance(name, str) and name not in skip and not name.startswith("__"):
+            yield ("attr", name), value
+
+
+def _function_refs(fn: types.FunctionType, through: str | None) -> Iterator[tuple[Step, object]]:
+    """A function's closure cells, the globals its code names, and its defaults. ``through`` is
+    None for a module's ``forward`` reached through its class: those steps would start from the
+    module, not from the function, so only the function's globals are followed, by a fresh root."""
+    if through is None:
+        return
+    code = fn.__code__
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            yield ("cell", name), cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    for name in _global_names(code):
+        if name in fn.__globals__:
+            yield ("global", name), fn.__globals__[name]
+    yield from ((("default", i), v) for i, v in enumerate(fn.__defaults__ or ()))
+    yield from ((("kwdefault", k), v) for k, v in (fn.__kwdefaults__ or {}).items())
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names the code (and the code of functions and lambdas defined in it) may read as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def roots_of(fn: Callable, module: torch.nn.Module | None = None) -> dict:
+    """The objects a compiled function's sources start from: the function, and its module."""
+    roots = {"fn": fn}
+    if module is not None:
+        roots["module"] = module
+    if inspect.ismethod(fn):
+        roots["fn"] = fn
+    return roots

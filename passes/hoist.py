@@ -1,0 +1,128 @@
+"""Hoist: split off the part of a program that reads only the function's free tensors.
+
+A function's closed-over weights are program inputs (read at every call), but derivative
+programs compute a lot from them alone: W1ᵀ, products W1 ⊗ W1 of a first layer's remainders,
+identity matrices. That part is split into a *prefix* program whose outputs become inputs of
+the main one. The prefix runs again only when one of its tensors changed (another object, an
+in-place update, new storage) or when autograd must see it; otherwise its outputs are reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from hoad.rules import RANDOM
+from hoad.passes.cost import is_view
+
+# Values larger than this are recomputed in the main program rather than kept between calls.
+HOIST_LIMIT_BYTES = 64 * 2**20
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _pure(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.target not in RANDOM and (schema is None or not schema.is_mutable)
+
+
+def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node]) -> set[fx.Node]:
+    """Nodes computed from ``free`` placeholders and constants alone, worth keeping between calls:
+    layout-only ops (views) are left to the main program unless hoisted work reads them, and
+    values over HOIST_LIMIT_BYTES stay computed there with everything that reads them."""
+    inside: set[fx.Node] = set()
+    sources = set(free)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            sources.add(node)
+        elif node.op == "call_function" and _pure(node) and all(a in sources or a in inside
+                                                                  for a in node.all_input_nodes):
+            if any(a in sources or a in inside for a in node.all_input_nodes):
+                inside.add(node)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(inside):
+            big = _bytes(node) > HOIST_LIMIT_BYTES and any(u not in inside for u in node.users)
+            idle = is_view(node) and all(u not in inside for u in node.users)
+            if big or idle:
+                inside.discard(node)
+                for later in list(inside):  # whatever reads a value left in the main program goes too
+                    if node in later.all_input_nodes:
+                        inside.discard(later)
+                changed = True
+    return inside
+
+
+def hoist(gm: fx.GraphModule, n_free: int) -> tuple[fx.GraphModule | None, fx.GraphModule, list[int]]:
+    """Split ``gm`` (whose last ``n_free`` placeholders are free tensors) into ``(prefix, main,
+    reads)``: ``prefix(*free[reads])`` returns the hoisted values, ``main(*inputs, *hoisted)`` the
+    program's outputs. ``prefix`` is None (and ``main`` is ``gm``) when nothing is worth hoisting."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    free = placeholders[len(placeholders) - n_free:] if n_free else []
+    inside = hoistable(gm, free)
+    boundary = [n for n in gm.graph.nodes if n in inside and any(u not in inside for u in n.users)]
+    if not boundary:
+        return None, gm, []
+
+    prefix_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    reads = [i for i, p in enumerate(free) if any(u in inside for u in p.users)]
+    for i in reads:
+        env[free[i]] = prefix_graph.placeholder(free[i].name)
+        env[free[i]].meta = dict(free[i].meta)
+    for node in gm.graph.nodes:
+        if node in inside or (node.op == "get_attr" and any(u in inside for u in node.users)):
+            env[node] = prefix_graph.node_copy(node, lambda a: env[a])
+    prefix_graph.output(tuple(env[n] for n in boundary))
+    prefix = fx.GraphModule(gm, prefix_graph)
+
+    last = placeholders[-1]
+    for k, node in enumerate(boundary):
+        with gm.graph.inserting_after(last):
+            ph = gm.graph.placeholder(f"hoisted_{k}_{node.name}")
+        ph.meta = dict(node.meta)
+        node.replace_all_uses_with(ph)
+        last = ph
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return prefix, gm, reads
+
+
+class Prefix:
+    """Runs a prefix program when its inputs changed and otherwise returns its last outputs."""
+
+    def __init__(self, run, reads: Sequence[int], n_inputs: int):
+        self.run = run
+        self.reads = list(reads)
+        self.n_inputs = n_inputs            # inputs of the main program before the free tensors end
+        self._key: tuple | None = None
+        self._held: tuple = ()
+        self._values: tuple = ()
+
+    def __call__(self, free: Sequence[torch.Tensor]) -> tuple:
+        inputs = [free[i] for i in self.reads]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        key = _state(inputs)
+        if needs_grad or key is None or key != self._key or any(a is not b for a, b in zip(inputs, self._held)):
+            values = tuple(self.run(*inputs))
+            if needs_grad or key is None:
+                self._key, self._held, self._values = None, (), ()
+            else:
+                self._key, self._held, self._values = key, tuple(inputs), values
+            return values
+        return self._values
+
+
+def _state(tensors: Sequence[torch.Tensor]) -> tuple | None:
+    """What tells that a tensor changed: its version counter and storage; None when a tensor
+    has no version counter (inference mode), so nothing is reused."""
+    try:
+        return tuple((t._version, t.data_ptr()) for t in tensors)
+    except RuntimeError:
+        return None
