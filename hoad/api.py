@@ -19,6 +19,7 @@ from hoad.errors import ExecutionError, HoadError, InvalidArgumentError
 from hoad.passes.capture import CallLayout, bind_layout, positional_names
 from hoad.pipeline import Build, Config, build
 from hoad.printing import ProgramView
+from hoad.training import Trainable
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,10 @@ class Compiled:
         return bound
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """The module's parameters and buffers as they are now (detached: hoad differentiates)."""
-        state = {name: p.detach() for name, p in self.module.named_parameters()}
-        state.update((name, b.detach()) for name, b in self.module.named_buffers())
+        """The module's parameters and buffers as they are now: the live tensors, so that autograd
+        reaches every parameter from the results (training through derivatives)."""
+        state = dict(self.module.named_parameters())
+        state.update(self.module.named_buffers())
         return state
 
     def _stateful(self, state: dict, *args, **kwargs):
@@ -350,7 +352,10 @@ class _Entry:
         self.program = p = b.program
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
-        self.inference_only = b.config.backend == "inductor"
+        # an Inductor program records no autograd graph: calls that need one go through Trainable
+        self.trainable = Trainable(p.gm, b.main, f"the order-{p.order} {p.direction} program") \
+            if b.config.backend == "inductor" else None
+        self.n_user = len(b.tensors) - len(b.captured.free)
         free = b.captured.free
         self.roots = roots
         self.sources = list(b.sources)
@@ -386,7 +391,12 @@ class _Entry:
     def result(self, tensors, free) -> Derivatives:
         tensors = list(tensors) + list(free) if free else tensors
         try:
-            outs = self.run(*tensors)
+            if self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+                prefix = self.build.prefix
+                hoisted = prefix(tensors[self.n_user:]) if prefix is not None else ()
+                outs = self.trainable(*tensors, *hoisted)
+            else:
+                outs = self.run(*tensors)
         except HoadError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
@@ -394,27 +404,7 @@ class _Entry:
                 f"the derivative program failed while running: {type(e).__name__}: {e}. If the function itself "
                 "fails on these inputs (an index out of range, say), the program does too; otherwise please "
                 "report it") from e
-        if self.inference_only and torch.is_grad_enabled():
-            needs = [t for t in tensors if t.requires_grad]
-            if needs:  # the compiled program records no autograd graph: make backward say so
-                outs = _NoBackward.apply(len(outs), *outs, *needs)
         return self.spec.result(outs)
-
-
-class _NoBackward(torch.autograd.Function):
-    """Outputs of an Inductor program attached to the inputs that require grad, so that
-    backpropagating through them raises instead of silently giving those inputs no gradient."""
-
-    @staticmethod
-    def forward(ctx, n: int, *tensors):
-        return tuple(t.view_as(t) for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise InvalidArgumentError(
-            "backpropagation through derivatives computed by backend='inductor' is not supported: its compiled "
-            "program records no autograd graph. Compile with backend='eager' to train through derivatives "
-            "(e.g. a PINN loss on a Hessian), or .detach() the derivatives that need no gradient.")
 
 
 def _leaf_key(leaf) -> Hashable:

@@ -300,6 +300,8 @@ def available() -> bool:
                 torch.ops.load_library(path)
                 torch.library.register_fake("hoad::mm")(_shape)
                 torch.library.register_fake("hoad::gram")(_gram_shape)
+                torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
+                torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
                 _state = True
         except (OSError, RuntimeError) as e:  # unwritable cache, a library that does not load
             log.warning("hoad: the float64 kernels are not available (%s); programs use aten.mm", e)
@@ -329,3 +331,23 @@ def _shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _gram_shape(J: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return J.new_empty((J.shape[0], J.shape[2], J.shape[2]))
+
+
+# Derivatives of the operators, in aten ops (so they are differentiable again): programs that
+# autograd goes through (training under Inductor) may contain them.
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def mm_backward(ctx, g: torch.Tensor):
+    """C = A B: dA = g Bᵀ, dB = Aᵀ g."""
+    a, b = ctx.saved_tensors
+    return g @ b.mT, a.mT @ g
+
+
+def gram_backward(ctx, g: torch.Tensor):
+    """G[b] = J[b]ᵀ diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]ᵀ), dw[b,k] = (J[b] g[b] J[b]ᵀ)_kk."""
+    j, w = ctx.saved_tensors
+    dj = (j * w.unsqueeze(2)) @ (g + g.mT)
+    dw = ((j @ g) * j).sum(2)
+    return dj, dw

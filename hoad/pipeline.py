@@ -55,7 +55,9 @@ class Build:
     captured: Captured | None = None
     candidates: dict[str, Program] = field(default_factory=dict)
     program: Program | None = None
-    run: Callable | None = None
+    prefix: Prefix | None = None         # the hoisted part, run before main when its inputs changed
+    main: Callable | None = None         # the compiled program (after the prefix)
+    run: Callable | None = None          # prefix and main together: run(*tensors) -> outputs
     stats: dict = field(default_factory=dict)
 
 
@@ -121,29 +123,26 @@ def _choose(b: Build) -> Build:
 
 def _compile(b: Build) -> Build:
     p = b.program
-    if p.prefix is None:
-        b.run = compile_program(p, b.config.backend, example_inputs=b.tensors)
-    else:
-        n_user = len(b.tensors) - len(b.captured.free)
-        prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
+    n_user = len(b.tensors) - len(b.captured.free)
+    hoisted: tuple = ()
+    if p.prefix is not None:
+        b.prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
         with torch.no_grad():
-            hoisted = prefix(b.tensors[n_user:])
-        main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted))
-        b.run = _WithPrefix(main, prefix, n_user)
-    if hasattr(b.run, "cache_hit"):
-        b.stats["inductor"] = {"seconds": b.run.seconds, "cache_hit": b.run.cache_hit}
+            hoisted = b.prefix(b.tensors[n_user:])
+    b.main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted))
+    b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
+    if hasattr(b.main, "cache_hit"):
+        b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     return b
 
 
 class _WithPrefix:
     """A main program fed by a prefix program's (reused) outputs."""
 
-    __slots__ = ("main", "prefix", "n_user", "seconds", "cache_hit")
+    __slots__ = ("main", "prefix", "n_user")
 
     def __init__(self, main, prefix: Prefix, n_user: int):
         self.main, self.prefix, self.n_user = main, prefix, n_user
-        if hasattr(main, "cache_hit"):
-            self.seconds, self.cache_hit = main.seconds, main.cache_hit
 
     def __call__(self, *tensors):
         return self.main(*tensors, *self.prefix(tensors[self.n_user:]))

@@ -1,0 +1,235 @@
+"""Training through derivatives: every result is differentiable by autograd with respect to every
+tensor that requires grad (arguments, closed-over parameters, a decorated module's parameters),
+under both backends, over several optimizer steps; closed-over tensors are read at every call.
+
+The reference is plain autograd on the same maths (a Laplacian by two nested torch.autograd.grad).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.func import hessian, vmap
+
+import hoad
+from helpers import assert_close, rand
+
+DT = torch.float64
+# Inductor compiles cost seconds each: one program per backend and form
+BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+def _net(seed=0, width=8):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)).double()
+
+
+def _laplacian_by_autograd(u, X):
+    X = X.detach().requires_grad_(True)
+    g, = torch.autograd.grad(u(X).sum(), X, create_graph=True)
+    return sum(torch.autograd.grad(g[:, i].sum(), X, create_graph=True)[0][:, i] for i in range(X.shape[1]))
+
+
+def _grads(params):
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def _reference_grads(loss_fn, params):
+    got = torch.autograd.grad(loss_fn(), params, allow_unused=True)
+    return [g if g is not None else torch.zeros_like(p) for g, p in zip(got, params)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pinn_loss_trains_a_closed_over_network(backend):
+    """The natural PINN code: a closure over the network, a Laplacian residual, optimizer steps."""
+    net = _net()
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    lap = hoad.compile(u, order=2, batch_dim=0, diagonal=True, backend=backend)
+    X, f = rand(16, 2, seed=1), rand(16, seed=2)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    params = list(net.parameters())
+    for _step in range(3):
+        opt.zero_grad()
+        loss = ((lap(X)[0, 0].sum(-1) + f) ** 2).mean()
+        loss.backward()
+        expected = _reference_grads(lambda: ((_laplacian_by_autograd(u, X) + f) ** 2).mean(), params)
+        for got, ref in zip(_grads(params), expected):
+            assert_close(got, ref, "parameter gradient")
+        opt.step()  # in place: the next call must see the new weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decorated_module_method_trains_its_parameters(backend):
+    class Energy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(3, 6), nn.Linear(6, 1)
+
+        @hoad.compile(order=2, wrt="x", batch_dim=0, backend=backend)
+        def energy(self, x):
+            return self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+
+    m = Energy().double()
+    x = rand(5, 3, seed=3)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    params = list(m.parameters())
+    for _step in range(2):
+        opt.zero_grad()
+        loss = m.energy(x)[0, 0].diagonal(dim1=1, dim2=2).sum()
+        assert loss.requires_grad
+        loss.backward()
+
+        def plain(xb):
+            return m.fc2(torch.tanh(m.fc1(xb))).squeeze(-1)
+
+        expected = _reference_grads(lambda: _laplacian_by_autograd(plain, x).sum(), params)
+        for got, ref in zip(_grads(params), expected):
+            assert_close(got, ref, "parameter gradient")
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["eager"])
+def test_gradients_reach_explicit_arguments_and_non_wrt_inputs(backend):
+    W = rand(3, 4, seed=4).requires_grad_(True)
+    b = rand(4, seed=5).requires_grad_(True)
+
+    def f(x, W, b):
+        return torch.tanh(x @ W + b).sum(-1)
+
+    x = rand(6, 3, seed=6)
+    res = hoad.compile(f, order=2, wrt=0, batch_dim=0, backend=backend)(x, W, b)
+    loss = res[0, 0].pow(2).sum() + res[0].sum()
+    gW, gb = torch.autograd.grad(loss, (W, b))
+
+    def reference():
+        H = vmap(hessian(lambda xs: f(xs[None], W, b)[0]))(x)
+        J = vmap(torch.func.grad(lambda xs: f(xs[None], W, b)[0]))(x)
+        return H.pow(2).sum() + J.sum()
+
+    rW, rb = torch.autograd.grad(reference(), (W, b))
+    assert_close(gW, rW, "dL/dW")
+    assert_close(gb, rb, "dL/db")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward(backend):
+    """A gradient penalty: the parameter gradient is itself differentiated."""
+    W = rand(3, 4, seed=7).requires_grad_(True)
+
+    def f(x):
+        return (x @ W).tanh().sum(-1)
+
+    x = rand(5, 3, seed=8)
+    L = hoad.compile(f, order=2, batch_dim=0, backend=backend)(x)[0, 0].pow(2).sum()
+    g, = torch.autograd.grad(L, W, create_graph=True)
+    h, = torch.autograd.grad(g.pow(2).sum(), W)
+
+    H = vmap(hessian(lambda xb: f(xb[None])[0]))(x)
+    rg, = torch.autograd.grad(H.pow(2).sum(), W, create_graph=True)
+    rh, = torch.autograd.grad(rg.pow(2).sum(), W)
+    assert_close(g, rg, "gradient")
+    assert_close(h, rh, "gradient of the gradient penalty")
+
+
+def test_a_training_loop_lowers_the_loss():
+    net = _net(seed=3)
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    lap = hoad.compile(u, order=2, batch_dim=0, diagonal=True)
+    X = rand(32, 2, seed=9)
+    target = (X ** 2).sum(-1) * 0 + 1.0  # Δu = 1
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = []
+    for _step in range(40):
+        opt.zero_grad()
+        loss = ((lap(X)[0, 0].sum(-1) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.2 * losses[0]
+
+
+# ---------------------------------------------------------------- closed-over tensors are live
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_updates_and_rebinding_of_closed_over_tensors(backend):
+    state = {"W": rand(3, seed=10)}
+    W = state["W"]
+
+    def f(x):
+        return (x * W).sin().sum()
+
+    x = rand(3, seed=11)
+    cf = hoad.compile(f, order=2, backend=backend)
+    first = cf(x)[0, 0].clone()
+    W.mul_(2.0)  # in place
+    assert_close(cf(x)[0, 0], hessian(f)(x), "after an in-place update")
+    assert not torch.allclose(first, cf(x)[0, 0])
+    W = rand(3, seed=12)  # the closure cell now holds another tensor
+    assert_close(cf(x)[0, 0], hessian(f)(x), "after rebinding")
+
+
+GLOBAL_W = rand(3, seed=13)
+
+
+def _reads_a_global(x):
+    return (x * GLOBAL_W).exp().sum()
+
+
+def test_a_rebound_global_is_seen_and_a_new_shape_traces_again():
+    global GLOBAL_W
+    cf = hoad.compile(_reads_a_global, order=2)
+    x = rand(3, seed=14)
+    cf(x)
+    GLOBAL_W = rand(3, seed=15)
+    assert_close(cf(x)[0, 0], hessian(_reads_a_global)(x), "after rebinding a global")
+    GLOBAL_W = rand(1, seed=16)  # broadcasts: another program
+    assert_close(cf(x)[0, 0], hessian(_reads_a_global)(x), "after a shape change")
+    assert len(cf._cache) == 1  # the stale program was replaced, not kept beside
+
+
+def test_a_module_parameter_replaced_by_a_new_one_is_seen():
+    net = _net(seed=4, width=4)
+    u = lambda X: net(X).sum()  # noqa: E731
+    cf = hoad.compile(u, order=2)
+    X = rand(2, 2, seed=17)
+    cf(X)
+    net[0].weight = nn.Parameter(rand(4, 2, seed=18))
+    assert_close(cf(X)[0, 0], hessian(u)(X), "after replacing a parameter")
+
+
+def test_hoisted_work_is_reused_until_the_weights_change():
+    W = rand(4, 4, seed=19)
+    cf = hoad.compile(lambda x: (x @ W).tanh().sum(), order=3)
+    x = rand(4, seed=20)
+    cf(x)
+    prefix = cf._last.build.prefix
+    assert prefix is not None, "W ⊗ W of the third-order remainder should be hoisted"
+    calls = []
+    run = prefix.run
+    prefix.run = lambda *a: (calls.append(1), run(*a))[1]
+    cf(x)
+    cf(x)
+    assert calls == []
+    W.add_(0.5)
+    assert_close(cf(x)[0, 0, 0], hessian_of_hessian(lambda x: (x @ W).tanh().sum(), x), "after an update")
+    assert calls == [1]
+
+
+def hessian_of_hessian(f, x):
+    return torch.func.jacfwd(hessian(f))(x)
+
+
+@pytest.mark.inductor
+def test_batchnorm_running_statistics_update_once_per_call_under_training():
+    """The compiled backward recomputes the forward on copies: the call stays the only update."""
+    bn = nn.BatchNorm1d(3, dtype=DT).train()
+    scale = rand(3, seed=21).requires_grad_(True)
+
+    def f(X):
+        return (bn(X) * scale).tanh().sum(1)
+
+    cf = hoad.compile(f, order=1, backend="inductor")
+    X = rand(4, 3, seed=22)
+    cf(X)[0].sum().backward()
+    once, mean = bn.num_batches_tracked.item(), bn.running_mean.clone()
+    cf(X)[0].sum().backward()
+    assert bn.num_batches_tracked.item() == once + 1
+    assert_close(bn.running_mean, 0.9 * mean + 0.1 * X.mean(0), "one momentum update")
