@@ -7,6 +7,7 @@ by Schwarz symmetry), and runs it.
 
 from hoad.api import Compiled, compile, parameters
 from hoad.derivatives import Derivatives
+from hoad.operators import OperatorResult, biharmonic, laplacian, taylor
 from hoad.passes.compile import CompileError, cache_dir
 from hoad.errors import (
     BatchCouplingError,
@@ -32,6 +33,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile",
+    "laplacian",
+    "biharmonic",
+    "taylor",
+    "OperatorResult",
     "explain",
     "parameters",
     "Compiled",

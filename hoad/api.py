@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError
 from hoad.passes.capture import CallLayout, bind_layout, positional_names
-from hoad.pipeline import Build, Config, build
+from hoad.pipeline import Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -116,7 +117,8 @@ class Compiled:
     """
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
-                 batch_dim: int | None = None, diagonal: bool = False, module: torch.nn.Module | None = None):
+                 batch_dim: int | None = None, diagonal: bool = False, module: torch.nn.Module | None = None,
+                 operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False):
         backend = DEFAULT_BACKEND if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim, diagonal)
         if module is None and isinstance(fn, torch.nn.Module):
@@ -128,7 +130,9 @@ class Compiled:
         self.module = module
         self.order = order
         self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
-        self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
+        self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
+                             operator=operator, nestable=nestable)
+        self._extra_roots = dict(roots or {})
         self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
@@ -244,6 +248,7 @@ class Compiled:
         roots = {"fn": self.fn}
         if self.module is not None:
             roots["module"] = self.module
+        roots.update(self._extra_roots)
         return roots
 
     # ----------------------------------------------------------------------------------- wrt
@@ -391,7 +396,9 @@ class _Entry:
     def result(self, tensors, free) -> Derivatives:
         tensors = list(tensors) + list(free) if free else tensors
         try:
-            if self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
+                outs = self._traced(tensors)
+            elif self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
                 prefix = self.build.prefix
                 hoisted = prefix(tensors[self.n_user:]) if prefix is not None else ()
                 outs = self.trainable(*tensors, *hoisted)
@@ -405,6 +412,16 @@ class _Entry:
                 "fails on these inputs (an index out of range, say), the program does too; otherwise please "
                 "report it") from e
         return self.spec.result(outs)
+
+    def _traced(self, tensors) -> tuple:
+        """The eager program on traced values, its prefix recomputed (cached prefix values would
+        be constants of the outer program, stale once the weights change)."""
+        b = self.build
+        if b.config.backend != "eager":
+            raise InvalidArgumentError("a hoad program called inside hoad.compile must be built with backend='eager'")
+        if b.prefix is None:
+            return b.main(*tensors)
+        return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
 
 
 def _leaf_key(leaf) -> Hashable:

@@ -43,6 +43,11 @@ DENSE_SEEDS = False
 # the price of extra permutes: worth it when a compiler fuses the permutes into neighbouring
 # kernels (Inductor), not when each permute is a copy of its own (eager). Set per program.
 WIDE_GEMMS: contextvars.ContextVar[bool] = contextvars.ContextVar("hoad_wide_gemms", default=False)
+# Set while building a program that will itself be differentiated under batch_dim (the inner
+# Laplacian of a biharmonic): labels this predicate accepts are sample axes, and products keep
+# them as batch axes (bmm against a broadcast operand) instead of folding them into the rows of
+# a matrix product, which would mix samples for the outer transform.
+SAMPLE_LABELS: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("hoad_sample_labels", default=None)
 # Under the same flag, batched products of matrices no larger than this on either side are
 # emitted as a broadcast multiply and sum for the compiler to fuse (see ``_pair``).
 SMALL_MATRIX = 64
@@ -272,7 +277,19 @@ def _moves(labels: list, target: list) -> int:
     return int([labels.index(l) for l in present] != sorted(labels.index(l) for l in present))
 
 
-def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order: list | None = None):
+def _share_samples(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, samples: set):
+    """Give each operand the kept sample labels only the other has (broadcast), so they become
+    batch labels of the product (see SAMPLE_LABELS)."""
+    for l in samples & keep:
+        if l in xs and l not in ys and x.shape[xs.index(l)] > 1:
+            y, ys = y.unsqueeze(-1).expand(*y.shape, x.shape[xs.index(l)]), ys + [l]
+        elif l in ys and l not in xs and y.shape[ys.index(l)] > 1:
+            x, xs = x.unsqueeze(-1).expand(*x.shape, y.shape[ys.index(l)]), xs + [l]
+    return x, xs, y, ys
+
+
+def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order: list | None = None,
+          samples: set = frozenset()):
     """Contract two labelled tensors, keeping the labels in ``keep``; emits one mul or (b)mm.
 
     Among the equivalent layouts (which operand goes left, the order of labels inside each
@@ -291,6 +308,8 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
     y, ys = _reduce_private(y, ys, set(xs) | keep)
 
     contracted = [l for l in xs if l in ys and l not in keep]
+    if samples and contracted:
+        x, xs, y, ys = _share_samples(x, xs, y, ys, keep, samples)
     if not contracted:
         out = [l for l in (order or []) if l in xs or l in ys] or xs + [l for l in ys if l not in xs]
         return _arrange(x, xs, out) * _arrange(y, ys, out), out
@@ -324,6 +343,13 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
     _cost, a, as_, b, bs, batch, left, con, right = best
 
     nb, m, n, k = sizes(a, as_, batch), sizes(a, as_, left), sizes(b, bs, right), sizes(a, as_, con)
+    if batch and math.prod(m) == 1 and math.prod(n) == 1:
+        # batched inner products (Σ_s (∂u/∂v_s)² of a collapsed operator): a product summed over
+        # the contracted labels, not bmm of 1×k by k×1 matrices (and the copies that lays out)
+        out = batch + left + right  # left and right: size-1 axes only
+        full = out + con
+        z = _arrange(a, as_, full) * _arrange(b, bs, full)
+        return z.sum(list(range(len(out), len(full)))), out
     if (batch and WIDE_GEMMS.get() and max(math.prod(m), math.prod(n)) <= SMALL_MATRIX
             and not _innermost(con, (a, as_), (b, bs))):
         # Many small products (per-sample Gram matrices): a broadcast product summed over the
@@ -439,7 +465,7 @@ def _gram(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torc
     return _arrange(g, batch + f1 + f2, out)
 
 
-def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor:
+def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict, samples: set = frozenset()) -> torch.Tensor:
     """Contract labelled tensors into ``out`` order along a cheap pairwise path."""
     terms = list(terms)
     gram = _gram(terms, out, size)
@@ -463,7 +489,7 @@ def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> to
         rest = [terms[k] for k in range(len(terms)) if k not in (i, j)]
         needed = set(out).union(*[set(ls) for _t, ls in rest])
         last = step == len(path) - 1
-        terms = rest + [_pair(x, xs, y, ys, needed, out if last else None)]
+        terms = rest + [_pair(x, xs, y, ys, needed, out if last else None, samples)]
     (t, ls), = terms
     t, ls = _reduce_private(t, ls, set(out))
     return _arrange(t, ls, out)
@@ -556,7 +582,9 @@ def _contract(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[L
 
     if terms:
         present = [r for r in result_classes if any(r in ls for _t, ls in terms)]
-        data = _einsum(terms, present, size)
+        is_sample = SAMPLE_LABELS.get()
+        samples = {find(l) for l in parent if is_sample(l)} if is_sample is not None else frozenset()
+        data = _einsum(terms, present, size, samples)
         if len(present) < len(result_classes):
             data = data.reshape([data.shape[present.index(r)] if r in present else 1 for r in result_classes])
         unit = False

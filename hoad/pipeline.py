@@ -21,7 +21,7 @@ from hoad.passes.capture import CallLayout, Captured, capture, locate
 from hoad.passes.clean import clean
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
-from hoad.passes.differentiate import Program, differentiate
+from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.prune import prune
 
@@ -35,10 +35,27 @@ class Config:
     mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
     batch_dim: int | None = None  # 0: dim 0 of the output and of every wrt input indexes samples
     diagonal: bool = False        # pure derivatives only (∂²/∂x_i², the diagonal of each block)
+    operator: OperatorSpec | None = None   # a differential operator (hoad.operators)
+    nestable: bool = False        # the program will be differentiated again (per sample: no mixed rows)
 
     @property
     def directions(self) -> tuple[str, ...]:
         return ("forward", "reverse") if self.mode == "auto" else (self.mode,)
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    """How an operator's extra inputs arrive: keyword tensors of the call (hoad.operators)."""
+
+    collapse: int | None = None          # the order summed over the directions (2: Laplacian)
+    directions: str | None = None        # keyword carrying the directions V (S, *x)
+    weights: str | None = None           # keyword carrying the collapse's weights (S,)
+
+    def inputs(self, layout: CallLayout) -> OperatorInputs:
+        def leaf(name):
+            return None if name is None else layout.tops.index(("kw", name))
+
+        return OperatorInputs(leaf(self.directions), self.collapse, leaf(self.weights))
 
 
 @dataclass
@@ -85,8 +102,10 @@ def _capture(b: Build) -> Build:
 def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
     fused = b.config.backend == "inductor"
+    op = b.config.operator.inputs(b.layout) if b.config.operator is not None else None
     b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                     fused=fused, diagonal=b.config.diagonal)
+                                     fused=fused, diagonal=b.config.diagonal, operator=op,
+                                     nestable=b.config.nestable)
                     for d in b.config.directions}
     return b
 

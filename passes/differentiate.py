@@ -27,11 +27,11 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import WIDE_GEMMS, Block, Lazy, add, contract, force, mm
+from hoad.blocks import SAMPLE_LABELS, WIDE_GEMMS, Block, Lazy, _canonical, add, contract, force, mm
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
-from hoad.rules.base import Contracted, VjpCtx, adjoint_labels, out_labels
+from hoad.rules.base import Collapse, Contracted, VjpCtx, adjoint_labels, out_labels
 from hoad.passes.capture import Captured, decomposition_table
 
 DIRECTIONS = ("forward", "reverse")
@@ -57,11 +57,28 @@ class Program:
     # the part computed from free tensors alone (hoad.passes.hoist): its outputs are gm's last inputs
     prefix: fx.GraphModule | None = None
     prefix_reads: list[int] = field(default_factory=list)   # which free tensors the prefix reads
+    operator: OperatorInputs | None = None
+
+
+@dataclass(frozen=True)
+class OperatorInputs:
+    """A differential operator over the first wrt input (DESIGN §8), as program inputs.
+
+    ``directions``: placeholder index of a tensor V (S, *x) (per sample under batch_dim): the
+    first-order seed is V instead of the identity, so slots run over the S directions.
+    ``collapse``: the order whose pure derivatives are summed over the directions (2: a
+    Laplacian), weighted by the tensor at placeholder ``weights`` (S,) when given.
+    """
+
+    directions: int | None = None
+    collapse: int | None = None
+    weights: int | None = None
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
-                  fused: bool = False, diagonal: bool = False) -> Program:
+                  fused: bool = False, diagonal: bool = False, operator: OperatorInputs | None = None,
+                  nestable: bool = False) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
@@ -78,10 +95,16 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     placeholders = [n for n in primal.graph.nodes if n.op == "placeholder"]
     leaves = [n.meta["val"] for n in placeholders]
     wrt_names = [captured.leaf_names[i] for i in captured.wrt_leaves]
-    interp = _Interpreter(primal, captured.wrt_leaves, [tuple(leaves[i].shape) for i in captured.wrt_leaves],
-                          wrt_names, order, where, batch_dim, diagonal)
+    slot_shapes = [tuple(leaves[i].shape) for i in captured.wrt_leaves]
+    if operator is not None and operator.directions is not None:
+        n = leaves[operator.directions].shape[0]
+        slot_shapes[0] = (slot_shapes[0][0], n) if batch_dim is not None else (n,)
+    interp = _Interpreter(primal, captured.wrt_leaves, slot_shapes, wrt_names, order, where, batch_dim, diagonal,
+                          operator)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     token = WIDE_GEMMS.set(fused)
+    # a program another transform will differentiate per sample keeps sample axes out of matrix rows
+    samples = SAMPLE_LABELS.set(_is_sample_label if nestable and batch_dim is not None else None)
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
@@ -94,17 +117,19 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         raise HoadInternalError(f"building the {direction} derivative program failed{at}: {type(e).__name__}: {e}") from e
     finally:
         WIDE_GEMMS.reset(token)
+        SAMPLE_LABELS.reset(samples)
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, diagonal=diagonal)
+                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, diagonal=diagonal,
+                   operator=operator)
 
 
 class _Interpreter:
     """Walks the primal graph with jets; its two ``*_program`` methods are what make_fx traces."""
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
-                 batch_dim: int | None = None, diagonal: bool = False):
+                 batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None):
         self.primal = primal
         self.nodes = list(primal.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
@@ -122,6 +147,9 @@ class _Interpreter:
         self.zeros: list[MultiIndex] = []
         self.stored: dict[MultiIndex, int] = {}
         self.current: fx.Node | None = None   # the primal node being transformed, for errors
+        self.operator = operator
+        self.collapse: Collapse | None = None  # made from the program's inputs when tracing starts
+        self.seed_of: dict[int, Block] = {}
 
     # ------------------------------------------------------------------------- analysis
     def _dependencies(self) -> dict[fx.Node, frozenset]:
@@ -167,7 +195,7 @@ class _Interpreter:
         for i, node in enumerate(self.placeholders):
             t = values[i]
             k = self.wrt_of.get(i)
-            env[node] = Jet(t, {(k,): Block.identity(t, t.shape)} if k is not None and max_order >= 1 else None,
+            env[node] = Jet(t, {(k,): self._seed(k, t)} if k is not None and max_order >= 1 else None,
                             varies=k is not None)
         for node in self.nodes:
             self.current = node
@@ -184,6 +212,32 @@ class _Interpreter:
                     env[node] = self._apply(node, env, range(1, max_order + 1))
         return env
 
+    def _seed(self, k: int, t: torch.Tensor) -> Block:
+        """∂x/∂t for the wrt input x = t's slots: the identity, or the operator's directions."""
+        if k in self.seed_of:
+            return self.seed_of[k]
+        if k != 0 or self.operator is None or self.operator.directions is None:
+            return Block.identity(t, t.shape)
+        v = self.values[self.operator.directions].to(t.dtype)   # (S, *x) or (S, *x[1:])
+        data = v.movedim(0, -1)
+        if self.batch_dim is None:
+            return Block.dense(data)
+        r = t.ndim
+        return _canonical(data.unsqueeze(0), [0] + list(range(1, r)) + [0, r], tuple(t.shape) + (t.shape[0], v.shape[0]))
+
+    def _operator_setup(self) -> None:
+        """The collapse, with its weights read from the program's inputs (so they are live)."""
+        op = self.operator
+        if op is None or op.collapse is None:
+            return
+        axes = range(len(self.slot_shapes[0]))
+        summed = [a for a in axes if a != 0] if self.batch_dim is not None else list(axes)
+        weights = {}
+        if op.weights is not None:
+            (a,) = summed
+            weights[(0, a)] = Block.dense(self.values[op.weights])
+        self.collapse = Collapse(op.collapse, frozenset((0, a) for a in summed), weights)
+
     def _apply(self, node: fx.Node, env: dict, orders, adjoint=None):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
@@ -196,7 +250,7 @@ class _Interpreter:
         if not keys:
             return _constant(out, varies)
         rule = self._rule(RULES, node)
-        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal)
+        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse)
         blocks = self._call(rule, node, ctx, args, kwargs)
         if adjoint is not None:
             return blocks
@@ -275,6 +329,7 @@ class _Interpreter:
     # ---------------------------------------------------------------------------- programs
     def forward_program(self, *values):
         self.values = values
+        self._operator_setup()
         env = self._forward(values, self.order)
         out = env[self.output]
         return self._outputs(out.primal, out.blocks)
@@ -285,6 +340,7 @@ class _Interpreter:
         Forward jets are thus only built where a remainder reads them; in particular none
         flow past the last nonlinear node to the output."""
         self.values = values
+        self._operator_setup()
         env = self._forward(values, self.order - 1)
         f = env[self.output].primal
         adj = self._adjoints(env, f)
@@ -295,7 +351,13 @@ class _Interpreter:
             if k is not None and node in adj:
                 g = adj[node]
                 r = g.ndim - rf
-                blocks[(k,)] = g.permute(list(range(r, g.ndim)) + list(range(r)))
+                seed = self._seed(k, env[node].primal)
+                if seed.unit:  # the identity: a relabelling
+                    blocks[(k,)] = g.permute(list(range(r, g.ndim)) + list(range(r)))
+                else:  # ∂f/∂t = ḡ · ∂x/∂t
+                    xl, fl = out_labels(r), adjoint_labels(rf)
+                    tl = [("t", a) for a in range(seed.ndim - r)]
+                    blocks[(k,)] = contract([(g, xl + fl), (seed, xl + tl)], fl + tl)
         for k in range(2, self.order + 1):
             below = env if k == self.order else _truncated(env, k)
             parts: dict[MultiIndex, list] = {}
@@ -342,15 +404,16 @@ class _Interpreter:
         """Dense axes of block K returned as one: under batch_dim the output's first axis with
         each slot's first (the sample), under diagonal the same axis of every slot of one wrt
         input (the pure derivative ∂^m/∂x_i^m)."""
+        ranks = Ctx((), tuple(self.slot_shapes), None, None, self.diagonal, self.collapse).slot_ranks(K)
         offsets, at = [], r
-        for k in K:
+        for n in ranks:
             offsets.append(at)
-            at += len(self.slot_shapes[k])
+            at += n
         groups: list[list[int]] = []
         if self.diagonal:
             for k in sorted(set(K)):
                 ps = [p for p in range(len(K)) if K[p] == k]
-                groups += [[offsets[p] + t for p in ps] for t in range(len(self.slot_shapes[k]))] if len(ps) > 1 else []
+                groups += [[offsets[p] + t for p in ps] for t in range(ranks[ps[0]])] if len(ps) > 1 else []
         if self.batch_dim is not None:
             sample = [0] + offsets
             groups = [g for g in groups if not set(g) & set(sample)] + [sorted(set(sample).union(
@@ -384,6 +447,11 @@ class _Interpreter:
                     "sample separately (e.g. eval-mode batchnorm, attention within a sample).")
         return BatchCouplingError("batch_dim=0 promises that samples are independent, but the output's derivative "
                                   "blocks mix samples; drop batch_dim to get the full blocks.")
+
+
+def _is_sample_label(label) -> bool:
+    """Slot labels of the first slot axis: the sample axis under batch_dim (see Ctx.slots)."""
+    return isinstance(label, tuple) and len(label) == 3 and label[0] == "s" and label[2] == 0
 
 
 def _truncated(env: dict, k: int) -> dict:

@@ -97,10 +97,10 @@ def hoist(gm: fx.GraphModule, n_free: int) -> tuple[fx.GraphModule | None, fx.Gr
 class Prefix:
     """Runs a prefix program when its inputs changed and otherwise returns its last outputs."""
 
-    def __init__(self, run, reads: Sequence[int], n_inputs: int):
+    def __init__(self, run, reads: Sequence[int], first_free: int):
         self.run = run
         self.reads = list(reads)
-        self.n_inputs = n_inputs            # inputs of the main program before the free tensors end
+        self.first_free = first_free        # where the free tensors start among the program inputs
         self._key: tuple | None = None
         self._held: tuple = ()
         self._values: tuple = ()

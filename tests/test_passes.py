@@ -140,7 +140,7 @@ def test_hoist_splits_off_what_only_free_tensors_determine():
 def test_a_prefix_runs_again_only_when_its_tensors_change():
     runs = []
     W = rand(3, seed=1)
-    prefix = Prefix(lambda w: (runs.append(1), (w * 2,))[1], reads=[0], n_inputs=1)
+    prefix = Prefix(lambda w: (runs.append(1), (w * 2,))[1], reads=[0], first_free=1)
     first = prefix([W])
     assert prefix([W])[0] is first[0] and len(runs) == 1
     W.add_(1.0)  # in place: a new version

@@ -9,7 +9,7 @@ A multi-index missing from the returned dict is a structural zero.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ class Ctx:
     # Pure derivatives only (∂²/∂x_i², not ∂²/∂x_i∂x_j): slots of the same wrt input share their
     # einsum labels, so every block is computed on its diagonal and nowhere else.
     diagonal: bool = False
+    collapse: Collapse | None = None
 
     @property
     def max_order(self) -> int:
@@ -79,29 +80,70 @@ class Ctx:
         return replace(self, keys=tuple(closure(self.keys)), out=out, adjoint=None)
 
     def slots(self, K: MultiIndex, positions: Sequence[int] | None = None) -> list:
-        """Einsum labels of the slot axes of ``K`` at ``positions`` (all slots by default)."""
+        """Einsum labels of the slot axes of ``K`` at ``positions`` (all slots by default).
+
+        Under a :class:`Collapse`, a block of the top order has no axes for the collapsed labels
+        (they are summed away), so neither its own labels nor a result of that order list them.
+        """
         if positions is None:
             positions = range(len(K))
-        if self.diagonal:
-            return [("s", K[p], a) for p in positions for a in range(len(self.slot_shapes[K[p]]))]
-        return [("s", p, a) for p in positions for a in range(len(self.slot_shapes[K[p]]))]
+        collapsed = self.collapse.labels if self.collapse is not None and len(positions) == self.collapse.order else ()
+        labels = []
+        for p in positions:
+            for a in range(len(self.slot_shapes[K[p]])):
+                label = ("s", K[p], a) if self.diagonal else ("s", p, a)
+                if (K[p], a) not in collapsed:
+                    labels.append(label)
+        return labels
+
+    def slot_ranks(self, K: MultiIndex) -> list[int]:
+        """Axes of each slot group of ``K``'s block (collapsed axes excluded at the top order)."""
+        collapsed = self.collapse.labels if self.collapse is not None and len(K) == self.collapse.order else ()
+        return [sum(1 for a in range(len(self.slot_shapes[k])) if (k, a) not in collapsed) for k in K]
 
     def slot_shape(self, K: MultiIndex) -> tuple[int, ...]:
-        return tuple(n for k in K for n in self.slot_shapes[k])
+        collapsed = self.collapse.labels if self.collapse is not None and len(K) == self.collapse.order else ()
+        return tuple(n for k in K for a, n in enumerate(self.slot_shapes[k]) if (k, a) not in collapsed)
+
+    def weigh(self, operands: list, out: Sequence) -> list:
+        """``operands`` with the collapse's weights on every collapsed label they sum away."""
+        if self.collapse is None or not self.collapse.weights:
+            return operands
+        present = {label for _b, labels in operands for label in labels}
+        extra = [(w, [("s", k, a)]) for (k, a), w in self.collapse.weights.items()
+                 if ("s", k, a) in present and ("s", k, a) not in out]
+        return list(operands) + extra
 
     def permute_slots(self, blk: Block, r: int, K: MultiIndex, sigma: Sequence[int]) -> Block:
         """Reorder the slot groups of a block: slot ``p`` of the result is slot ``sigma[p]``."""
         if list(sigma) == list(range(len(K))):
             return blk
+        ranks = self.slot_ranks(K)
         offsets, at = [], r
-        for k in K:
+        for n in ranks:
             offsets.append(at)
-            at += len(self.slot_shapes[k])
+            at += n
         perm = list(range(r))
         for p in range(len(K)):
             q = sigma[p]
-            perm += range(offsets[q], offsets[q] + len(self.slot_shapes[K[q]]))
+            perm += range(offsets[q], offsets[q] + ranks[q])
         return blk.permute(perm)
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """A differential operator's contraction pushed into the propagation (DESIGN §8).
+
+    The blocks of ``order`` (the top) are summed over the slot axes named in ``labels`` — pairs
+    ``(wrt position, slot axis)``, in diagonal mode the direction axis shared by every slot of
+    that input — each term weighted by ``weights[label]`` (a block over that axis; absent: 1).
+    A Laplacian is the collapse of the order-2 pure derivatives over the direction axis: only
+    Σ_i ∂²u/∂x_i² is propagated at order 2, never the D separate entries.
+    """
+
+    order: int
+    labels: frozenset
+    weights: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def out_labels(r: int) -> list:

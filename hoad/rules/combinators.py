@@ -49,7 +49,8 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
                 operands.insert(0, (_on_output(coeff, u.shape), o))
             else:
                 scalar = coeff
-            prod = contract(_with_adjoint(ctx, operands, o), lead + ctx.slots(K), lazy=_lazy(ctx, K)).scale(scalar)
+            out = lead + ctx.slots(K)
+            prod = contract(ctx.weigh(_with_adjoint(ctx, operands, o), out), out, lazy=_lazy(ctx, K)).scale(scalar)
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))
@@ -94,8 +95,9 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
             if any(b is None for b in blocks):
                 continue
             operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
-            prod = contract(_with_adjoint(ctx, operands, out), lead + ctx.slots(K), sizes=dict(zip(out, out_shape)),
-                            lazy=_lazy(ctx, K))
+            result_labels = lead + ctx.slots(K)
+            prod = contract(ctx.weigh(_with_adjoint(ctx, operands, out), result_labels), result_labels,
+                            sizes=dict(zip(out, out_shape)), lazy=_lazy(ctx, K))
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))

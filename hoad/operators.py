@@ -1,0 +1,296 @@
+"""Differential operators, computed collapsed: Laplacian (weighted, stochastic), biharmonic, and
+directional Taylor coefficients.
+
+Each is a contraction of derivative slots (DESIGN §8). hoad computes it in diagonal mode, where
+all slots of the input share their labels, with two additions:
+
+- *direction seeds*: the input's first-order seed is a set of directions V (S, *x) instead of
+  the identity, so every slot runs over the S directions (``directions=``, and the eigenvectors
+  of ``weights=C``, the columns of ``factor=L``);
+- *collapse*: at the top order the direction label is summed away, weighted, inside every
+  contraction that forms a top-order block, so Σ_s w_s ∂²u/∂v_s² is propagated as one value per
+  entry instead of S of them (the forward Laplacian of folx, torch-jet's collapsed Taylor mode).
+
+The biharmonic is the Laplacian of the Laplacian program. Either direction (forward jets, or the
+adjoint form) is built, and the cost model keeps the cheaper, as for :func:`hoad.compile`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hoad.api import Compiled
+from hoad.errors import InvalidArgumentError
+from hoad.pipeline import OperatorSpec
+
+DIRECTIONS, WEIGHTS = "hoad_directions", "hoad_weights"
+
+
+class OperatorResult:
+    """What an operator returns: ``value``, ``directional`` (first derivatives along each
+    direction, the gradient itself when there are no directions), ``gradient`` (∇u, when the
+    directions determine it) and the operator's own result (``laplacian``, ``biharmonic``)."""
+
+    def __init__(self, **fields: Any):
+        self.__dict__.update(fields)
+
+    def __repr__(self) -> str:
+        shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return f"OperatorResult({shapes})"
+
+
+def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
+    """``u`` taking the operator's tensors as extra keyword arguments (program inputs, unused by u)."""
+
+    def wrapped(*args, **kwargs):
+        for name in extra:
+            kwargs.pop(name, None)
+        return u(*args, **kwargs)
+
+    try:
+        sig = inspect.signature(u)
+        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        tail = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in extra] + tail
+        wrapped.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    wrapped.__name__ = getattr(u, "__name__", type(u).__name__)
+    return wrapped
+
+
+def _check_wrt(wrt) -> None:
+    if isinstance(wrt, bool) or not isinstance(wrt, (int, str)) or (isinstance(wrt, int) and wrt < 0):
+        raise InvalidArgumentError(f"an operator differentiates with respect to one input: wrt must be an argnum "
+                                   f"(int >= 0) or an argument name, got {wrt!r}")
+
+
+class _Operator:
+    """Shared machinery: a compiled program of ``u`` over the first-order directions."""
+
+    def __init__(self, u: Callable, order: int, wrt, *, batch_dim, directions, weights, collapse: int | None,
+                 backend, mode, roots: dict | None = None, nestable: bool = False):
+        if not callable(u):
+            raise InvalidArgumentError(f"expected a function, got {type(u).__name__}")
+        _check_wrt(wrt)
+        self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
+        self.directions, self.weights = directions, weights
+        extra = tuple(n for n, t in ((DIRECTIONS, directions), (WEIGHTS, weights)) if t is not None)
+        spec = OperatorSpec(collapse=collapse, directions=DIRECTIONS if directions is not None else None,
+                            weights=WEIGHTS if weights is not None else None)
+        self.compiled = Compiled(_wrapper(u, extra), order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
+                                 diagonal=True, operator=spec, roots=roots or {"u": u}, nestable=nestable)
+
+    @property
+    def graph(self):
+        """The generated program of the last call (print it to read it)."""
+        return self.compiled.graph
+
+    def explain(self, *args, **kwargs):
+        return self.compiled.explain(*args, **self._extra(args, kwargs))
+
+    def _point(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        if isinstance(self.wrt, int):
+            if self.wrt >= len(args):
+                raise InvalidArgumentError(f"wrt={self.wrt} but the call passes {len(args)} positional arguments")
+            x = args[self.wrt]
+        else:
+            x = kwargs.get(self.wrt)
+            if x is None:
+                names = list(inspect.signature(self.u).parameters)
+                x = args[names.index(self.wrt)] if self.wrt in names and names.index(self.wrt) < len(args) else None
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor")
+        return x
+
+    def _extra(self, args: tuple, kwargs: dict) -> dict:
+        x = self._point(args, kwargs)
+        kwargs = dict(kwargs)
+        per_point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
+        if self.directions is not None:
+            if tuple(self.directions.shape[1:]) != per_point:
+                raise InvalidArgumentError(
+                    f"directions must have shape (S, {', '.join(map(str, per_point))}) for an input of shape "
+                    f"{tuple(x.shape)}{' (per sample: batch_dim=0)' if self.batch_dim is not None else ''}, "
+                    f"got {tuple(self.directions.shape)}")
+            kwargs[DIRECTIONS] = self.directions.to(dtype=x.dtype, device=x.device)
+        if self.weights is not None:
+            kwargs[WEIGHTS] = self.weights.to(dtype=x.dtype, device=x.device)
+        return kwargs
+
+
+class Laplacian(_Operator):
+    """``hoad.laplacian(u, ...)``: call it like ``u``; returns an :class:`OperatorResult` with
+    ``value``, ``directional``, ``gradient`` and ``laplacian``."""
+
+    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
+                 mode="auto", nestable: bool = False):
+        given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
+        if len(given) > 1:
+            raise InvalidArgumentError(f"give one of weights=, factor= and directions=, got {given}")
+        seeds, collapse_weights, self._to_gradient = None, None, None
+        if weights is not None:
+            c = _matrix(weights, "weights")
+            if not torch.allclose(c, c.mT, rtol=1e-10, atol=1e-12 * float(c.abs().max().clamp_min(1))):
+                raise InvalidArgumentError("weights=C must be symmetric (tr(C ∇²u) only sees its symmetric part: "
+                                           "pass (C + C.T) / 2); for C = L Lᵀ pass factor=L")
+            lam, q = torch.linalg.eigh(c)
+            seeds, collapse_weights = q.mT.contiguous(), lam  # Σ_k λ_k q_kᵀ ∇²u q_k
+            self._to_gradient = q.mT.contiguous()               # ∇u = Q (Qᵀ ∇u): orthonormal directions
+        elif factor is not None:
+            seeds = _matrix(factor, "factor", square=False).mT.contiguous()  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
+        elif directions is not None:
+            seeds = _directions(directions)
+            collapse_weights = torch.full((seeds.shape[0],), 1.0 / seeds.shape[0], dtype=seeds.dtype, device=seeds.device)
+            self._to_gradient = None
+        self._identity = seeds is None
+        super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
+                         backend=backend, mode=mode, nestable=nestable)
+
+    def __call__(self, *args, **kwargs) -> OperatorResult:
+        res = self.compiled(*args, **self._extra(args, kwargs))
+        x = self._point(args, kwargs)
+        directional = res[self.wrt]
+        lap = res[self.wrt, self.wrt] if not res.is_structural_zero((self.wrt, self.wrt)) else torch.zeros_like(res.value)
+        return OperatorResult(value=res.value, directional=directional, gradient=self._gradient(directional, x),
+                              laplacian=lap)
+
+    def _gradient(self, directional: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        if self._identity:
+            return directional
+        if self._to_gradient is None:
+            return None
+        point = x.shape[1:] if self.batch_dim is not None else x.shape
+        q = self._to_gradient.to(dtype=directional.dtype, device=directional.device)
+        return (directional @ q.reshape(q.shape[0], -1)).reshape(*directional.shape[:-1], *point)
+
+
+def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
+    if not isinstance(m, torch.Tensor) or m.ndim != 2 or not m.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{name} must be a floating-point matrix, got "
+                                   f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+    if square and m.shape[0] != m.shape[1]:
+        raise InvalidArgumentError(f"{name} must be square (D, D), got {tuple(m.shape)}")
+    return m.detach()
+
+
+def _directions(v: torch.Tensor) -> torch.Tensor:
+    if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.dtype.is_floating_point or v.shape[0] == 0:
+        raise InvalidArgumentError("directions must be a floating-point tensor (S, *x) of S >= 1 directions, got "
+                                   f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+    return v.detach()
+
+
+class Biharmonic:
+    """``hoad.biharmonic(u, ...)``: Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j², the Laplacian of the Laplacian.
+
+    The inner Laplacian is built as an eager program; the outer Laplacian differentiates that
+    program (collapsed again), so Δ²u costs about a Laplacian over a Laplacian's jets, never the
+    order-4 tensor. Returns an :class:`OperatorResult` with ``laplacian`` (Δu) and ``biharmonic``.
+    With ``directions=V`` both Laplacians are the stochastic ones over V: an unbiased estimate of
+    Δ²u for directions with E[v vᵀ] = I, exact for the given V.
+    """
+
+    def __init__(self, u, wrt=0, *, batch_dim=None, directions=None, backend=None, mode="auto"):
+        self.inner = Laplacian(u, wrt, batch_dim=batch_dim, directions=directions, backend="eager", mode=mode,
+                               nestable=True)
+        inner = self.inner
+
+        def laplacian_of_u(*args, **kwargs):
+            return inner(*args, **kwargs).laplacian
+
+        laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
+        self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, directions=directions, backend=backend,
+                               mode=mode)
+        self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
+        self._inner_built: set = set()
+
+    @property
+    def graph(self):
+        return self.outer.graph
+
+    def __call__(self, *args, **kwargs) -> OperatorResult:
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in list(args) + list(kwargs.values())
+                    if isinstance(t, torch.Tensor))
+        if key not in self._inner_built:  # the outer trace runs the inner program: build it first
+            self.inner(*args, **kwargs)
+            self._inner_built.add(key)
+        res = self.outer(*args, **kwargs)
+        return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
+
+
+def _signature(u):
+    try:
+        return inspect.signature(u)
+    except (TypeError, ValueError):
+        return None
+
+
+class Taylor(_Operator):
+    """``hoad.taylor(u, order=K, directions=V)``: ``result[k]`` is ∂^k u[v, …, v] for every direction
+    v (last axis S), k = 0..K."""
+
+    def __init__(self, u, order: int, wrt=0, *, directions, batch_dim=None, backend=None, mode="auto"):
+        if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+            raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
+        super().__init__(u, order, wrt, batch_dim=batch_dim, directions=_directions(directions), weights=None,
+                         collapse=None, backend=backend, mode=mode)
+        self.order = order
+
+    def __call__(self, *args, **kwargs) -> TaylorResult:
+        res = self.compiled(*args, **self._extra(args, kwargs))
+        return TaylorResult(res, self.wrt, self.order)
+
+
+class TaylorResult:
+    """``result[k]``: the k-th directional derivatives (``result[0]`` is the value)."""
+
+    def __init__(self, res, wrt, order: int):
+        self._res, self._wrt, self.order = res, wrt, order
+        self.value = res.value
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.order:
+            raise InvalidArgumentError(f"Taylor coefficients go from 0 to {self.order}, got {k!r}")
+        if k == 0:
+            return self.value
+        key = (self._wrt,) * k
+        if self._res.is_structural_zero(key):
+            return torch.zeros_like(self._res[(self._wrt,)])
+        return self._res[key]
+
+    def __len__(self) -> int:
+        return self.order + 1
+
+
+def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
+              factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, backend: str | None = None,
+              mode: str = "auto") -> Laplacian:
+    """The Laplacian Δu = Σ_i ∂²u/∂x_i² of ``u`` with respect to input ``wrt``, computed collapsed.
+
+    ``weights=C`` (symmetric D×D, D the entries of one point): tr(C ∇²u). ``factor=L`` (D×S):
+    tr(L Lᵀ ∇²u). ``directions=V`` (S, *x): the stochastic estimate (1/S) Σ_s v_sᵀ ∇²u v_s (exact
+    for the given V; draw new V and build a new operator to resample). ``batch_dim=0``: one
+    Laplacian per sample. Non-scalar outputs get one Laplacian per output entry. The result is
+    differentiable (train through it); ``.gradient`` is ∇u (None for ``factor`` and
+    ``directions``, where ``.directional`` holds the derivatives along each direction).
+    """
+    return Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                     backend=backend, mode=mode)
+
+
+def taylor(u: Callable, order: int, directions: torch.Tensor, wrt=0, *, batch_dim: int | None = None,
+           backend: str | None = None, mode: str = "auto") -> Taylor:
+    """Directional Taylor coefficients: ``taylor(u, order=K, directions=V)(x)[k]`` is
+    ∂^k u[v, …, v] = d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis)."""
+    return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode)
+
+
+def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, directions: torch.Tensor | None = None,
+               backend: str | None = None, mode: str = "auto") -> Biharmonic:
+    """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu)."""
+    return Biharmonic(u, wrt, batch_dim=batch_dim, directions=directions, backend=backend, mode=mode)

@@ -1,0 +1,187 @@
+"""Differential operators against torch.func: Laplacians (plain, weighted, factored, stochastic),
+Taylor coefficients against nested jvp, the biharmonic against nested Hessians; both directions."""
+
+import pytest
+import torch
+from torch.func import hessian, jvp, vmap
+
+import hoad
+from helpers import assert_close, rand
+
+DT = torch.float64
+MODES = ["forward", "reverse"]
+W1, B1, W2 = rand(4, 6, seed=31), rand(6, seed=32), rand(6, 2, seed=33)
+
+
+def mlp(x):  # (..., 4) -> (...,)
+    return (torch.tanh(x @ W1 + B1) @ W2).sin().sum(-1)
+
+
+def vector_out(x):  # (4,) -> (2,): one Laplacian per output entry
+    return torch.stack([mlp(x), (x ** 3).sum() * x[0].exp()])
+
+
+def hessians(f, X):
+    return vmap(hessian(f))(X)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_laplacian_per_sample(mode):
+    X = rand(5, 4, seed=1)
+    res = hoad.laplacian(mlp, batch_dim=0, mode=mode)(X)
+    H = hessians(mlp, X)
+    assert_close(res.laplacian, H.diagonal(dim1=1, dim2=2).sum(-1), "laplacian")
+    assert_close(res.gradient, vmap(torch.func.grad(mlp))(X), "gradient")
+    assert_close(res.value, mlp(X), "value")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_laplacian_of_a_vector_output_at_a_point(mode):
+    x = rand(4, seed=2)
+    res = hoad.laplacian(vector_out, mode=mode)(x)
+    assert_close(res.laplacian, hessian(vector_out)(x).diagonal(dim1=1, dim2=2).sum(-1), "laplacian per entry")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_laplacian_over_a_matrix_input(mode):
+    def f(x):  # x: (2, 3), the Laplacian sums over all six entries
+        return (x.sin() @ x.T).exp().sum()
+
+    x = rand(2, 3, seed=3)
+    H = hessian(f)(x).reshape(6, 6)
+    assert_close(hoad.laplacian(f, mode=mode)(x).laplacian, H.diagonal().sum(), "laplacian")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weighted_laplacian_with_an_indefinite_matrix(mode):
+    X = rand(5, 4, seed=4)
+    C = rand(4, 4, seed=5)
+    C = C + C.T  # symmetric, indefinite
+    res = hoad.laplacian(mlp, batch_dim=0, weights=C, mode=mode)(X)
+    assert_close(res.laplacian, (hessians(mlp, X) * C).sum((1, 2)), "tr(C H)")
+    assert_close(res.gradient, vmap(torch.func.grad(mlp))(X), "gradient from the eigenvector directions")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_laplacian_with_a_factor(mode):
+    X = rand(5, 4, seed=6)
+    L = rand(4, 3, seed=7)
+    res = hoad.laplacian(mlp, batch_dim=0, factor=L, mode=mode)(X)
+    assert_close(res.laplacian, (hessians(mlp, X) * (L @ L.T)).sum((1, 2)), "tr(L Lᵀ H)")
+    assert res.gradient is None
+    assert_close(res.directional, vmap(torch.func.grad(mlp))(X) @ L, "derivatives along the columns of L")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stochastic_laplacian_is_exact_for_its_directions(mode):
+    X = rand(5, 4, seed=8)
+    V = rand(7, 4, seed=9)
+    res = hoad.laplacian(mlp, batch_dim=0, directions=V, mode=mode)(X)
+    assert_close(res.laplacian, torch.einsum("sd,bde,se->b", V, hessians(mlp, X), V) / 7, "(1/S) Σ vᵀHv")
+
+
+def test_the_laplacian_is_collapsed():
+    """Order-2 values carry no direction axis: Σ_i ∂²u/∂x_i² is propagated, not the D entries. The
+    program moves fewer entries than the pure second derivatives do (diagonal=True)."""
+    X = rand(16, 4, seed=10)
+
+    def entries(program):
+        return sum(n.meta["val"].numel() for n in program.gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+
+    for mode in MODES:
+        op = hoad.laplacian(mlp, batch_dim=0, mode=mode)
+        op(X)
+        diag = hoad.compile(mlp, order=2, batch_dim=0, diagonal=True, mode=mode)
+        diag(X)
+        collapsed, pure = entries(op.compiled._last.build.program), entries(diag._last.build.program)
+        assert collapsed < pure, (mode, collapsed, pure)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_taylor_coefficients_match_nested_jvp(mode):
+    x = rand(4, seed=11)
+    V = rand(3, 4, seed=12)
+    res = hoad.taylor(mlp, order=4, directions=V, mode=mode)(x)
+
+    def directional(v, k):
+        f = mlp
+        for _ in range(k):
+            f = (lambda g: (lambda y: jvp(g, (y,), (v,))[1]))(f)
+        return f(x)
+
+    for k in range(1, 5):
+        expected = torch.stack([directional(V[s], k) for s in range(3)])
+        assert_close(res[k], expected, f"coefficient {k}")
+    assert_close(res[0], mlp(x), "value")
+
+
+def test_taylor_per_sample_shapes():
+    X, V = rand(5, 4, seed=13), rand(3, 4, seed=14)
+    res = hoad.taylor(mlp, order=2, directions=V, batch_dim=0)(X)
+    assert res[1].shape == (5, 3) and res[2].shape == (5, 3)
+    assert_close(res[2], torch.einsum("sd,bde,se->bs", V, hessians(mlp, X), V), "second coefficients")
+
+
+def _laplacian_of(f):
+    return lambda x: hessian(f)(x).diagonal().sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_biharmonic(mode):
+    X = rand(3, 4, seed=15)
+    res = hoad.biharmonic(mlp, batch_dim=0, mode=mode)(X)
+    assert_close(res.biharmonic, vmap(_laplacian_of(_laplacian_of(mlp)))(X), "Δ²u")
+    assert_close(res.laplacian, vmap(_laplacian_of(mlp))(X), "Δu")
+
+
+def test_stochastic_biharmonic_is_exact_for_its_directions():
+    X, V = rand(3, 4, seed=16), rand(5, 4, seed=17)
+
+    def lap_v(f):
+        return lambda x: torch.einsum("sd,de,se->", V, hessian(f)(x), V) / 5
+
+    res = hoad.biharmonic(mlp, batch_dim=0, directions=V)(X)
+    assert_close(res.biharmonic, vmap(lap_v(lap_v(mlp)))(X), "Δ_V² u")
+
+
+def test_biharmonic_sees_weight_updates():
+    W = rand(4, 5, seed=18)
+
+    def u(x):
+        return torch.tanh(x @ W).sum(-1)
+
+    op = hoad.biharmonic(u, batch_dim=0)
+    X = rand(2, 4, seed=19)
+    op(X)
+    W.mul_(1.5)
+    assert_close(op(X).biharmonic, vmap(_laplacian_of(_laplacian_of(u)))(X), "after an in-place update")
+
+
+def test_training_through_a_laplacian():
+    W = rand(4, 6, seed=20).requires_grad_(True)
+
+    def u(x):
+        return torch.tanh(x @ W).sum(-1)
+
+    X = rand(5, 4, seed=21)
+    loss = (hoad.laplacian(u, batch_dim=0)(X).laplacian ** 2).sum()
+    got, = torch.autograd.grad(loss, W)
+    ref, = torch.autograd.grad((vmap(_laplacian_of(u))(X) ** 2).sum(), W)
+    assert_close(got, ref, "dL/dW")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weights=torch.ones(4, 3, dtype=DT)), "square"),
+    (dict(weights=torch.tensor([[1.0, 2.0], [0.0, 1.0]], dtype=DT)), "symmetric"),
+    (dict(directions=torch.ones(3, dtype=DT)), "directions"),
+    (dict(weights=torch.eye(4, dtype=DT), directions=torch.ones(2, 4, dtype=DT)), "one of"),
+])
+def test_bad_operator_arguments(bad, match):
+    with pytest.raises(hoad.InvalidArgumentError, match=match):
+        hoad.laplacian(mlp, batch_dim=0, **bad)(rand(3, 4))
+
+
+def test_directions_of_the_wrong_size():
+    with pytest.raises(hoad.InvalidArgumentError, match=r"shape \(S, 4\)"):
+        hoad.laplacian(mlp, batch_dim=0, directions=rand(2, 3))(rand(3, 4))
