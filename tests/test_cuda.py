@@ -1,0 +1,130 @@
+"""The same programs on a GPU: every rule case in float64 and float32, a compiled case per rule
+family, the operators and a training step, against the CPU float64 program. Skipped without CUDA.
+
+float32 is checked against the float64 reference with a tolerance scaled to the result
+(derivative blocks of order 4 amplify rounding; 1e-3 relative is float32's honest reach here).
+"""
+
+import pytest
+import torch
+
+import hoad
+import op_cases
+from hoad.rules import FAMILIES
+from op_cases import CASES
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL = {torch.float64: 1e-9, torch.float32: 1e-3}
+CLOSED_OVER = ("W6", "W23", "W43", "W26")
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """Run a case's function on CUDA: its closed-over tensors moved there, new tensors made there."""
+
+    def use(dtype):
+        for name in CLOSED_OVER:
+            monkeypatch.setattr(op_cases, name, getattr(op_cases, name).to("cuda", dtype))
+        torch.set_default_device("cuda")
+        return lambda t: t.to("cuda", dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else (
+            t.to("cuda") if isinstance(t, torch.Tensor) else t)
+
+    yield use
+    torch.set_default_device("cpu")
+
+
+def _close(got, ref, dtype, what):
+    assert got.device.type == "cuda", f"{what}: result on {got.device}"
+    got = got.to("cpu", torch.float64)
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    torch.testing.assert_close(got, ref, rtol=TOL[dtype], atol=TOL[dtype] * scale, equal_nan=True, msg=what)
+
+
+def _cpu_reference(case, order):
+    return hoad.compile(case.fn, order=order, wrt=case.wrt, backend="eager")(*case.args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
+def test_every_rule_on_cuda(op, dtype, on_cuda):
+    case = CASES[op]
+    order = min(case.order, 3 if dtype == torch.float32 else case.order)
+    ref = _cpu_reference(case, order)
+    move = on_cuda(dtype)
+    res = hoad.compile(case.fn, order=order, wrt=case.wrt, backend="eager")(*map(move, case.args))
+    for key in ref:
+        _close(res[key], ref[key], dtype if case.tol is None else torch.float32, f"{op} block {key}")
+
+
+def _one_case_per_family():
+    chosen = {}
+    for op in sorted(CASES, key=str):
+        chosen.setdefault(FAMILIES[op], op)
+    return sorted(chosen.values(), key=str)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("op", _one_case_per_family(), ids=str)
+def test_compiled_rule_family_on_cuda(op, dtype, on_cuda):
+    case = CASES[op]
+    ref = _cpu_reference(case, 2)
+    move = on_cuda(dtype)
+    res = hoad.compile(case.fn, order=2, wrt=case.wrt, backend="inductor")(*map(move, case.args))
+    for key in ref:
+        _close(res[key], ref[key], dtype, f"{op} block {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(CASES, key=str), ids=str)
+def test_every_rule_compiled_on_cuda(op, on_cuda):
+    case = CASES[op]
+    ref = _cpu_reference(case, 2)
+    move = on_cuda(torch.float64)
+    res = hoad.compile(case.fn, order=2, wrt=case.wrt, backend="inductor")(*map(move, case.args))
+    for key in ref:
+        _close(res[key], ref[key], torch.float64, f"{op} block {key}")
+
+
+def _mlp(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    W1 = (torch.randn(4, 16, generator=g, dtype=torch.float64) / 2).to(device, dtype)
+    W2 = (torch.randn(16, 1, generator=g, dtype=torch.float64) / 4).to(device, dtype)
+
+    def u(x):
+        return (torch.tanh(x @ W1) @ W2).squeeze(-1)
+
+    return u
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_operators_on_cuda(dtype, backend):
+    X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref_lap = hoad.laplacian(_mlp("cpu", torch.float64), batch_dim=0, backend="eager")(X)
+    ref_bih = hoad.biharmonic(_mlp("cpu", torch.float64), batch_dim=0, backend="eager")(X)
+    Xc = X.to("cuda", dtype)
+    lap = hoad.laplacian(_mlp("cuda", dtype), batch_dim=0, backend=backend)(Xc)
+    _close(lap.laplacian, ref_lap.laplacian, dtype, "laplacian")
+    _close(lap.gradient, ref_lap.gradient, dtype, "gradient")
+    bih = hoad.biharmonic(_mlp("cuda", dtype), batch_dim=0, backend=backend)(Xc)
+    _close(bih.biharmonic, ref_bih.biharmonic, dtype, "biharmonic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_training_step_on_cuda(dtype):
+    """Parameter gradients of a Laplacian-residual loss through the compiled program and its
+    compiled backward, on the GPU, against the CPU eager program."""
+    results = {}
+    for device, backend in (("cpu", "eager"), ("cuda", "inductor")):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(torch.float64)
+        net = net.to(device, dtype if device == "cuda" else torch.float64)
+        X = torch.rand(32, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        X = X.to(device, dtype if device == "cuda" else torch.float64)
+        lap = hoad.laplacian(lambda x: net(x).squeeze(-1), batch_dim=0, backend=backend)
+        loss = (lap(X).laplacian ** 2).mean()
+        loss.backward()
+        results[device] = [p.grad if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
+    for got, ref in zip(results["cuda"], results["cpu"]):
+        _close(got, ref, dtype, "parameter gradient")
