@@ -1,9 +1,11 @@
-"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--write-readme] [--no-compile]``
+"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--write-readme] [--no-compile] [--device cuda [--dtype D]]``
 
 Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, then the
 targets the issues set (:mod:`benchmarks.targets`), prints the tables, writes
 ``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with ``--write-readme``
-regenerates the README's benchmark section.
+regenerates the README's benchmark section. ``--device cuda`` runs the GPU-sized workloads
+instead (no targets: they are set for the pinned CPU thread), in ``--dtype`` (float32 by default
+there; the CPU suite is float64).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import faulthandler
 import sys
 import time
 
-from benchmarks.env import pin_one_thread
+from benchmarks.env import configure
 
 
 def main(argv: list[str]) -> int:
@@ -26,39 +28,58 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     parser.add_argument("--write-readme", action="store_true", help="replace the README's benchmark section")
     parser.add_argument("--list", action="store_true", help="list the workload ids and the targets, and exit")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU-sized workloads on the first CUDA device (default: cpu, one thread)")
+    parser.add_argument("--dtype", choices=("float32", "float64"),
+                        help="of the contenders with --device cuda (default float32; the reference is float64)")
     args = parser.parse_args(argv)
+    if args.dtype == "float32" and args.device == "cpu":
+        parser.error("the CPU suite is float64 (its targets are set there); --dtype float32 needs --device cuda")
     if args.write_readme and (args.only or args.targets):
         parser.error("--write-readme needs the whole suite; drop --only and --targets")
     if args.only and args.targets:
         parser.error("--only selects workloads and --targets runs no workloads: use one of them")
 
+    if args.device == "cuda" and args.targets:
+        parser.error("the targets are measured on the pinned CPU thread: drop --device cuda or --targets")
+
     faulthandler.enable()  # should hoad itself crash the process, show where
-    pin_one_thread()  # before torch or jax is imported anywhere below
+    configure(args.device)  # before torch or jax is imported anywhere below
     from benchmarks import env, report, targets, workloads
     from benchmarks.runner import Settings, run_workload
-    from benchmarks.timing import FULL, QUICK
+    from benchmarks.timing import FULL, QUICK, synchronize_with
 
-    chosen = [] if args.targets else workloads.select(args.quick, args.only)
+    chosen = [] if args.targets else workloads.select(args.quick, args.only, args.device)
     if args.list:
         print("\n".join(f"{w.id}{'  (quick)' if w.quick else ''}" for w in chosen))
-        if not args.only:
+        if not args.only and args.device == "cpu":
             print("\n".join(f"target {t.row} (issue {t.issue}): {line.hoad}" for t in targets.TARGETS
                             for line in t.lines))
         return 0
     if args.only and not chosen:
         parser.error(f"no workload id contains {args.only!r} (see --list)")
+    if args.device == "cuda":
+        problem = env.cuda_problem()
+        if problem:
+            print(f"python -m benchmarks: {problem}", file=sys.stderr)
+            return 2
+    import torch
+
+    dtype = getattr(torch, args.dtype or ("float32" if args.device == "cuda" else "float64"))
+    synchronize_with(args.device)
     settings = Settings(quick=args.quick, budget=QUICK if args.quick else FULL, compile_peers=not args.no_compile,
-                        compile_timeout_s=180.0 if args.quick else 600.0)
+                        compile_timeout_s=180.0 if args.quick else 600.0, dtype=dtype)
     start = time.perf_counter()
     mode = "targets" if args.targets else "quick" if args.quick else "full"
-    results = {"machine": env.machine(), "mode": mode,
+    results = {"machine": env.machine(args.device), "mode": mode + ("-cuda" if args.device == "cuda" else ""),
                "command": " ".join(["python -m benchmarks", *argv]), "only": args.only,
+               "device": args.device, "dtype": str(dtype).removeprefix("torch."),
                "stamp": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "workloads": []}
     for i, w in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {w.id}", file=sys.stderr, flush=True)
         results["workloads"].append(run_workload(w, settings))
-    if not args.only:
-        results["targets"] = targets.run_targets(settings.budget)
+    if not args.only and args.device == "cpu":
+        results["targets"] = targets.run_targets(settings, results["workloads"])
     results["seconds"] = time.perf_counter() - start
 
     print(report.render(results))

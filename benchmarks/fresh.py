@@ -1,4 +1,4 @@
-"""``python -m benchmarks.fresh memory|first-call [...]``: measurements that need a process of their own.
+"""``python -m benchmarks.fresh memory|first-call|step-memory [...]``: measurements that need a process of their own.
 
 - ``memory BACKEND BATCH ORDER``: hoad's per-sample derivatives of the tanh MLP on BATCH points.
   The first call compiles and is checked (on its first :data:`CHECK_ROWS` samples, against nested
@@ -7,6 +7,14 @@
 - ``first-call``: the tanh MLP's order-3 program at one point, with the default backend: wall
   time of import + compile + first call, from the top of this process. The Inductor cache is
   wherever the environment points (the parent gives it a fresh directory, then the same one again).
+- ``step-memory WORKLOAD_ID WAY [DTYPE]``: one column (:func:`benchmarks.operators.ways`) of a
+  training-step workload. Its first call (compile included) is checked against the float64
+  reference; then the peak memory of one more step is reported: on the CPU the growth of the
+  process's resident high-water mark (VmHWM, reset first) over the step, on CUDA the growth of
+  torch.cuda.max_memory_allocated over what was allocated before it (JAX's own GPU memory is not
+  counted there; the columns measured are torch ones).
+
+:func:`run_fresh` starts such a process from the parent and returns its reply.
 
 The reply is one JSON object on stdout, on a line that starts with :data:`benchmarks.worker.PREFIX`.
 Nothing is imported at module level that imports torch: the clock of ``first-call`` starts first.
@@ -14,10 +22,14 @@ Nothing is imported at module level that imports torch: the clock of ``first-cal
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
 import time
 
-from benchmarks.worker import protocol_channel
+from benchmarks.worker import PREFIX, protocol_channel
 
 CHECK_ROWS = 64  # samples of a large batch that are checked against the reference
 
@@ -74,6 +86,49 @@ def first_call() -> dict:
             "error": check.error, "note": check.note, "cache": hoad.cache_dir()}
 
 
+def step_memory(workload_id: str, way_name: str, dtype_name: str) -> dict:
+    import gc
+
+    import torch
+
+    from benchmarks import operators, workloads
+    from benchmarks.reference import compare
+    from benchmarks.runner import reference_of
+    from benchmarks.timing import synchronize, synchronize_with
+
+    w = workloads.get(workload_id)
+    synchronize_with(w.device)
+    dtype = getattr(torch, dtype_name)
+    p = w.make(dtype)
+    ref = reference_of(w, p, dtype)
+    way = operators.way(p, way_name)
+    start = time.perf_counter()
+    answer, timed = way.build()
+    check = compare(answer(), ref)
+    synchronize()
+    reply = {"config": way.config, "first_call_s": time.perf_counter() - start, "error": check.error}
+    if not check.ok:
+        return {**reply, "status": "WRONG", "note": check.note}
+    del ref
+    gc.collect()
+    cuda = w.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        before = _status_kib("VmRSS") * 1024
+    start = time.perf_counter()
+    timed()
+    synchronize()
+    step_s = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
+    what = "torch.cuda.max_memory_allocated growth" if cuda else "VmHWM growth (resident high-water mark)"
+    return {**reply, "status": "ok", "step_s": step_s, "peak_mb": (peak - before) / 2**20, "what": what}
+
+
 def _status_kib(field: str) -> int:
     """A ``/proc/self/status`` field in KiB (VmRSS: resident now; VmHWM: its high-water mark)."""
     with open("/proc/self/status") as f:
@@ -95,11 +150,37 @@ def main(argv: list[str]) -> None:
             send(memory(backend, int(batch), int(order)))
         elif kind == "first-call":
             send(first_call())
+        elif kind == "step-memory":
+            workload_id, way_name, *dtype = args
+            from benchmarks.env import configure
+
+            configure("cuda" if workload_id.startswith("cuda/") else "cpu")
+            send(step_memory(workload_id, way_name, dtype[0] if dtype else "float64"))
         else:
-            raise SystemExit(f"unknown measurement {kind!r}: memory or first-call")
+            raise SystemExit(f"unknown measurement {kind!r}: memory, first-call or step-memory")
     except Exception as e:  # hoad failing is the result
         lines = str(e).strip().splitlines()
         send({"status": "error", "note": f"{type(e).__name__}: {lines[0][:200] if lines else ''}"})
+
+
+def run_fresh(args: list[str], timeout_s: float, environ: dict | None = None) -> dict:
+    """Run ``python -m benchmarks.fresh ARGS`` and return its reply (a status on failure)."""
+    from benchmarks import env
+
+    child = {k: v for k, v in os.environ.items() if k != "HOAD_DEFAULT_BACKEND"}  # the library's default
+    child.update(environ or {})
+    try:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.fresh", *args], cwd=env.REPO, env=child,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "note": f"no answer within {timeout_s:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith(PREFIX):
+            return json.loads(line[len(PREFIX):])
+    if done.returncode < 0:
+        return {"status": "crash", "note": f"killed by {signal.Signals(-done.returncode).name}"}
+    tail = done.stderr.strip().splitlines()[-1:] or [""]
+    return {"status": "crash", "note": f"exited with code {done.returncode}: {tail[0][:200]}"}
 
 
 if __name__ == "__main__":

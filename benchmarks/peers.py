@@ -1,5 +1,11 @@
 """The contenders: hoad and its peers, one column each.
 
+Derivative workloads (:class:`benchmarks.workloads.Problem`) have the columns of :data:`COLUMNS`;
+operator and training-step workloads (:mod:`benchmarks.operators`) have one column per
+:class:`benchmarks.operators.Way` (hoad, hoad eager, torch.func, torch.compile, jax.jit, folx,
+torch-jet, torch-jet compiled), built by :func:`operator_contenders`. A peer whose library is
+not installed is ``n/a``; its import happens only when its column is built.
+
 Each contender's ``start(ref)`` makes its first call (timed: trace and compile included), checks
 the answer against the reference and returns an :class:`Outcome`; only a correct contender is
 then timed through ``run(calls)``. ``torch.compile`` peers live in a worker process
@@ -29,9 +35,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import hoad
-from benchmarks import env
+from benchmarks import env, operators
 from benchmarks.reference import TORCH, MultiIndex, answer_fn, canonical, compare, jax_transforms, nested_blocks
-from benchmarks.timing import median, time_calls
+from benchmarks.timing import median, synchronize, time_calls
 from benchmarks.worker import PREFIX
 from benchmarks.workloads import Problem, Workload
 
@@ -84,9 +90,11 @@ class InProcess:
         self.first, self.timed = first, timed or first
 
     def start(self, ref) -> Outcome:
+        synchronize()
         begin = time.perf_counter()
         try:
             got = self.first()
+            synchronize()
         except Exception as e:  # a contender failing is a result, not a harness error
             outcome = _failure(e)
             outcome.config = self.config
@@ -231,7 +239,7 @@ def per_sample_blocks(block: torch.Tensor, out_ndim: int, sample_ndim: int, orde
     """Per-sample blocks read off a dense block of Σ_b f(X_b): ``block`` has shape
     ``out + (B, *x) * order``; the result ``(B, *out, *x * order)``, as ``vmap`` lays it out."""
     batch = block.shape[out_ndim]
-    b = torch.arange(batch)
+    b = torch.arange(batch, device=block.device)
     index = (slice(None),) * out_ndim + ((b,) + (slice(None),) * sample_ndim) * order
     blocks = block[index]  # separated advanced indices: the batch axis goes first (order >= 2)
     return blocks.movedim(out_ndim, 0) if order == 1 else blocks
@@ -292,11 +300,13 @@ class CompiledInWorker:
     process. The worker reports its first call, saves its answer for the check, then times
     itself on request, so its rounds interleave with the in-process contenders'."""
 
-    name = "torch.compile"
-
-    def __init__(self, p: Problem, w: Workload, timeout_s: float):
+    def __init__(self, w: Workload, timeout_s: float, config: str, name: str = "torch.compile",
+                 way: str | None = None, dtype: torch.dtype = torch.float64):
         self.workload, self.timeout_s = w, timeout_s
-        self.config = f"torch.compile({nesting(p)})"
+        self.name, self.config = name, config
+        # the worker's command line: the workload, and for operator workloads the column to build
+        self.options = ([] if way is None else ["--way", way]) + \
+            ([] if dtype == torch.float64 else ["--dtype", str(dtype).removeprefix("torch.")])
         self.proc: subprocess.Popen | None = None
         self.stderr = None
         self.timed_out = False
@@ -306,8 +316,8 @@ class CompiledInWorker:
     def start(self, ref) -> Outcome:
         answer_path = os.path.join(self.tmp.name, "answer.pt")
         self.stderr = open(os.path.join(self.tmp.name, "stderr.txt"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", self.workload.id, answer_path],
-                                     cwd=env.REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", self.workload.id, answer_path,
+                                      *self.options], cwd=env.REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True, bufsize=1)
         threading.Thread(target=self._read, daemon=True).start()
         reply = self._reply(self.timeout_s)
@@ -315,7 +325,7 @@ class CompiledInWorker:
             return self._died(self.config)
         if "error" in reply:
             return Outcome("error", self.config, note=f"{reply['error']}: {reply['message']}")
-        check = compare(torch.load(answer_path), ref)
+        check = compare(torch.load(answer_path, weights_only=True), ref)
         return Outcome("ok" if check.ok else "WRONG", self.config, reply["first_call_s"], error=check.error,
                        note=check.note)
 
@@ -362,13 +372,78 @@ class CompiledInWorker:
         return Outcome("crash", config, note=f"worker exited with code {code}: {tail[0][:200]}")
 
 
-def contenders(p: Problem, w: Workload, quick: bool, compile_peers: bool, compile_timeout_s: float) -> list:
-    """One contender per column of :data:`COLUMNS`."""
+def contenders(p, w: Workload, quick: bool, compile_peers: bool, compile_timeout_s: float,
+                dtype: torch.dtype = torch.float64) -> list:
+    """One contender per column: :data:`COLUMNS` for a derivative problem, one per
+    :func:`benchmarks.operators.ways` for an operator or a training step."""
+    if not isinstance(p, Problem):
+        return operator_contenders(p, w, quick, compile_peers, compile_timeout_s, dtype)
     if not compile_peers:
         compiled = Skipped("torch.compile", "skipped", "--no-compile")
-    elif quick and not w.compile_in_quick:
+    elif quick and not w.compiles_in_quick("torch.compile"):
         compiled = Skipped("torch.compile", "skipped", "--quick compiles a few peers only")
     else:
-        compiled = CompiledInWorker(p, w, compile_timeout_s)
+        compiled = CompiledInWorker(w, compile_timeout_s, f"torch.compile({nesting(p)})", dtype=dtype)
     return [Hoad(p), torch_func(p), compiled, autograd_functional(p), jax_jit(p)]
+
+
+# ------------------------------------------------------------- operators and training steps
+class Built:
+    """A column of an operator or training-step workload that runs in this process: its
+    :class:`~benchmarks.operators.Way`'s set-up (capture, trace, compile) and first call make the
+    first-call time; the answer is checked, then ``timed`` is what is timed."""
+
+    def __init__(self, way: operators.Way):
+        self.name, self.way = way.name, way
+        self.timed: Callable[[], object] | None = None
+
+    def start(self, ref) -> Outcome:
+        synchronize()
+        begin = time.perf_counter()
+        try:
+            answer, self.timed = self.way.build()
+            got = answer()
+            synchronize()
+        except Exception as e:  # a contender failing is a result, not a harness error
+            outcome = _failure(e)
+            outcome.config = self.way.config
+            return outcome
+        seconds = time.perf_counter() - begin
+        check = compare(got, ref)
+        config = self.way.config + (f", {answer.chosen()}" if hasattr(answer, "chosen") else "")
+        return Outcome("ok" if check.ok else "WRONG", config, seconds, error=check.error, note=check.note)
+
+    def run(self, calls: int) -> float:
+        return time_calls(self.timed, calls)
+
+    def close(self) -> None:
+        self.timed = None  # frees what the contender holds (compiled programs, device memory)
+
+
+def missing(way: operators.Way) -> str | None:
+    """The first library ``way`` needs that is not installed (None when all are)."""
+    for distribution in way.needs:
+        if env.peer_version(distribution) is None:
+            return distribution
+    return None
+
+
+def operator_contenders(p, w: Workload, quick: bool, compile_peers: bool, compile_timeout_s: float,
+                        dtype: torch.dtype) -> list:
+    out = []
+    for way in operators.ways(p):
+        absent = missing(way)
+        if absent is not None:
+            out.append(Skipped(way.name, "n/a", f"{absent} is not installed (pip install -e '.[bench]')"))
+        elif quick and way.full_only:
+            out.append(Skipped(way.name, "skipped", "left out of --quick"))
+        elif way.worker and not compile_peers:
+            out.append(Skipped(way.name, "skipped", "--no-compile"))
+        elif way.worker and quick and not w.compiles_in_quick(way.name):
+            out.append(Skipped(way.name, "skipped", "--quick compiles a few peers only"))
+        elif way.worker:
+            out.append(CompiledInWorker(w, compile_timeout_s, way.config, name=way.name, way=way.name, dtype=dtype))
+        else:
+            out.append(Built(way))
+    return out
 

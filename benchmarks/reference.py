@@ -19,6 +19,12 @@ from benchmarks.workloads import Problem
 
 MultiIndex = tuple[int, ...]
 TOLERANCE = 1e-8  # max |got - ref| / max(1, max |ref|), float64
+FLOAT32_TOLERANCE = 1e-4  # the same for a contender computing in float32 (``--dtype float32``)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The largest scaled difference from the float64 reference accepted of an answer in ``dtype``."""
+    return TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -102,22 +108,25 @@ class Check:
 
 
 def compare(got: dict[MultiIndex, torch.Tensor], ref: dict[MultiIndex, torch.Tensor]) -> Check:
-    """Compare every block of ``got`` with the reference (each must be there, same shape)."""
+    """Compare every block of ``got`` with the reference (each must be there, same shape). The
+    tolerance is that of the least precise block's dtype (:func:`tolerance`); blocks may be on any
+    device (a worker's answer comes back on the CPU)."""
     if not got:
         return Check(False, float("nan"), "no blocks")
-    worst = 0.0
+    worst, limit = 0.0, TOLERANCE
     for K, block in got.items():
         if K not in ref:
             return Check(False, float("nan"), f"unexpected block {K}")
         r = ref[K]
         block = torch.as_tensor(block)
+        limit = max(limit, tolerance(block.dtype))
         if tuple(block.shape) != tuple(r.shape):
             return Check(False, float("nan"), f"block {K} has shape {tuple(block.shape)}, expected {tuple(r.shape)}")
         if not torch.isfinite(block).all():
             return Check(False, float("nan"), f"block {K} is not finite")
         scale = max(1.0, r.abs().max().item()) if r.numel() else 1.0
-        err = (block.to(r.dtype) - r).abs().max().item() / scale if r.numel() else 0.0
+        err = (block.to(device=r.device, dtype=r.dtype) - r).abs().max().item() / scale if r.numel() else 0.0
         worst = max(worst, err)
-    if worst > TOLERANCE:
+    if worst > limit:
         return Check(False, worst, f"max scaled error {worst:.1e}")
     return Check(True, worst)

@@ -15,7 +15,8 @@ RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 PEERS = COLUMNS[1:]
-COMPILED = ("hoad", "torch.compile", "jax.jit")  # the columns whose first call compiles
+# the columns whose first call compiles
+COMPILED = ("hoad", "torch.compile", "jax.jit", "folx", "torch-jet compiled")
 
 LEGEND = """\
 Cells: median milliseconds per call on one thread (interleaved rounds), and in brackets the
@@ -27,7 +28,12 @@ derivative of Σ_b f(X_b) (the fallback when hoad offers no `batch_dim`). Every 
 against nested torch.func in float64 before it was timed: `WRONG` is never timed; `crash`,
 `error: <class>`, `timeout` say what happened; `n/a` does not apply; `—` left out of this run.
 torch.compile runs in a worker process per workload; its first call uses the Inductor cache as
-found on the machine."""
+found on the machine.
+Operators and training steps (groups 6 and 7) have their own columns: `hoad` is Inductor, `hoad
+eager` the eager backend; folx is JAX's forward Laplacian (jit), torch-jet is collapsed Taylor mode
+(jet-for-pytorch), eager and under torch.compile; `hoad / best` compares hoad with the fastest
+column that is not hoad's. The stochastic operators use the same fixed directions V in every
+column."""
 
 TARGETS_LEGEND = """\
 The numbers the issues ask for (`python -m benchmarks --targets` runs only these), measured side
@@ -80,24 +86,37 @@ def _cell(outcome: dict | None, hoad_ms: float | None) -> str:
     return f"{_ms(ms)} ({hoad_ms / ms:.2f})"
 
 
-def steady_state_rows(records: list[dict]) -> list[list[str]]:
+def peer_columns(records: list[dict]) -> list[str]:
+    """The columns of a group's table after hoad's, in the order the records list them."""
+    names = list(PEERS) if all(set(r["outcomes"]) <= set(COLUMNS) for r in records) else []
+    for r in records:
+        names += [n for n in r["outcomes"] if n != "hoad" and n not in names]
+    return list(names)
+
+
+def steady_state_rows(records: list[dict], peers: list[str] | tuple[str, ...] = PEERS) -> list[list[str]]:
     rows = []
     for r in records:
         o = r["outcomes"]
         hoad_ms = _median_ms(o.get("hoad", {}))
-        peer_ms = [m for m in (_median_ms(o[name]) for name in PEERS if name in o) if m is not None]
+        others = [name for name in peers if not name.startswith("hoad")]
+        peer_ms = [m for m in (_median_ms(o[name]) for name in others if name in o) if m is not None]
         best = f"{hoad_ms / min(peer_ms):.2f}" if hoad_ms is not None and peer_ms else ""
         hoad_cell = _ms(hoad_ms) if hoad_ms is not None else _status(o.get("hoad"))
         rows.append([r["label"], o.get("hoad", {}).get("config", ""), hoad_cell,
-                     *(_cell(o.get(name), hoad_ms) for name in PEERS), best])
+                     *(_cell(o.get(name), hoad_ms) for name in peers), best])
     return rows
+
+
+def first_call_columns(records: list[dict]) -> list[str]:
+    return [name for name in COMPILED if any(name in r["outcomes"] for r in records)]
 
 
 def first_call_rows(records: list[dict]) -> list[list[str]]:
     rows = []
     for r in records:
         cells = []
-        for name in COMPILED:
+        for name in first_call_columns(records):
             o = r["outcomes"].get(name)
             cells.append(f"{o['first_call_s']:.2f}" if o and o.get("first_call_s") is not None else _status(o))
         rows.append([r["id"], *cells])
@@ -147,29 +166,56 @@ def render_targets(records: list[dict]) -> list[str]:
             f"{met} of {len(records)} targets met.", "", *(f"- {line}" for line in target_notes(records))]
 
 
+def memory_rows(records: list[dict]) -> list[list[str]]:
+    """Peak memory of one training step, per training workload that measured it."""
+    rows = []
+    for r in records:
+        memory = r.get("memory")
+        if not memory:
+            continue
+        cells = [f"{m['peak_mb']:.0f}" if m.get("status") == "ok" else f"{m.get('status')}: {m.get('note', '')}"[:80]
+                 for m in memory.values()]
+        mb = [m.get("peak_mb") for m in memory.values()]
+        ratio = f"{mb[0] / mb[1]:.2f}" if len(mb) == 2 and None not in mb and mb[1] else ""
+        rows.append([r["label"], *cells, ratio, next(iter(memory.values())).get("what", "")])
+    return rows
+
+
 def render(results: dict) -> str:
     """The whole report as Markdown (github tables read well in a terminal too)."""
     m = results["machine"]
     jax = f"JAX {m['jax']}" if m["jax"] else "JAX not installed"
+    peers = ", ".join(f"{name} {m[name]}" if m.get(name) else f"{name} not installed" for name in ("folx", "torch-jet")
+                      if name in m)
     pinned = f", pinned to {m['pinned_cores']} core" if m.get("pinned_cores") else ""
-    out = [f"Machine: {m['cpu']}, {m['cores']} cores{pinned}, {m['threads']} thread; Python {m['python']}, "
-           f"torch {m['torch']}, {jax}; hoad {m['hoad']} ({m['commit']}); {m['date']}. "
+    gpu = (f"; GPU {m['gpu']} ({m['gpu_memory_gib']} GiB, CUDA {m['cuda']}, JAX devices: {m.get('jax_devices')}), "
+           f"--dtype {results.get('dtype')}") if m.get("gpu") else ""
+    threads = f"{m['threads']} thread" if not m.get("gpu") else f"{m['threads']} CPU threads"
+    out = [f"Machine: {m['cpu']}, {m['cores']} cores{pinned}, {threads}{gpu}; Python {m['python']}, "
+           f"torch {m['torch']}, {jax}{', ' + peers if peers else ''}; hoad {m['hoad']} ({m['commit']}); {m['date']}. "
            f"`{results['command']}` took {results['seconds'] / 60:.1f} min."]
     if results.get("targets"):
         out += ["", *render_targets(results["targets"])]
     if results["workloads"]:
         out += ["", LEGEND]
-    headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in PEERS), "hoad / best"]
     groups: dict[str, list[dict]] = {}
     for r in results["workloads"]:
         groups.setdefault(r["group"], []).append(r)
     for group, records in groups.items():
-        out += ["", f"#### {group}", "", tabulate(steady_state_rows(records), headers, tablefmt="github",
+        peers = peer_columns(records)
+        headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in peers), "hoad / best"]
+        out += ["", f"#### {group}", "", tabulate(steady_state_rows(records, peers), headers, tablefmt="github",
                                                   disable_numparse=True)]
+    memory = memory_rows(results["workloads"])
+    if memory:
+        names = list(next(r["memory"] for r in results["workloads"] if r.get("memory")))
+        out += ["", "#### Peak memory of one training step (fresh process), MB", "",
+                tabulate(memory, ["workload", *names, f"{names[0]} / {names[-1]}", "measured as"],
+                         tablefmt="github", disable_numparse=True)]
     if results["workloads"]:
         out += ["", "#### First call (trace + compile), seconds", "",
-                tabulate(first_call_rows(results["workloads"]), ["workload", *COMPILED], tablefmt="github",
-                         disable_numparse=True)]
+                tabulate(first_call_rows(results["workloads"]), ["workload", *first_call_columns(results["workloads"])],
+                         tablefmt="github", disable_numparse=True)]
     lines = problems(results["workloads"])
     if lines:
         out += ["", "#### Failures, fallbacks, workloads hoad did not run", "", *(f"- {line}" for line in lines)]

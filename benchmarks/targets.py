@@ -7,15 +7,17 @@ rounds like the workloads (:func:`benchmarks.runner.measure`). The *measured* va
 baseline for times, or a size or a time of hoad alone, and ``met`` says whether it is within the
 line's :class:`Goal`. Memory growth and first calls in a fresh process are measured in processes
 of their own (:mod:`benchmarks.fresh`).
+
+The operator and training-step targets (issues 16 and 15) are read off the workloads of the same
+run (:class:`FromWorkloads`: the same process, the same pinned thread, the same interleaved
+rounds): ``--targets`` runs those workloads first; ``--quick`` reads the ones it ran and skips
+the lines whose workload or baselines it left out.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hoad
-from benchmarks import env, workloads
+from benchmarks import workloads
 from benchmarks.peers import (
     HoadOption,
     InProcess,
@@ -38,10 +40,10 @@ from benchmarks.peers import (
     jax_jit,
     torch_func,
 )
+from benchmarks.fresh import run_fresh
 from benchmarks.reference import answer_fn, canonical, reference
-from benchmarks.runner import measure
+from benchmarks.runner import Settings, measure, run_workload
 from benchmarks.timing import Budget, median
-from benchmarks.worker import PREFIX
 from benchmarks.workloads import Problem
 
 
@@ -87,7 +89,10 @@ class Target:
     row: int
     issue: int
     lines: tuple[Line, ...]
-    measure: Callable[[Budget], list[Measured]]  # one Measured per line
+    # one Measured per line: measure(budget), or for a target read off workloads (``workloads``
+    # names them) measure({id: that workload's record in this run})
+    measure: Callable[..., list[Measured]]
+    workloads: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- the contenders
@@ -357,6 +362,70 @@ def module_parameter_hessian(budget: Budget) -> list[Measured]:
     return [measured]
 
 
+# ------------------------------------------- issues 15 and 16: read off this run's workloads
+def _seconds_cell(o: dict) -> str:
+    if o.get("median_s") is None:
+        return o.get("status", "—") if o.get("status") != "ok" else "not timed"
+    ms = o["median_s"] * 1e3
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+@dataclass(frozen=True)
+class FromWorkloads:
+    """A line per workload: hoad's column (``mine``) over the fastest of ``baselines`` (None: every
+    column that is not hoad's), all from that workload's record in this run. A baseline that failed
+    or is not installed is left out (the note says so); one that this run left out (``--quick``,
+    ``--no-compile``) makes the line skipped rather than measured against fewer peers."""
+
+    mine: str = "hoad"
+    baselines: tuple[str, ...] | None = None
+
+    def __call__(self, records: dict[str, dict | None], ids: tuple[str, ...]) -> list[Measured]:
+        return [self.line(records.get(i), i) for i in ids]
+
+    def line(self, record: dict | None, workload_id: str) -> Measured:
+        if record is None:
+            return Measured("—", "—", None, "skipped",
+                            f"{workload_id} is not in this run (python -m benchmarks --only {workload_id})")
+        outcomes = record["outcomes"]
+        mine = outcomes.get(self.mine, {"status": "missing"})
+        names = self.baselines or tuple(n for n in outcomes if not n.startswith("hoad"))
+        timed, left_out, failed = {}, [], []
+        for name in names:
+            o = outcomes.get(name, {"status": "skipped", "note": "no such column"})
+            if o.get("median_s") is not None:
+                timed[name] = o["median_s"]
+            elif o["status"] == "skipped":
+                left_out.append(f"{name} ({o.get('note', '')})")
+            else:
+                failed.append(f"{name}: {o['status']}" + (f" ({o['note']})" if o.get("note") else ""))
+        notes = [f"{n} ({o.get('config', '')}): {_seconds_cell(o)}" for n, o in outcomes.items()
+                 if n == self.mine or n in names]
+        notes += [f"not compared: {f}" for f in failed]
+        if left_out:
+            return Measured(_seconds_cell(mine), "—", None, "skipped",
+                            "; ".join([f"left out of this run: {', '.join(left_out)}", *notes]), outcomes)
+        if mine.get("median_s") is None or not timed:
+            return Measured(_seconds_cell(mine), "—", None, "failed", "; ".join(notes), outcomes)
+        best = min(timed, key=timed.get)
+        baseline = _seconds_cell(outcomes[best]) + (f" ({best})" if len(names) > 1 else "")
+        return Measured(_seconds_cell(mine), baseline, mine["median_s"] / timed[best], "ok", "; ".join(notes),
+                        outcomes)
+
+
+OPERATOR_IDS = tuple(w.id for w in workloads.OPERATOR_WORKLOADS)
+TRAIN_IDS = tuple(w.id for w in workloads.TRAIN_WORKLOADS)
+
+
+def _train_lines(records: dict[str, dict | None], ids: tuple[str, ...]) -> list[Measured]:
+    """Per training workload: hoad over torch.func, then hoad over the best peer."""
+    out = []
+    for i in ids:
+        out += [FromWorkloads(baselines=("torch.func",)).line(records.get(i), i),
+                FromWorkloads().line(records.get(i), i)]
+    return out
+
+
 # ------------------------------------------------------------------------------ the registry
 TARGETS: list[Target] = [
     Target(1, 3, (Line("Hessian, tanh MLP, one point (eager)", "torch.func.hessian", Goal(0.5)),),
@@ -390,17 +459,43 @@ TARGETS: list[Target] = [
     Target(13, 4, tuple(Line(f"order 3 of torch.sin on {ELEMENTS:.0e} elements ({backend}, batch_dim=0): "
                              "value and 3 derivatives", "three elementwise kernels (sin, cos, exp; eager)",
                              Goal(1.5)) for backend in ("eager", "inductor")), elementwise_order3),
+    Target(14, 16, tuple(Line(f"{workloads.get(i).label} (hoad.{'biharmonic' if 'biharmonic' in i else 'laplacian'}, "
+                              "inductor, batch_dim=0)", "faster of folx and torch-jet compiled", Goal(0.5))
+                         for i in OPERATOR_IDS),
+           FromWorkloads(baselines=("folx", "torch-jet compiled")), workloads=OPERATOR_IDS),
+    Target(15, 15, tuple(Line(f"training step, {workloads.get(i).label}: hoad.laplacian + backward (inductor)",
+                              baseline, Goal(limit))
+                         for i in TRAIN_IDS
+                         for baseline, limit in (("torch.func (grad of vmap(hessian))", 0.25),
+                                                 ("best peer (torch.func, torch.compile, JAX, folx, torch-jet)", 0.5))),
+           _train_lines, workloads=TRAIN_IDS),
 ]
 
 
-def run_targets(budget: Budget) -> list[dict]:
-    """Every line of :data:`TARGETS`, measured, as records for the results file."""
+def _workload_records(t: Target, settings: Settings, records: dict[str, dict]) -> dict[str, dict | None]:
+    """The records of ``t``'s workloads from this run; without --quick, a missing one is run now
+    (``--targets`` runs no workloads of its own)."""
+    out = {}
+    for i in t.workloads:
+        if i not in records and not settings.quick:
+            print(f"    running {i} for target {t.row}", file=sys.stderr, flush=True)
+            records[i] = run_workload(workloads.get(i), settings)
+        out[i] = records.get(i)
+    return out
+
+
+def run_targets(settings: Settings, workload_records: list[dict] | None = None) -> list[dict]:
+    """Every line of :data:`TARGETS`, measured (or read off ``workload_records``, this run's), as
+    records for the results file."""
+    budget = settings.budget
+    by_id = {r["id"]: r for r in workload_records or []}
     records = []
     for t in TARGETS:
         print(f"[target {t.row}] issue {t.issue}: {t.lines[0].hoad}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            measured = t.measure(budget)
+            measured = t.measure(_workload_records(t, settings, by_id), t.workloads) if t.workloads \
+                else t.measure(budget)
         except Exception as e:  # noqa: BLE001 - hoad raising outside a contender is a result too
             measured = [_failed(e)] * len(t.lines)
         seconds = time.perf_counter() - start
@@ -413,20 +508,3 @@ def run_targets(budget: Budget) -> list[dict]:
     return records
 
 
-# ------------------------------------------------------------------------ fresh processes
-def run_fresh(args: list[str], timeout_s: float, environ: dict | None = None) -> dict:
-    """Run ``python -m benchmarks.fresh ARGS`` and return its reply (a status on failure)."""
-    child = {k: v for k, v in os.environ.items() if k != "HOAD_DEFAULT_BACKEND"}  # the library's default
-    child.update(environ or {})
-    try:
-        done = subprocess.run([sys.executable, "-m", "benchmarks.fresh", *args], cwd=env.REPO, env=child,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "note": f"no answer within {timeout_s:.0f} s"}
-    for line in done.stdout.splitlines():
-        if line.startswith(PREFIX):
-            return json.loads(line[len(PREFIX):])
-    if done.returncode < 0:
-        return {"status": "crash", "note": f"killed by {signal.Signals(-done.returncode).name}"}
-    tail = done.stderr.strip().splitlines()[-1:] or [""]
-    return {"status": "crash", "note": f"exited with code {done.returncode}: {tail[0][:200]}"}

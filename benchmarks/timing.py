@@ -2,7 +2,9 @@
 so drift on a shared, noisy machine hits them alike; the statistic is the median per call.
 
 A contender only has to offer ``run(calls) -> seconds`` for ``calls`` back-to-back calls (in
-this process, or in a worker process that times itself).
+this process, or in a worker process that times itself). On CUDA (:func:`synchronize_with`) the
+device is synchronized before the clock starts and before it is read: kernels launched by the
+timed calls are counted, and none left over from earlier work is.
 """
 
 from __future__ import annotations
@@ -32,14 +34,36 @@ QUICK = Budget(seconds=0.5, block=0.005, min_rounds=5, max_rounds=21)
 FULL = Budget(seconds=2.0, block=0.02, min_rounds=7, max_rounds=41)
 
 
+_sync: Callable[[], None] = lambda: None  # noqa: E731 - waits for the device (CUDA), else nothing
+
+
+def synchronize_with(device: str) -> None:
+    """Make every timed block wait for ``device`` ("cuda": torch.cuda.synchronize) at both ends."""
+    global _sync
+    if device == "cuda":
+        import torch
+
+        _sync = torch.cuda.synchronize
+    else:
+        _sync = lambda: None  # noqa: E731
+
+
+def synchronize() -> None:
+    """Wait for the device of this run (nothing on the CPU)."""
+    _sync()
+
+
 def time_calls(fn: Callable[[], object], calls: int) -> float:
     """Seconds for ``calls`` back-to-back calls of ``fn``, with the garbage collector paused
-    (a full collection costs ~0.1 s with torch and jax loaded: :func:`interleave` runs one first)."""
+    (a full collection costs ~0.1 s with torch and jax loaded: :func:`interleave` runs one first).
+    On CUDA the device is synchronized before the clock starts and before it is read."""
     gc.disable()
     try:
+        _sync()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        _sync()
         return time.perf_counter() - start
     finally:
         gc.enable()

@@ -1,11 +1,15 @@
-"""``python -m benchmarks.worker WORKLOAD_ID ANSWER_PATH``: the torch.compile peer of one workload.
+"""``python -m benchmarks.worker WORKLOAD_ID ANSWER_PATH [--way NAME] [--dtype DTYPE]``: a torch.compile peer.
 
 Runs in its own process because ``torch.compile`` of nested torch.func can crash the
-interpreter (order 3 segfaults on torch 2.13 CPU). Protocol, one JSON object per line on the
-original stdout, each prefixed ``@@bench `` (stray prints of the libraries go to stderr):
+interpreter (order 3 segfaults on torch 2.13 CPU). Without ``--way`` it compiles the nested
+torch.func answer of a derivative workload; with ``--way NAME`` it builds that column of an
+operator or training-step workload (:func:`benchmarks.operators.ways`: ``torch.compile``,
+``torch-jet compiled``). The workload is built on its own device (the CPU pinned to one thread,
+or CUDA) in ``--dtype`` (float64 by default). Protocol, one JSON object per line on the original
+stdout, each prefixed ``@@bench `` (stray prints of the libraries go to stderr):
 
-- after the first call: ``{"first_call_s": s}`` (the answer is saved to ANSWER_PATH for the
-  parent to check) or ``{"error": ExceptionClass, "message": first line}``;
+- after the first call: ``{"first_call_s": s}`` (the answer is saved to ANSWER_PATH, on the CPU,
+  for the parent to check) or ``{"error": ExceptionClass, "message": first line}``;
 - then, for each ``{"run": n}`` read from stdin: ``{"seconds": s}`` for n back-to-back calls.
 
 The process ends when stdin closes.
@@ -13,13 +17,14 @@ The process ends when stdin closes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 
-from benchmarks.env import pin_one_thread
+from benchmarks.env import configure
 
 
 PREFIX = "@@bench "  # marks a protocol line on stdout
@@ -37,31 +42,45 @@ def protocol_channel() -> Callable[[dict], None]:
     return send
 
 
-def main(workload_id: str, answer_path: str) -> None:
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker")
+    parser.add_argument("workload_id")
+    parser.add_argument("answer_path")
+    parser.add_argument("--way", help="the column of an operator or training-step workload to build")
+    parser.add_argument("--dtype", default="float64", choices=("float32", "float64"))
+    args = parser.parse_args(argv)
     send = protocol_channel()
-    pin_one_thread()
+    device = "cuda" if args.workload_id.startswith("cuda/") else "cpu"  # the suite, by its id
+    configure(device)  # before torch is imported
     import torch
 
-    from benchmarks import workloads
+    from benchmarks import operators, workloads
     from benchmarks.reference import answer_fn
-    from benchmarks.timing import time_calls
+    from benchmarks.timing import synchronize, synchronize_with, time_calls
 
-    p = workloads.get(workload_id).build()
-    compiled = torch.compile(answer_fn(p))
-    start = time.perf_counter()
+    w = workloads.get(args.workload_id)
+    synchronize_with(device)
     try:
-        answer = compiled(*p.args)
+        p = w.make(getattr(torch, args.dtype))
+        if args.way is None:
+            compiled = torch.compile(answer_fn(p))
+            answer_of = timed = lambda: compiled(*p.args)  # noqa: E731
+        start = time.perf_counter()
+        if args.way is not None:
+            answer_of, timed = operators.way(p, args.way).build()
+        answer = answer_of()
+        synchronize()
     except Exception as e:  # the error class is the result
         lines = str(e).strip().splitlines()
         send({"error": type(e).__name__, "message": lines[0][:200] if lines else ""})
         return
     first_call_s = time.perf_counter() - start
-    torch.save(answer, answer_path)
+    torch.save({k: v.detach().cpu() for k, v in answer.items()}, args.answer_path)
     send({"first_call_s": first_call_s})
     for line in sys.stdin:
         request = json.loads(line)
-        send({"seconds": time_calls(lambda: compiled(*p.args), request["run"])})
+        send({"seconds": time_calls(timed, request["run"])})
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1:])

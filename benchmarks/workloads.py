@@ -1,5 +1,11 @@
 """The workloads: each builds one derivative problem, deterministically, in torch and in JAX.
 
+A workload builds its problem on a device in a dtype (``build(device, dtype)``; the CPU suite is
+float64, ``--device cuda`` runs :data:`CUDA_WORKLOADS` in ``--dtype``): the tensors are drawn on
+the CPU in float64 from fixed seeds, so every device and dtype sees the same numbers, then moved.
+The differential operators and training steps (:mod:`benchmarks.operators`) are workloads too,
+with problems of their own kind.
+
 A :class:`Problem` says what to differentiate (``fn`` at ``args``), with respect to which
 arguments (``wrt``) and to which ``order``. Its *answer* is the set of canonical top-order
 blocks in torch.func's dense layout, or, for per-sample problems, one block per sample
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks import operators
 
 DT = torch.float64
 
@@ -45,9 +53,18 @@ class Workload:
     id: str  # unique, stable: the name --only matches and the worker rebuilds by
     group: str
     label: str
-    build: Callable[[], Problem]
+    build: Callable[..., object]  # (device="cpu", dtype=float64) -> Problem | operators.OperatorProblem | ...
     quick: bool = False
-    compile_in_quick: bool = False  # run the torch.compile peer in --quick too (it costs 5-30 s)
+    # run the torch.compile peers in --quick too (they cost 5-30 s each): all, or the named columns
+    compile_in_quick: bool | tuple[str, ...] = False
+    device: str = "cpu"  # the suite it belongs to: "cpu" (python -m benchmarks) or "cuda" (--device cuda)
+
+    def compiles_in_quick(self, column: str) -> bool:
+        return column in self.compile_in_quick if isinstance(self.compile_in_quick, tuple) else self.compile_in_quick
+
+    def make(self, dtype: torch.dtype = DT):
+        """The workload's problem on its device, in ``dtype``."""
+        return self.build(device=self.device, dtype=dtype)
 
 
 def _generator(seed: int = 0) -> torch.Generator:
@@ -57,7 +74,12 @@ def _generator(seed: int = 0) -> torch.Generator:
 def _to_jax(*tensors: torch.Tensor) -> tuple:
     import jax.numpy as jnp
 
-    return tuple(jnp.asarray(t.numpy()) for t in tensors)
+    return tuple(jnp.asarray(t.detach().cpu().numpy()) for t in tensors)
+
+
+def _on(device: str, dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors (drawn on the CPU in float64) on ``device``; floating ones in ``dtype``."""
+    return [t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in tensors]
 
 
 # ------------------------------------------------------------------------- 1. the seed MLP
@@ -65,11 +87,12 @@ def seed_mlp(batch: int, size: int, depth: int, order: int, wrt_params: bool = F
     """``T = X; T = relu(T @ P)`` for all but the last layer, ``softmax(T @ P, dim=1)`` last, then
     a weighted sum. (``softmax(...).sum()`` alone is constant: every derivative would be zero.)"""
 
-    def build() -> Problem:
+    def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
         g = _generator()
         X = torch.randn(batch, size, generator=g, dtype=DT)
         Ps = [torch.randn(size, size, generator=g, dtype=DT) / math.sqrt(size) for _ in range(depth)]
         weights = torch.randn(batch, size, generator=g, dtype=DT)
+        X, weights, *Ps = _on(device, dtype, X, weights, *Ps)
 
         def mlp(X, *Ps):
             T = X
@@ -102,11 +125,12 @@ def seed_mlp_per_sample(batch: int, size: int = 10, depth: int = 3, order: int =
     """The seed MLP with one output per sample: each row's softmax is weighted and summed on its
     own, so row b depends on X_b only. The weights do not depend on ``batch`` (only X does)."""
 
-    def build() -> Problem:
+    def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
         g = _generator()
         Ps = [torch.randn(size, size, generator=g, dtype=DT) / math.sqrt(size) for _ in range(depth)]
         weights = torch.randn(size, generator=g, dtype=DT)
         X = torch.randn(batch, size, generator=_generator(1), dtype=DT)
+        X, weights, *Ps = _on(device, dtype, X, weights, *Ps)
 
         def mlp(x):  # one sample (size,) -> (), or a batch (B, size) -> (B,)
             T = x
@@ -154,8 +178,8 @@ def _tanh_mlp_weights():
 def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callable[[], Problem]:
     """A scalar energy of x in R^16; ``points=None`` is one point, else a batch of samples."""
 
-    def build() -> Problem:
-        W1, b1, W2, b2, W3 = _tanh_mlp_weights()
+    def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
+        W1, b1, W2, b2, W3 = _on(device, dtype, *_tanh_mlp_weights())
 
         def energy(x):  # one sample (16,) -> (), or a batch (B, 16) -> (B,)
             h = torch.tanh(x @ W1 + b1)
@@ -176,6 +200,7 @@ def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callabl
 
         x = torch.randn(16, generator=_generator(1), dtype=DT) if points is None else \
             torch.randn(points, 16, generator=_generator(1), dtype=DT)
+        (x,) = _on(device, dtype, x)
         return Problem(energy, (x,), order, per_sample=points is not None, laplacian=laplacian, jax=in_jax)
 
     return build
@@ -185,7 +210,7 @@ def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callabl
 def classifier_loss(batch: int = 64, features: int = 10, hidden: int = 32, classes: int = 5) -> Callable[[], Problem]:
     """Mean cross-entropy of a one-hidden-layer tanh classifier; the parameters are the wrt args."""
 
-    def build() -> Problem:
+    def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
         g = _generator()
         A1 = torch.randn(features, hidden, generator=g, dtype=DT) / math.sqrt(features)
         c1 = torch.randn(hidden, generator=g, dtype=DT) / 10
@@ -193,6 +218,7 @@ def classifier_loss(batch: int = 64, features: int = 10, hidden: int = 32, class
         c2 = torch.randn(classes, generator=g, dtype=DT) / 10
         X = torch.randn(batch, features, generator=g, dtype=DT)
         y = torch.randint(0, classes, (batch,), generator=g)
+        A1, c1, A2, c2, X, y = _on(device, dtype, A1, c1, A2, c2, X, y)
 
         def loss(A1, c1, A2, c2, X, y):
             return F.cross_entropy(torch.tanh(X @ A1 + c1) @ A2 + c2, y)
@@ -216,7 +242,7 @@ def classifier_loss(batch: int = 64, features: int = 10, hidden: int = 32, class
 def shared_subexpressions() -> Callable[[], Problem]:
     """R^6 -> R^3 where every output reuses ``s`` (and the tanh of its sum)."""
 
-    def build() -> Problem:
+    def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
         def f(x):
             s = torch.sin(x) * torch.exp(-0.5 * x * x)
             p = s[:3] * s[3:]
@@ -232,10 +258,49 @@ def shared_subexpressions() -> Callable[[], Problem]:
 
             return f, _to_jax(x)
 
-        x = torch.randn(6, generator=_generator(), dtype=DT)
+        (x,) = _on(device, dtype, torch.randn(6, generator=_generator(), dtype=DT))
         return Problem(f, (x,), 4, jax=in_jax)
 
     return build
+
+
+# ----------------------------------------------- 6-7. differential operators and training steps
+def _net_id(sizes: tuple[int, ...]) -> str:
+    return "-".join(map(str, sizes))
+
+
+def _operator_workloads() -> list[Workload]:
+    """Issue 16: hoad.laplacian / hoad.biharmonic against folx and torch-jet (and torch.func, JAX)."""
+    group = "6. differential operators per point, tanh MLPs (issue 16)"
+    S = operators.DIRECTIONS
+    small, wide, paper = (16, 64, 64, 1), (50, 128, 128, 1), operators.PAPER_MLP
+    rows = [  # (id, label, operator, sizes, points, quick)
+        (f"laplacian/{_net_id(small)}/N256", "Laplacian Δu, 16-64-64-1, 256 points", "laplacian", small, 256, True),
+        (f"laplacian/{_net_id(wide)}/N256", "Laplacian Δu, 50-128-128-1, 256 points", "laplacian", wide, 256, False),
+        (f"laplacian/{_net_id(paper)}/N64", "Laplacian Δu, 50-768-768-512-512-1 (torch-jet paper), 64 points",
+         "laplacian", paper, 64, False),
+        (f"laplacian/weighted/{_net_id(small)}/N256", "weighted Laplacian tr(C ∇²u), C SPD, 16-64-64-1, 256 points",
+         "weighted", small, 256, False),
+        (f"laplacian/stochastic-S{S}/{_net_id(small)}/N256",
+         f"stochastic Laplacian, fixed V ({S}, 16), 16-64-64-1, 256 points", "stochastic", small, 256, False),
+        (f"biharmonic/{_net_id(small)}/N64", "biharmonic Δ²u, 16-64-64-1, 64 points", "biharmonic", small, 64, False),
+        (f"biharmonic/stochastic-S{S}/{_net_id(small)}/N64",
+         f"stochastic biharmonic Δ_V(Δ_V u), fixed V ({S}, 16), 16-64-64-1, 64 points", "stochastic-biharmonic",
+         small, 64, False),
+    ]
+    # --quick: the first Laplacian, with the compiled peer its target names (torch.compile of
+    # vmap(hessian) would add 30 s); the biharmonic and the rest only in the full run
+    return [Workload(id_, group, label, operators.operator_problem(op, sizes, points), quick=quick,
+                     compile_in_quick=("torch-jet compiled",) if quick else False)
+            for id_, label, op, sizes, points, quick in rows]
+
+
+def _train_workloads() -> list[Workload]:
+    """Issue 15: one step of mean((Δu + f)²) and its gradient w.r.t. every parameter."""
+    group = "7. training step: Laplacian-residual loss + backward to every parameter (issue 15)"
+    return [Workload(f"train/{_net_id(sizes)}/N256", group, f"tanh MLP {_net_id(sizes)}, 256 points",
+                     operators.train_problem(sizes, 256), quick=sizes == (16, 64, 64, 1))
+            for sizes in ((2, 32, 32, 1), (16, 64, 64, 1))]
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -255,19 +320,44 @@ WORKLOADS: list[Workload] = [
              tanh_mlp(2, 256, laplacian=True), quick=True),
     Workload("shared/order4", "5. order 4, R^6 -> R^3", "order 4, shared subexpressions",
              shared_subexpressions(), quick=True),
+    *(OPERATOR_WORKLOADS := _operator_workloads()),
+    *(TRAIN_WORKLOADS := _train_workloads()),
 ]
 
-_BY_ID = {w.id: w for w in WORKLOADS}
-assert len(_BY_ID) == len(WORKLOADS), "workload ids must be unique"
+# ``--device cuda``: GPU-sized problems, in --dtype (ids start with "cuda/": a worker knows the
+# device of a workload by its id before it imports torch)
+CUDA_POINTS = 4096
+_CUDA_GROUP = "CUDA: GPU-sized workloads"
+CUDA_WORKLOADS: list[Workload] = [
+    Workload(f"cuda/tanh-mlp/per-sample-hessian/N{CUDA_POINTS}", _CUDA_GROUP,
+             f"per-sample Hessian, tanh MLP 16-64-64-1, {CUDA_POINTS} points", tanh_mlp(2, CUDA_POINTS)),
+    Workload(f"cuda/tanh-mlp/per-sample-order3/N{CUDA_POINTS}", _CUDA_GROUP,
+             f"per-sample 3rd order, tanh MLP 16-64-64-1, {CUDA_POINTS} points", tanh_mlp(3, CUDA_POINTS)),
+    Workload("cuda/classifier/cross-entropy-hessian", _CUDA_GROUP,
+             "parameter Hessian, 10-32-5 tanh classifier, batch 64 (517 params)", classifier_loss()),
+    Workload(f"cuda/laplacian/{_net_id(operators.PAPER_MLP)}/N{CUDA_POINTS}", _CUDA_GROUP,
+             f"Laplacian Δu, 50-768-768-512-512-1 (torch-jet paper), {CUDA_POINTS} points",
+             operators.operator_problem("laplacian", operators.PAPER_MLP, CUDA_POINTS)),
+    Workload(f"cuda/train/16-64-64-1/N{CUDA_POINTS}", _CUDA_GROUP,
+             f"training step (Δu + f)², tanh MLP 16-64-64-1, {CUDA_POINTS} points",
+             operators.train_problem((16, 64, 64, 1), CUDA_POINTS)),
+]
+CUDA_WORKLOADS = [Workload(w.id, w.group, w.label, w.build, quick=True, compile_in_quick=True, device="cuda")
+                  for w in CUDA_WORKLOADS]
+
+_BY_ID = {w.id: w for w in WORKLOADS + CUDA_WORKLOADS}
+assert len(_BY_ID) == len(WORKLOADS) + len(CUDA_WORKLOADS), "workload ids must be unique"
+assert all((w.device == "cuda") == w.id.startswith("cuda/") for w in _BY_ID.values())
 
 
 def get(workload_id: str) -> Workload:
     return _BY_ID[workload_id]
 
 
-def select(quick: bool, only: str | None = None) -> list[Workload]:
-    """The workloads a run measures: all, or the quick ones; filtered by an id substring."""
-    chosen = [w for w in WORKLOADS if w.quick or not quick]
-    if only:
-        chosen = [w for w in chosen if only in w.id]
-    return chosen
+def select(quick: bool, only: str | None = None, device: str = "cpu") -> list[Workload]:
+    """The workloads a run measures on ``device``: all, or the quick ones; filtered by an id
+    substring. ``--quick --only S`` where no quick workload matches S runs the ones that do, with
+    --quick's short timing (and no torch.compile peers unless the workload compiles in --quick)."""
+    suite = CUDA_WORKLOADS if device == "cuda" else WORKLOADS
+    matching = [w for w in suite if not only or only in w.id]
+    return [w for w in matching if w.quick or not quick] or (matching if only else [])
