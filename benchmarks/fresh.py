@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.worker import PREFIX, protocol_channel
+from benchmarks.worker import PREFIX, protocol_channel, summary
 
 CHECK_ROWS = 64  # samples of a large batch that are checked against the reference
 
@@ -159,8 +159,7 @@ def main(argv: list[str]) -> None:
         else:
             raise SystemExit(f"unknown measurement {kind!r}: memory, first-call or step-memory")
     except Exception as e:  # hoad failing is the result
-        lines = str(e).strip().splitlines()
-        send({"status": "error", "note": f"{type(e).__name__}: {lines[0][:200] if lines else ''}"})
+        send({"status": "error", "note": f"{type(e).__name__}: {summary(e)}"})
 
 
 def run_fresh(args: list[str], timeout_s: float, environ: dict | None = None) -> dict:

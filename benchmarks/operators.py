@@ -229,28 +229,27 @@ class Library:
 
     hessian: Callable
     vmap: Callable
-    einsum: Callable
     mlp: Callable  # (params, x) -> u
 
 
-TORCH_FUNC = Library(torch.func.hessian, torch.func.vmap, torch.einsum, tanh_mlp)
+TORCH_FUNC = Library(torch.func.hessian, torch.func.vmap, tanh_mlp)
 
 
 def _jax_library() -> Library:
     import jax
-    import jax.numpy as jnp
 
-    return Library(jax.hessian, jax.vmap, jnp.einsum, _jax_mlp)
+    return Library(jax.hessian, jax.vmap, _jax_mlp)
 
 
 def _contract(p: OperatorProblem, lib: Library, C, V) -> Callable[[Callable], Callable]:
-    """f -> (x -> the operator's second-order contraction of f's Hessian at one point x)."""
+    """f -> (x -> the operator's second-order contraction of f's Hessian at one point x), in plain
+    products and sums (torch.compile of nested torch.func fails on einsum's fake-tensor call)."""
     S = None if V is None else V.shape[0]
     if p.operator == "weighted":
-        return lambda f: lambda x: lib.einsum("ij,ij->", C, lib.hessian(f)(x))
+        return lambda f: lambda x: (C * lib.hessian(f)(x)).sum()
     if p.operator.startswith("stochastic"):
-        return lambda f: lambda x: lib.einsum("si,ij,sj->", V, lib.hessian(f)(x), V) / S
-    return lambda f: lambda x: lib.einsum("ii->", lib.hessian(f)(x))
+        return lambda f: lambda x: ((V @ lib.hessian(f)(x)) * V).sum() / S
+    return lambda f: lambda x: lib.hessian(f)(x).diagonal().sum()
 
 
 def _per_point(p: OperatorProblem, lib: Library, params, C, V) -> Callable:
@@ -489,7 +488,7 @@ def train_ways(p: TrainProblem) -> list[Way]:
 
 def _loss_of_params(p: TrainProblem, lib: Library, X, f) -> Callable:
     def loss(params):
-        laplacian = lib.vmap(lambda x: lib.einsum("ii->", lib.hessian(lambda y: lib.mlp(params, y))(x)))(X)
+        laplacian = lib.vmap(lambda x: lib.hessian(lambda y: lib.mlp(params, y))(x).diagonal().sum())(X)
         return ((laplacian + f) ** 2).mean()
 
     return loss

@@ -38,7 +38,7 @@ import hoad
 from benchmarks import env, operators
 from benchmarks.reference import TORCH, MultiIndex, answer_fn, canonical, compare, jax_transforms, nested_blocks
 from benchmarks.timing import median, synchronize, time_calls
-from benchmarks.worker import PREFIX
+from benchmarks.worker import PREFIX, summary
 from benchmarks.workloads import Problem, Workload
 
 COLUMNS = ("hoad", "torch.func", "torch.compile", "autograd.F", "jax.jit")
@@ -61,7 +61,7 @@ class Outcome:
 
 
 def _failure(e: BaseException) -> Outcome:
-    message = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    message = summary(e)
     return Outcome("error", note=f"{type(e).__name__}: {message}")
 
 

@@ -187,7 +187,7 @@ def render(results: dict) -> str:
     jax = f"JAX {m['jax']}" if m["jax"] else "JAX not installed"
     peers = ", ".join(f"{name} {m[name]}" if m.get(name) else f"{name} not installed" for name in ("folx", "torch-jet")
                       if name in m)
-    pinned = f", pinned to {m['pinned_cores']} core" if m.get("pinned_cores") else ""
+    pinned = f", pinned to {m['pinned_cores']} core" if m.get("pinned_cores") and not m.get("gpu") else ""
     gpu = (f"; GPU {m['gpu']} ({m['gpu_memory_gib']} GiB, CUDA {m['cuda']}, JAX devices: {m.get('jax_devices')}), "
            f"--dtype {results.get('dtype')}") if m.get("gpu") else ""
     threads = f"{m['threads']} thread" if not m.get("gpu") else f"{m['threads']} CPU threads"

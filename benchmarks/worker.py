@@ -30,6 +30,19 @@ from benchmarks.env import configure
 PREFIX = "@@bench "  # marks a protocol line on stdout
 
 
+def summary(e: BaseException) -> str:
+    """An exception's first line, and for a torch.compile failure whose first line is generic
+    ("RuntimeError when making fake tensor call") the line naming the error underneath."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    deeper = next((line for line in lines[1:] if "got " in line and "Error(" in line), None)
+    if deeper is not None:
+        deeper = deeper[deeper.index("got ") + 4:]
+        return f"{lines[0][:120]}: {deeper[:200]}"
+    return lines[0][:200]
+
+
 def protocol_channel() -> Callable[[dict], None]:
     """``send(message)``: one protocol line on the original stdout; from here on, anything else
     printed to stdout lands on stderr."""
@@ -71,8 +84,7 @@ def main(argv: list[str]) -> None:
         answer = answer_of()
         synchronize()
     except Exception as e:  # the error class is the result
-        lines = str(e).strip().splitlines()
-        send({"error": type(e).__name__, "message": lines[0][:200] if lines else ""})
+        send({"error": type(e).__name__, "message": summary(e)})
         return
     first_call_s = time.perf_counter() - start
     torch.save({k: v.detach().cpu() for k, v in answer.items()}, args.answer_path)

@@ -298,8 +298,10 @@ def _operator_workloads() -> list[Workload]:
 def _train_workloads() -> list[Workload]:
     """Issue 15: one step of mean((Δu + f)²) and its gradient w.r.t. every parameter."""
     group = "7. training step: Laplacian-residual loss + backward to every parameter (issue 15)"
+    # --quick: the 16-64-64-1 step with both compiled peers, so that its best-peer target is measured
     return [Workload(f"train/{_net_id(sizes)}/N256", group, f"tanh MLP {_net_id(sizes)}, 256 points",
-                     operators.train_problem(sizes, 256), quick=sizes == (16, 64, 64, 1))
+                     operators.train_problem(sizes, 256), quick=sizes == (16, 64, 64, 1),
+                     compile_in_quick=sizes == (16, 64, 64, 1))
             for sizes in ((2, 32, 32, 1), (16, 64, 64, 1))]
 
 
