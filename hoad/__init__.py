@@ -8,10 +8,11 @@ by Schwarz symmetry), and runs it.
 from hoad.api import Compiled, compile, parameters
 from hoad.derivatives import Derivatives
 from hoad.operators import OperatorResult, biharmonic, laplacian, taylor
-from hoad.passes.compile import CompileError, cache_dir
+from hoad.lowering.inductor import cache_dir
 from hoad.errors import (
     BatchCouplingError,
     CaptureError,
+    CompileError,
     DataDependentControlFlowError,
     ExecutionError,
     HoadError,

@@ -17,7 +17,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError
-from hoad.passes.capture import CallLayout, bind_layout, positional_names
+from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names
+from hoad.algebra import Target
 from hoad.pipeline import Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
 from hoad.training import Trainable
@@ -25,9 +26,12 @@ from hoad.training import Trainable
 log = logging.getLogger(__name__)
 
 BACKENDS = ("inductor", "eager")
-# The default backend; HOAD_DEFAULT_BACKEND=eager changes it process-wide (the test suite does,
-# since Inductor compiles cost seconds each).
-DEFAULT_BACKEND = os.environ.get("HOAD_DEFAULT_BACKEND", "inductor")
+def default_backend() -> str:
+    """The backend when none is given: ``HOAD_DEFAULT_BACKEND`` (read when a function is compiled;
+    the test suite sets it to eager, since Inductor compiles cost seconds), else "inductor"."""
+    return os.environ.get("HOAD_DEFAULT_BACKEND", "inductor")
+
+
 # Programs kept per compiled function (one per call signature); the oldest goes first.
 MAX_PROGRAMS = 16
 MODES = ("auto", "forward", "reverse")
@@ -67,7 +71,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
 
 
 def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False) -> None:
-    backend = DEFAULT_BACKEND if backend is None else backend
+    backend = default_backend() if backend is None else backend
     if order is None:
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
@@ -118,8 +122,9 @@ class Compiled:
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
                  batch_dim: int | None = None, diagonal: bool = False, module: torch.nn.Module | None = None,
-                 operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False):
-        backend = DEFAULT_BACKEND if backend is None else backend
+                 operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
+                 target: Target | None = None):
+        backend = default_backend() if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim, diagonal)
         if module is None and isinstance(fn, torch.nn.Module):
             module, fn = fn, type(fn).forward
@@ -131,7 +136,7 @@ class Compiled:
         self.order = order
         self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
         self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
-                             operator=operator, nestable=nestable)
+                             operator=operator, nestable=nestable, target=target)
         self._extra_roots = dict(roots or {})
         self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
         names = positional_names(fn)
@@ -288,41 +293,41 @@ class Compiled:
         """The tensor-leaf index of wrt entry ``w`` in this call (``args`` without the state)."""
         if isinstance(w, int):
             if w < len(args):
-                where, value = ("pos", w), args[w]
+                place, value = Positional(w), args[w]
             elif w < len(self._positional) and self._positional[w] in kwargs:
-                where, value = ("kw", self._positional[w]), kwargs[self._positional[w]]
+                place, value = Keyword(self._positional[w]), kwargs[self._positional[w]]
             else:
                 raise InvalidArgumentError(f"wrt={w} but the call passes only {len(args)} positional arguments")
         elif w in kwargs:
-            where, value = ("kw", w), kwargs[w]
+            place, value = Keyword(w), kwargs[w]
         elif w in self._positional and self._positional.index(w) < len(args):
-            where, value = ("pos", self._positional.index(w)), args[self._positional.index(w)]
-        elif ("param", w) in layout.tops:
-            return layout.tops.index(("param", w))
+            place, value = Positional(self._positional.index(w)), args[self._positional.index(w)]
+        elif layout.leaf(StateEntry(w)) is not None:
+            return layout.leaf(StateEntry(w))
         else:
             raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__}; hoad differentiates with "
                                        "respect to tensors only (pass a torch.Tensor)")
-        for i, top in enumerate(layout.tops):
-            if top == where:
-                return i
-        raise InvalidArgumentError(f"wrt input {w!r} must be a tensor argument itself, not inside a container")
+        leaf = layout.leaf(place)
+        if leaf is None:
+            raise InvalidArgumentError(f"wrt input {w!r} must be a tensor argument itself, not inside a container")
+        return leaf
 
     def _aliases(self, wrt: tuple, layout: CallLayout, wrt_leaves: list[int]) -> dict:
         """Every way a user may name a wrt entry in a result key: as given, by argnum, by name."""
         aliases: dict = {}
         for pos, (w, leaf) in enumerate(zip(wrt, wrt_leaves)):
             aliases[w] = pos
-            kind, ident = layout.tops[leaf]
-            if kind == "pos":
-                aliases.setdefault(ident, pos)
-                if ident < len(self._positional):
-                    aliases.setdefault(self._positional[ident], pos)
+            place = layout.places[leaf]
+            if isinstance(place, Positional):
+                aliases.setdefault(place.index, pos)
+                if place.index < len(self._positional):
+                    aliases.setdefault(self._positional[place.index], pos)
             else:
-                aliases.setdefault(ident, pos)
-                if ident in self._positional:
-                    aliases.setdefault(self._positional.index(ident), pos)
+                aliases.setdefault(place.name, pos)
+                if place.name in self._positional:
+                    aliases.setdefault(self._positional.index(place.name), pos)
         return aliases
 
     # ------------------------------------------------------------------------------ inspect

@@ -1,5 +1,12 @@
-"""Where the tensors a function reaches come from, so that every call reads them afresh.
+"""How a call binds: its tensor leaves and their names, and where the tensors a function reaches
+without receiving them come from, so that every call reads them afresh.
 
+**Call binding.** A call's arguments flatten (pytree) into tensor leaves, the program's inputs,
+and the static rest, which belongs to the call signature the compiled function caches on
+(:func:`bind_layout`, :class:`CallLayout`). A leaf that is itself an argument has a
+:class:`Place`: where wrt entries and result keys point.
+
+**Free tensors.**
 A function closes over tensors (``W = ...; f = lambda x: x @ W``), reads module globals, or calls
 an ``nn.Module`` whose parameters and buffers it never receives as arguments. Tracing sees these
 as constants. hoad makes each of them a program input instead and, at every call, reads it again
@@ -21,9 +28,140 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 log = logging.getLogger(__name__)
 
+@dataclass(frozen=True)
+class Positional:
+    """The call's positional argument ``index`` (after a module's state, for module methods)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Keyword:
+    """The call's keyword argument ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """The parameter or buffer ``name`` of a module's state (``named_parameters`` naming)."""
+
+    name: str
+
+
+Place = Positional | Keyword | StateEntry
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """How one call's arguments flatten: the pytree, which leaves are tensors, the static rest."""
+
+    treedef: pytree.TreeSpec
+    tensor_slots: tuple[int, ...]
+    static: tuple
+    names: tuple[str, ...]           # a readable name per tensor leaf
+    places: tuple[Place | None, ...]  # per tensor leaf: the argument it is, if it is one itself (not nested)
+
+    def leaf(self, place: Place) -> int | None:
+        """The tensor-leaf index of an argument, or None if the call has no such tensor leaf."""
+        return self.places.index(place) if place in self.places else None
+
+    def flat(self, fn: Callable) -> Callable:
+        """``fn`` as a function of this call's tensor leaves alone (the rest is fixed)."""
+
+        def flat_fn(*ts):
+            leaves = list(self.static)
+            for slot, t in zip(self.tensor_slots, ts):
+                leaves[slot] = t
+            args, kwargs = pytree.tree_unflatten(leaves, self.treedef)
+            return fn(*args, **kwargs)
+
+        return flat_fn
+
+
+def bind_layout(fn: Callable, args: tuple, kwargs: dict, state: bool = False,
+                names: Sequence[str] | None = None) -> tuple[CallLayout, list[torch.Tensor]]:
+    """Flatten a call into tensor leaves and the static rest, with readable leaf names.
+
+    With ``state``, ``args[0]`` is a module's {name: tensor} state: its leaves are named and
+    addressed by parameter name, and positions count from ``args[1]``.
+    """
+    leaves_with_path, treedef = pytree.tree_flatten_with_path((args, kwargs))
+    params = list(names) if names is not None else positional_names(fn)
+    slots, leaf_names, static, tensors, places = [], [], [], [], []
+    for i, (path, leaf) in enumerate(leaves_with_path):
+        if isinstance(leaf, torch.Tensor):
+            slots.append(i)
+            if state and path[0].idx == 0 and path[1].idx == 0:
+                leaf_names.append(str(path[2].key))
+                places.append(StateEntry(str(path[2].key)))
+            else:
+                if state and path[0].idx == 0:
+                    path = (path[0], type(path[1])(path[1].idx - 1)) + tuple(path[2:])
+                leaf_names.append(_leaf_name(path, params))
+                places.append(_place(path))
+            tensors.append(leaf)
+            static.append(None)
+        else:
+            static.append(leaf)
+    leaf_names = _unique([_identifier(n) for n in leaf_names])
+    return CallLayout(treedef, tuple(slots), tuple(static), tuple(leaf_names), tuple(places)), tensors
+
+
+def _place(path) -> Place | None:
+    if len(path) != 2:
+        return None
+    return Positional(path[1].idx) if path[0].idx == 0 else Keyword(path[1].key)
+
+
+def _leaf_name(path, params: list[str]) -> str:
+    top, *rest = path
+    parts = []
+    if top.idx == 0:  # positional arguments
+        i = rest[0].idx
+        parts.append(params[i] if i < len(params) else f"arg{i}")
+    else:
+        parts.append(str(rest[0].key))
+    for p in rest[1:]:
+        parts.append(str(getattr(p, "idx", getattr(p, "key", getattr(p, "name", "")))))
+    return "_".join(parts)
+
+
+def positional_names(fn: Callable) -> list[str]:
+    """Names of the parameters that positional arguments bind to, in order."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _identifier(name: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    if not out or out[0].isdigit():
+        out = "t" + out
+    return out
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if n in seen:
+            seen[n] += 1
+            out.append(f"{n}_{seen[n]}")
+        else:
+            seen[n] = 0
+            out.append(n)
+    return out
+
+
+# ---------------------------------------------------------------------------- free tensors
 # How far the search follows references from the function (function -> closure object ->
 # attribute -> module -> parameter is depth 4), and how many entries of a container it looks at.
 MAX_DEPTH = 6

@@ -8,7 +8,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 import torch
 
 from hoad.errors import InvalidArgumentError
-from hoad.multiindex import MultiIndex
+from hoad.algebra.multiindex import MultiIndex
 
 
 class ResultSpec:

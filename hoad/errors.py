@@ -40,6 +40,10 @@ class BatchCouplingError(HoadError):
     """``batch_dim`` promised independent samples, but an operator mixes them."""
 
 
+class CompileError(HoadError):
+    """Inductor could not compile a derivative program."""
+
+
 class ExecutionError(HoadError, RuntimeError):
     """A compiled derivative program failed while running (e.g. an index out of range for these
     input values)."""

@@ -11,7 +11,7 @@ import math
 
 from tabulate import tabulate
 
-from hoad.multiindex import all_multi_indices
+from hoad.algebra.multiindex import all_multi_indices
 
 
 class Explanation:

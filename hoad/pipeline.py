@@ -1,4 +1,4 @@
-"""The pipeline, declared once: capture → differentiate → prune → clean → hoist → choose → compile.
+"""The pipeline, declared once: capture → differentiate → prune → clean → lower → hoist → choose → compile.
 
 Each stage takes the :class:`Build` so far and returns it with its own product filled in; the
 list :data:`PIPELINE` is the architecture. Per-stage node counts and times land in
@@ -15,14 +15,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from hoad.binding import Source, find_sources
+from hoad.algebra import EAGER, Target
+from hoad.binding import CallLayout, Keyword, Source, find_sources
+from hoad.lowering import kernels
+from hoad.lowering.inductor import InductorLowering
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError
-from hoad.passes.capture import CallLayout, Captured, capture, locate
+from hoad.passes.capture import Captured, capture
+from hoad.source import locate
 from hoad.passes.clean import clean
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.hoist import Prefix, hoist
+from hoad.passes.lower import lower_products
 from hoad.passes.prune import prune
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,15 @@ class Config:
     diagonal: bool = False        # pure derivatives only (∂²/∂x_i², the diagonal of each block)
     operator: OperatorSpec | None = None   # a differential operator (hoad.operators)
     nestable: bool = False        # the program will be differentiated again (per sample: no mixed rows)
+    target: Target | None = None  # how products become ops; None: the backend's (tests pass their own)
+
+    def resolve_target(self) -> Target:
+        """The program's target. For Inductor this prepares hoad's kernel library, so that a
+        build never starts in the middle of a trace."""
+        if self.target is not None:
+            return self.target
+        lowering = InductorLowering(kernels=kernels.available()) if self.backend == "inductor" else EAGER
+        return Target(lowering, sample_axes=self.nestable)
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -53,7 +67,7 @@ class OperatorSpec:
 
     def inputs(self, layout: CallLayout) -> OperatorInputs:
         def leaf(name):
-            return None if name is None else layout.tops.index(("kw", name))
+            return None if name is None else layout.leaf(Keyword(name))
 
         return OperatorInputs(leaf(self.directions), self.collapse, leaf(self.weights))
 
@@ -69,6 +83,7 @@ class Build:
     config: Config
     roots: dict = field(default_factory=dict)   # where free tensors are searched for (hoad.binding)
     sources: list[Source | None] = field(default_factory=list)   # one per free tensor
+    target: Target | None = None
     captured: Captured | None = None
     candidates: dict[str, Program] = field(default_factory=dict)
     program: Program | None = None
@@ -101,11 +116,10 @@ def _capture(b: Build) -> Build:
 
 def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
-    fused = b.config.backend == "inductor"
     op = b.config.operator.inputs(b.layout) if b.config.operator is not None else None
+    b.target = b.config.resolve_target()
     b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                     fused=fused, diagonal=b.config.diagonal, operator=op,
-                                     nestable=b.config.nestable)
+                                     target=b.target, diagonal=b.config.diagonal, operator=op)
                     for d in b.config.directions}
     return b
 
@@ -119,6 +133,13 @@ def _prune(b: Build) -> Build:
 def _clean(b: Build) -> Build:
     for p in b.candidates.values():
         p.gm = clean(p.gm)
+    return b
+
+
+def _lower(b: Build) -> Build:
+    """Matrix products as the target's lowering prefers them (hoad::mm, fused reductions)."""
+    for p in b.candidates.values():
+        p.gm = lower_products(p.gm, b.target.lowering)
     return b
 
 
@@ -172,6 +193,7 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
     ("differentiate", _differentiate),
     ("prune", _prune),
     ("clean", _clean),
+    ("lower", _lower),
     ("hoist", _hoist),
     ("choose", _choose),
     ("compile", _compile),

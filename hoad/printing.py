@@ -35,15 +35,9 @@ def _shape(node: fx.Node) -> str:
 
 
 def _comment(node: fx.Node) -> str:
-    parts = []
-    block = node.meta.get("hoad_block")
-    source = node.meta.get("custom", {}).get("hoad")
-    rule = node.meta.get("custom", {}).get("rule")
-    if block:
-        parts.append(block)
-    if source and source != "output":
-        parts.append(f"from {source}" + (f" by {rule}" if rule else " (primal)"))
-    return "  # " + "; ".join(parts) if parts else ""
+    info = node.meta.get("hoad")
+    text = info.describe() if info is not None else ""
+    return f"  # {text}" if text else ""
 
 
 def format_program(gm: fx.GraphModule, title: str = "program") -> str:
@@ -75,11 +69,29 @@ class ProgramView:
         """Number of ATen calls in the program."""
         return sum(1 for n in self.module.graph.nodes if n.op == "call_function")
 
+    def passes(self) -> list[str]:
+        """One line per pipeline stage: the ATen calls it left (the difference it made)."""
+        lines, before = [], None
+        for stage, st in self.stats.items():
+            if not isinstance(st, dict) or "nodes" not in st or st["nodes"] is None:
+                continue
+            nodes = st["nodes"]
+            count = nodes.get(self.program.direction) if isinstance(nodes, dict) else nodes
+            if count is None:
+                continue
+            change = "" if before is None or stage == "differentiate" else f" ({count - before:+d})"
+            lines.append(f"# {stage}: {count} ATen calls{change}, {st['seconds'] * 1e3:.0f} ms")
+            before = count
+        if self.program.prefix is not None:
+            n = sum(1 for node in self.program.prefix.graph.nodes if node.op == "call_function")
+            lines.append(f"# hoisted: {n} ATen calls on free tensors alone, rerun only when those change")
+        return lines
+
     def __str__(self) -> str:
         p = self.program
-        header = (f"# hoad derivative program: order {p.order}, wrt {', '.join(p.wrt_names)}; "
+        header = (f"# hoad derivative program: order {p.order}, wrt {', '.join(p.wrt_names)}, {p.direction}; "
                   f"returns value + {len(p.keys)} blocks ({len(p.zeros)} structural zeros omitted); {self.nodes} ATen calls")
-        return header + "\n" + format_program(self.module)
+        return "\n".join([header, *self.passes(), format_program(self.module)])
 
     def __repr__(self) -> str:
         return f"<hoad program: order {self.program.order}, {self.nodes} ATen calls>"

@@ -1,136 +1,30 @@
 """Capture: trace the user's function to an ATen graph with a shape on every node.
 
-``make_fx`` in fake mode over a functionalized wrapper, with hoad's decomposition table, so the
-graph holds only the small set of ops the rule table covers. Every tensor leaf of the call
-becomes a placeholder (new values never need a retrace); Python scalars and other non-tensor
-arguments are baked in and belong to the signature the compiled callable caches on.
+``make_fx`` in fake mode over a functionalized wrapper, with hoad's decomposition table
+(:mod:`hoad.passes.decompositions`), so the graph holds only the small set of ops the rule table
+covers. Every tensor leaf of the call becomes a placeholder (new values never need a retrace), and
+so does every tensor the function reaches from outside (:func:`_lift_free_tensors`); Python
+scalars and other non-tensor arguments are baked in and belong to the signature the compiled
+callable caches on (:mod:`hoad.binding`). In-place ops left by decompositions are functionalized
+(:func:`_functional`), in-place view ops rewritten out of place.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import linecache
-import math
-import os
-import sys
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hoad.errors import (
-    CaptureError,
-    DataDependentControlFlowError,
-    OutputError,
-    RandomnessError,
-)
+from hoad.binding import CallLayout, _identifier, _unique
+from hoad.errors import CaptureError, DataDependentControlFlowError, OutputError, RandomnessError
+from hoad.passes.decompositions import decomposition_table
 from hoad.rules import RANDOM
+from hoad.source import locate, user_frame
 
 aten = torch.ops.aten
-
-
-# ------------------------------------------------------------------------ decomposition table
-def _var_mean(x, dim=None, *, correction=None, keepdim=False):
-    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else [d % max(x.ndim, 1) for d in dim]
-    n = math.prod(x.shape[d] for d in dims)
-    c = 1 if correction is None else correction
-    mean = x.sum(dims, keepdim=True) / n
-    centred = x - mean
-    denom = n - c
-    var = (centred * centred).sum(dims, keepdim=keepdim) * (1.0 / denom if denom > 0 else math.nan)
-    return var, (mean if keepdim else mean.squeeze(dims))
-
-
-def _var(x, dim=None, *, correction=None, keepdim=False):
-    return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
-
-
-def _std(x, dim=None, *, correction=None, keepdim=False):
-    return _var(x, dim, correction=correction, keepdim=keepdim).sqrt()
-
-
-# Core ATen turns mv and dot into an elementwise product and a sum; their derivative blocks
-# would then be materialised at the product's full size. As matrix products they stay contractions.
-def _mv(a, v):
-    return (a @ v.unsqueeze(1)).squeeze(1)
-
-
-def _dot(a, b):
-    return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
-
-
-def _safe_softmax(x, dim, dtype=None):
-    """Softmax that is 0 on rows where every entry is -inf (attention rows that see no key).
-
-    Core ATen's decomposition computes the softmax of such a row (NaN) and then replaces it with
-    zeros: the value is right but NaN flows through every derivative of that row. Here the row is
-    made finite before the softmax, so no NaN is ever computed.
-    """
-    if dtype is not None:
-        x = x.to(dtype)
-    masked = (x == -math.inf).all(dim, keepdim=True)
-    finite = torch.where(masked, torch.zeros((), dtype=x.dtype, device=x.device), x)
-    return torch.where(masked, torch.zeros((), dtype=x.dtype, device=x.device), torch.softmax(finite, dim))
-
-
-def _contiguous_strides(size) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(list(size)):
-        strides.append(step)
-        step *= max(int(n), 1)
-    return strides[::-1]
-
-
-def _as_strided(x, size, stride, storage_offset=None):
-    """as_strided of a contiguous tensor (decompositions such as group_norm's emit it) as what it
-    reads: a view when the strides are those of ``size`` laid out densely, else the entries at
-    offset + Σ i_k·stride_k of the flat tensor, a gather with a constant index. A strided view of a
-    non-contiguous tensor reads its storage, not its entries: left to the rule table (unsupported)."""
-    if not x.is_contiguous():
-        return NotImplemented
-    offset = int(storage_offset or 0)
-    size, stride = [int(n) for n in size], [int(s) for s in stride]
-    if offset == 0 and math.prod(size) == x.numel() and stride == _contiguous_strides(size):
-        return x.view(size)
-    index = torch.full(size, offset, dtype=torch.long, device=x.device)
-    for k, (n, s) in enumerate(zip(size, stride)):
-        shape = [1] * len(size)
-        shape[k] = n
-        index = index + torch.arange(n, device=x.device).reshape(shape) * s
-    return x.reshape(-1)[index]
-
-
-@functools.lru_cache(maxsize=None)
-def decomposition_table() -> dict:
-    """Core ATen decompositions, keeping ``detach`` (a stop-gradient) and splitting composites
-    (softmax, layer_norm, gelu, silu, addmm, variance) into ops with rules."""
-    table = dict(core_aten_decompositions())
-    table.pop(aten.detach.default, None)
-    # ops torch differentiates by their own formula, which the decomposition's where() branches
-    # do not reproduce at the domain edge (entr at 0)
-    table.pop(aten.special_entr.default, None)
-    table.update(get_decompositions([
-        aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu, aten.addmm,
-        aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,
-        aten.baddbmm, aten.linalg_vector_norm, aten.native_group_norm, aten.native_batch_norm,
-        aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
-        aten._native_batch_norm_legit_functional,
-    ]))
-    table[aten._safe_softmax.default] = _safe_softmax
-    table[aten.as_strided.default] = _as_strided
-    table[aten.mv.default] = _mv
-    table[aten.dot.default] = _dot
-    table[aten.vdot.default] = _dot
-    table[aten.var_mean.correction] = _var_mean
-    table[aten.var.correction] = _var
-    table[aten.std.correction] = _std
-    return table
 
 
 # ------------------------------------------------------------------------------------ capture
@@ -145,47 +39,6 @@ class Captured:
     # tensors the function reached without receiving them (closed over, globals, module state):
     # the last placeholders, after the call's own tensor leaves
     free: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class CallLayout:
-    """How one call's arguments flatten: the pytree, which leaves are tensors, the static rest."""
-
-    treedef: pytree.TreeSpec
-    tensor_slots: tuple[int, ...]
-    static: tuple
-    names: tuple[str, ...]           # a readable name per tensor leaf
-    tops: tuple                      # per tensor leaf: ("pos", i) / ("kw", name) if it is an argument itself
-
-    def flat(self, fn: Callable) -> Callable:
-        """``fn`` as a function of this call's tensor leaves alone (the rest is fixed)."""
-
-        def flat_fn(*ts):
-            leaves = list(self.static)
-            for slot, t in zip(self.tensor_slots, ts):
-                leaves[slot] = t
-            args, kwargs = pytree.tree_unflatten(leaves, self.treedef)
-            return fn(*args, **kwargs)
-
-        return flat_fn
-
-
-def user_frame(tb) -> str | None:
-    """The innermost traceback frame outside torch and hoad, as 'file:line: code'."""
-    import hoad
-
-    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
-                                                os.path.dirname(__file__)))
-    found = None
-    for frame, lineno in traceback.walk_tb(tb):
-        filename = frame.f_code.co_filename
-        if not filename.startswith(skip) and "<" not in filename[:1]:
-            found = (filename, lineno)
-    if found is None:
-        return None
-    filename, lineno = found
-    code = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno}: {code}"
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
@@ -433,136 +286,3 @@ def _raise_capture_error(e: Exception) -> None:
         ) from e
 
 
-def locate(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], node: fx.Node | None = None,
-           match: Callable | None = None) -> str:
-    """' at file:line: code' for the user's line that emitted ``node``, or '' when unknown.
-
-    Re-runs the function eagerly on zeros under a dispatch mode that stops at the node's op the
-    same number of times it occurs before ``node`` in the graph (or at the first op ``match``
-    accepts). Only called on the way to an error, so it costs nothing otherwise.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    occurrence = 0
-    if match is None:
-        target = node.target
-        packet = getattr(target, "overloadpacket", None)
-        occurrence = sum(1 for n in node.graph.nodes if n is not node and n.target is target and _before(n, node))
-
-        def match(func):
-            return func is target or (packet is not None and getattr(func, "overloadpacket", None) is packet)
-
-    class _Found(Exception):
-        pass
-
-    class Finder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if match(func):
-                if self.seen == occurrence:
-                    raise _Found()
-                self.seen += 1
-            return func(*args, **(kwargs or {}))
-
-    flat_fn = layout.flat(fn)
-
-    fresh = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
-    try:
-        with torch.no_grad(), Finder():
-            flat_fn(*fresh)
-    except _Found:
-        line = user_frame(sys.exc_info()[2])
-        return f" at {line}" if line else ""
-    except Exception:  # noqa: BLE001 - locating is best effort
-        return ""
-    return ""
-
-
-def _before(a: fx.Node, b: fx.Node) -> bool:
-    for n in a.graph.nodes:
-        if n is a:
-            return True
-        if n is b:
-            return False
-    return False
-
-
-def bind_layout(fn: Callable, args: tuple, kwargs: dict, state: bool = False,
-                names: Sequence[str] | None = None) -> tuple[CallLayout, list[torch.Tensor]]:
-    """Flatten a call into tensor leaves and the static rest, with readable leaf names.
-
-    With ``state``, ``args[0]`` is a module's {name: tensor} state: its leaves are named and
-    addressed by parameter name, and positions count from ``args[1]``.
-    """
-    leaves_with_path, treedef = pytree.tree_flatten_with_path((args, kwargs))
-    params = list(names) if names is not None else positional_names(fn)
-    slots, leaf_names, static, tensors, tops = [], [], [], [], []
-    for i, (path, leaf) in enumerate(leaves_with_path):
-        if isinstance(leaf, torch.Tensor):
-            slots.append(i)
-            if state and path[0].idx == 0 and path[1].idx == 0:
-                leaf_names.append(str(path[2].key))
-                tops.append(("param", path[2].key))
-            else:
-                if state and path[0].idx == 0:
-                    path = (path[0], type(path[1])(path[1].idx - 1)) + tuple(path[2:])
-                leaf_names.append(_leaf_name(path, params))
-                tops.append(_top(path))
-            tensors.append(leaf)
-            static.append(None)
-        else:
-            static.append(leaf)
-    leaf_names = _unique([_identifier(n) for n in leaf_names])
-    return CallLayout(treedef, tuple(slots), tuple(static), tuple(leaf_names), tuple(tops)), tensors
-
-
-def _top(path) -> tuple | None:
-    if len(path) != 2:
-        return None
-    return ("pos", path[1].idx) if path[0].idx == 0 else ("kw", path[1].key)
-
-
-def _leaf_name(path, params: list[str]) -> str:
-    top, *rest = path
-    parts = []
-    if top.idx == 0:  # positional arguments
-        i = rest[0].idx
-        parts.append(params[i] if i < len(params) else f"arg{i}")
-    else:
-        parts.append(str(rest[0].key))
-    for p in rest[1:]:
-        parts.append(str(getattr(p, "idx", getattr(p, "key", getattr(p, "name", "")))))
-    return "_".join(parts)
-
-
-def positional_names(fn: Callable) -> list[str]:
-    """Names of the parameters that positional arguments bind to, in order."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds]
-
-
-def _identifier(name: str) -> str:
-    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    if not out or out[0].isdigit():
-        out = "t" + out
-    return out
-
-
-def _unique(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    out = []
-    for n in names:
-        if n in seen:
-            seen[n] += 1
-            out.append(f"{n}_{seen[n]}")
-        else:
-            seen[n] = 0
-            out.append(n)
-    return out

@@ -1,4 +1,4 @@
-"""Clean-up passes over a derivative program: fold layout ops, drop identities, CSE, DCE.
+"""Clean-up passes over a derivative program: fold constants and layout ops, CSE, DCE.
 
 Each pass is ``GraphModule -> GraphModule`` and preserves the program's outputs exactly (they
 only remove or merge nodes that compute the same values).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from hoad.rules import RANDOM
 
@@ -51,57 +52,18 @@ def fold_layout(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _key(node: fx.Node):
-    def norm(a):
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(norm(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, norm(v)) for k, v in a.items()))
-        if isinstance(a, fx.Node):
-            return ("node", id(a))
-        if isinstance(a, float) and a != a:
-            return ("nan",)
-        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-            return str(a)
-        return (type(a).__name__, a)
-
-    return (node.target, norm(node.args), norm(node.kwargs))
-
-
 def cse(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge call_function nodes with the same op and the same arguments."""
-    seen: dict = {}
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr":
-            keep = seen.setdefault(("get_attr", node.target), node)
-            if keep is not node:
-                node.replace_all_uses_with(keep)
-                gm.graph.erase_node(node)
-                changed = True
-            continue
-        if node.op != "call_function" or node.target in RANDOM:
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            continue
-        try:
-            key = _key(node)
-            hash(key)
-        except TypeError:
-            continue
-        if key in seen:
-            keep = seen[key]
-            if "hoad_block" in node.meta and "hoad_block" not in keep.meta:
-                keep.meta["hoad_block"] = node.meta["hoad_block"]
-            node.replace_all_uses_with(keep)
-            gm.graph.erase_node(node)
-            changed = True
-        else:
-            seen[key] = node
-    if changed:
-        gm.recompile()
-    return gm
+    """Merge call_function nodes with the same op and the same arguments (torch.fx's CSEPass),
+    never random or mutating ops: its default ban list would merge two identical ``copy_``
+    write-backs, and the program must replay both."""
+    banned = {getattr(n.target, "overloadpacket", n.target) for n in gm.graph.nodes
+              if n.op == "call_function" and (n.target in RANDOM or not _pure(n))}
+    result = CSEPass(banned_ops=banned | get_CSE_banned_ops())(gm)
+    if not result.modified:
+        return gm
+    out = result.graph_module
+    out.meta.update(gm.meta)
+    return out
 
 
 def dce(gm: fx.GraphModule) -> fx.GraphModule:

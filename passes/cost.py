@@ -18,8 +18,15 @@ _FREE = {aten.view.default, aten.permute.default, aten.expand.default, aten.unsq
          aten.alias.default, aten.slice.Tensor, aten.select.int, aten.diagonal.default, aten._unsafe_view.default}
 
 
-# matrix products, by name: hoad::mm (and hoad::gram) are registered only where their kernels could be built
-_PRODUCTS = {"aten.mm.default", "aten.bmm.default", "hoad.mm.default"}
+def _custom(name: str):
+    """``torch.ops.hoad.<name>.default`` where hoad's kernels are loaded, else None."""
+    namespace = getattr(torch.ops, "hoad", None)
+    packet = getattr(namespace, name, None) if namespace is not None and hasattr(namespace, name) else None
+    return getattr(packet, "default", None)
+
+
+def _products() -> set:
+    return {aten.mm.default, aten.bmm.default} | ({_custom("mm")} - {None})
 
 
 def is_view(node: fx.Node) -> bool:
@@ -44,11 +51,10 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     ins = [a.meta.get("val") for a in node.all_input_nodes]
     n_in = sum(_numel(v) for v in ins)
     size = out.element_size() if isinstance(out, torch.Tensor) else 8
-    name = str(node.target)
-    if name in _PRODUCTS:
+    if node.target in _products():
         a, b = (arg.meta["val"] for arg in node.args[:2])
         flops = 2 * math.prod(a.shape) * b.shape[-1]
-    elif name == "hoad.gram.default":  # J [B,K,N] -> [B,N,N]
+    elif node.target is not None and node.target is _custom("gram"):  # J [B,K,N] -> [B,N,N]
         j = node.args[0].meta["val"]
         flops = 2 * math.prod(j.shape) * j.shape[-1]
     else:

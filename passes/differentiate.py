@@ -27,12 +27,14 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 
-from hoad.blocks import SAMPLE_LABELS, WIDE_GEMMS, Block, Lazy, _canonical, add, contract, force, mm
+from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
+from hoad.algebra.block import _canonical
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
-from hoad.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
+from hoad.algebra.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
-from hoad.rules.base import Collapse, Contracted, VjpCtx, adjoint_labels, out_labels
-from hoad.passes.capture import Captured, decomposition_table
+from hoad.rules.base import Collapse, Contracted, NodeInfo, VjpCtx, adjoint_labels, out_labels
+from hoad.passes.capture import Captured
+from hoad.passes.decompositions import decomposition_table
 
 DIRECTIONS = ("forward", "reverse")
 
@@ -77,8 +79,8 @@ class OperatorInputs:
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
-                  fused: bool = False, diagonal: bool = False, operator: OperatorInputs | None = None,
-                  nestable: bool = False) -> Program:
+                  target: Target = EAGER_TARGET, diagonal: bool = False,
+                  operator: OperatorInputs | None = None) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
@@ -86,8 +88,8 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     tied (diagonal) to the first axis of every slot, else :class:`BatchCouplingError` names the
     op that coupled the samples. With ``diagonal`` only pure derivatives are computed: the slots of
     one wrt input share their labels, and each block comes back with one copy of its axes.
-    ``fused``: a fusing compiler (Inductor) will compile the
-    program, so layout copies are cheap and matrix products may take their fastest orientation.
+    ``target``: how products become ops on the machine that runs the program (its lowering),
+    and the layout switches tests and nested programs use (see :class:`hoad.algebra.Target`).
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
@@ -100,11 +102,8 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         n = leaves[operator.directions].shape[0]
         slot_shapes[0] = (slot_shapes[0][0], n) if batch_dim is not None else (n,)
     interp = _Interpreter(primal, captured.wrt_leaves, slot_shapes, wrt_names, order, where, batch_dim, diagonal,
-                          operator)
+                          operator, target)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
-    token = WIDE_GEMMS.set(fused)
-    # a program another transform will differentiate per sample keeps sample axes out of matrix rows
-    samples = SAMPLE_LABELS.set(_is_sample_label if nestable and batch_dim is not None else None)
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
@@ -115,9 +114,6 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         node = interp.current
         at = f" at node {node.name} ({node.target}){where(node)}" if node is not None else ""
         raise HoadInternalError(f"building the {direction} derivative program failed{at}: {type(e).__name__}: {e}") from e
-    finally:
-        WIDE_GEMMS.reset(token)
-        SAMPLE_LABELS.reset(samples)
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
@@ -129,7 +125,8 @@ class _Interpreter:
     """Walks the primal graph with jets; its two ``*_program`` methods are what make_fx traces."""
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
-                 batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None):
+                 batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None,
+                 target: Target = EAGER_TARGET):
         self.primal = primal
         self.nodes = list(primal.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
@@ -142,12 +139,13 @@ class _Interpreter:
         self.batch_dim = batch_dim
         self.diagonal = diagonal
         self.deps = self._dependencies()
-        self.names: list[tuple[fx.Node, str]] = []
+        self.names: list[tuple[fx.Node, str, MultiIndex]] = []
         self.keys: list[MultiIndex] = []
         self.zeros: list[MultiIndex] = []
         self.stored: dict[MultiIndex, int] = {}
         self.current: fx.Node | None = None   # the primal node being transformed, for errors
         self.operator = operator
+        self.target = target
         self.collapse: Collapse | None = None  # made from the program's inputs when tracing starts
         self.seed_of: dict[int, Block] = {}
 
@@ -217,7 +215,7 @@ class _Interpreter:
         if k in self.seed_of:
             return self.seed_of[k]
         if k != 0 or self.operator is None or self.operator.directions is None:
-            return Block.identity(t, t.shape)
+            return Block.identity(t, t.shape, dense=self.target.dense_seeds)
         v = self.values[self.operator.directions].to(t.dtype)   # (S, *x) or (S, *x[1:])
         data = v.movedim(0, -1)
         if self.batch_dim is None:
@@ -242,7 +240,7 @@ class _Interpreter:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
             p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)
-            out = _primal(node.target, p_args, p_kwargs)
+            out = node.target(*p_args, **p_kwargs)
         else:
             out = _primal_of(env[node])
         keys = self._keys(node, orders)
@@ -250,7 +248,8 @@ class _Interpreter:
         if not keys:
             return _constant(out, varies)
         rule = self._rule(RULES, node)
-        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse)
+        ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
+                  self.batch_dim is not None)
         blocks = self._call(rule, node, ctx, args, kwargs)
         if adjoint is not None:
             return blocks
@@ -294,7 +293,7 @@ class _Interpreter:
                 b = b.force()
             kept[K] = b
             if isinstance(b, Block):
-                _remember(self.names, b.data, f"d{len(K)}_{node.name}_{key_name(K, self.wrt_names)}", node.name)
+                _remember(self.names, b.data, f"d{len(K)}_{node.name}_{key_name(K, self.wrt_names)}", node.name, K)
         return kept
 
     def _adjoints(self, env: dict, f: torch.Tensor) -> dict:
@@ -303,7 +302,7 @@ class _Interpreter:
         Each adjoint has the node's axes first, then f's axes (a batch of cotangents, one per
         entry of f), seeded with the identity of f.
         """
-        adj: dict[fx.Node, object] = {self.output: Block.identity(f, tuple(f.shape))}
+        adj: dict[fx.Node, object] = {self.output: Block.identity(f, tuple(f.shape), dense=self.target.dense_seeds)}
         owner = {id(v): n for n, v in env.items() if isinstance(v, Jet)}
         for node in reversed(self.nodes):
             self.current = node
@@ -318,7 +317,7 @@ class _Interpreter:
             vjp = self._rule(VJPS, node)
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
             with fx_traceback.annotate({"hoad": node.name}):
-                pairs = self._call(vjp, node, VjpCtx(_primal_of(env[node])), (g,) + tuple(args), kwargs)
+                pairs = self._call(vjp, node, VjpCtx(_primal_of(env[node]), self.target), (g,) + tuple(args), kwargs)
             for jet, ga in pairs:
                 src = owner.get(id(jet))
                 if src is None or not self.deps.get(src):
@@ -357,7 +356,7 @@ class _Interpreter:
                 else:  # ∂f/∂t = ḡ · ∂x/∂t
                     xl, fl = out_labels(r), adjoint_labels(rf)
                     tl = [("t", a) for a in range(seed.ndim - r)]
-                    blocks[(k,)] = contract([(g, xl + fl), (seed, xl + tl)], fl + tl)
+                    blocks[(k,)] = contract([(g, xl + fl), (seed, xl + tl)], fl + tl, target=self.target)
         for k in range(2, self.order + 1):
             below = env if k == self.order else _truncated(env, k)
             parts: dict[MultiIndex, list] = {}
@@ -375,15 +374,14 @@ class _Interpreter:
             blocks.update((K, add(bs)) for K, bs in parts.items())
         return self._outputs(f, blocks)
 
-    @staticmethod
-    def _contracted(b, g: Block, rf: int) -> Block:
+    def _contracted(self, b, g: Block, rf: int) -> Block:
         """⟨ḡ, R⟩ over the node's axes (the combinators usually did it already)."""
         if isinstance(b, Contracted):
             return b.block
         r = g.ndim - rf
         o, fo = out_labels(r), adjoint_labels(rf)
         slots = [("s", a) for a in range(b.ndim - r)]
-        return contract([(g, o + fo), (b, o + slots)], fo + slots)
+        return contract([(g, o + fo), (b, o + slots)], fo + slots, target=self.target)
 
     def _outputs(self, value: torch.Tensor, blocks: dict) -> tuple:
         all_keys = all_multi_indices(len(self.slot_shapes), self.order)
@@ -395,7 +393,7 @@ class _Interpreter:
         for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):
                 t = self._output_block(blocks[K], K, value.ndim)
-            _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output")
+            _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output", K)
             outputs.append(t)
         return tuple(outputs)
 
@@ -449,11 +447,6 @@ class _Interpreter:
                                   "blocks mix samples; drop batch_dim to get the full blocks.")
 
 
-def _is_sample_label(label) -> bool:
-    """Slot labels of the first slot axis: the sample axis under batch_dim (see Ctx.slots)."""
-    return isinstance(label, tuple) and len(label) == 3 and label[0] == "s" and label[2] == 0
-
-
 def _truncated(env: dict, k: int) -> dict:
     """The environment with every jet cut to orders below ``k`` (remainders of order k)."""
     def cut(v):
@@ -464,14 +457,6 @@ def _truncated(env: dict, k: int) -> dict:
         return v
 
     return {n: cut(v) for n, v in env.items()}
-
-
-def _primal(target, args: tuple, kwargs: dict):
-    """The primal op on primal values; its matrix products go through :func:`hoad.blocks.mm`
-    (capture decomposes addmm, so mm is the only 2-D product here)."""
-    if target is torch.ops.aten.mm.default and not kwargs:
-        return mm(*args)
-    return target(*args, **kwargs)
 
 
 def _primal_of(v):
@@ -506,8 +491,8 @@ def _constant(out, varies: bool = False) -> object:
 
 
 # -------------------------------------------------------------------------------- naming
-def _remember(names: list, t: torch.Tensor, name: str, owner: str) -> None:
-    """Note that the node computing ``t`` holds a block called ``name`` (if ``owner`` made it)."""
+def _remember(names: list, t: torch.Tensor, name: str, owner: str, K: MultiIndex) -> None:
+    """Note that the node computing ``t`` holds block ``K``, called ``name`` (if ``owner`` made it)."""
     mode = get_proxy_mode()
     if mode is None:
         return
@@ -516,19 +501,25 @@ def _remember(names: list, t: torch.Tensor, name: str, owner: str) -> None:
     except (KeyError, AttributeError, RuntimeError):
         return
     if node.op == "call_function" and node.meta.get("custom", {}).get("hoad") == owner:
-        names.append((node, name))
+        names.append((node, name, K))
 
 
-def _apply_names(gm: fx.GraphModule, names: Sequence[tuple[fx.Node, str]], leaf_names: Sequence[str]) -> None:
-    done: set = set()
+def _apply_names(gm: fx.GraphModule, names: Sequence[tuple[fx.Node, str, MultiIndex]],
+                 leaf_names: Sequence[str]) -> None:
+    """Name the placeholders after the leaves and the block nodes after their blocks, and turn the
+    tags rules left while tracing (``meta["custom"]``) into each node's :class:`NodeInfo`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, leaf_names):
         node._rename(name)
         node.target = name
-    for node, name in names:
-        if node in done or node.graph is not gm.graph:
-            continue
-        done.add(node)
-        node._rename(name)
-        node.meta["hoad_block"] = name
+    blocks: dict = {}
+    for node, name, K in names:
+        if node.graph is gm.graph and node not in blocks:
+            blocks[node] = (name, K)
+            node._rename(name)
+    for node in gm.graph.nodes:
+        tags = node.meta.pop("custom", None) or {}
+        name, K = blocks.get(node, (None, None))
+        if tags or name is not None:
+            node.meta["hoad"] = NodeInfo(block=name, key=K, primal=tags.get("hoad"), rule=tags.get("rule"))
     gm.recompile()

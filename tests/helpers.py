@@ -8,16 +8,23 @@ import torch
 from torch.func import jacfwd, jacrev
 
 import hoad
-import hoad.pipeline
+from hoad.algebra import Target
+from hoad.api import Compiled
+from hoad.lowering import kernels
+from hoad.lowering.inductor import InductorLowering
 
 DT = torch.float64
 
 
-def lay_out_for_inductor(monkeypatch):
-    """Make programs compiled from here on take the layout built for Inductor (its contractions
-    and kernels differ) while still running eagerly: Inductor compiles cost seconds."""
-    differentiate = hoad.pipeline.differentiate
-    monkeypatch.setattr(hoad.pipeline, "differentiate", lambda *a, **k: differentiate(*a, **{**k, "fused": True}))
+def inductor_layout() -> Target:
+    """The target of Inductor programs (its contractions, fused reductions and kernels differ),
+    for programs run eagerly here: Inductor compiles cost seconds."""
+    return Target(InductorLowering(kernels=kernels.available()))
+
+
+def compiled(f, order, wrt=0, target: Target | None = None, **options):
+    """``hoad.compile`` with an explicit target (the layout switches tests compare)."""
+    return Compiled(f, order, wrt, target=target, **options)
 
 
 def reference(f, args, wrt, order):

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.func import jacfwd, jacrev
 
 import hoad
-import hoad.passes.compile
+from hoad.lowering import malloc
 from helpers import assert_close, check, rand, reference
 
 DT = torch.float64
@@ -448,11 +448,11 @@ def test_freed_intermediates_are_reused_not_faulted_back():
             cf(X)
         rounds.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
     assert min(rounds) < 100, f"{min(rounds):.0f} page faults per call"
-    assert hoad.passes.compile.keep_freed_memory()
+    assert malloc.keep_freed_memory()
 
 
 @glibc
 def test_malloc_left_alone_when_asked(monkeypatch):
-    monkeypatch.setattr(hoad.passes.compile, "_malloc_tuned", None)
+    monkeypatch.setattr(malloc, "_malloc_tuned", None)
     monkeypatch.setenv("HOAD_MALLOC", "system")
-    assert not hoad.passes.compile.keep_freed_memory()
+    assert not malloc.keep_freed_memory()

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
-import hoad.blocks
-from helpers import assert_close, lay_out_for_inductor, rand
+from hoad.algebra import Target
+from helpers import assert_close, compiled, inductor_layout, rand
 from op_cases import CASES
 
 W1 = rand(4, 8, seed=21) / 2
@@ -33,18 +33,16 @@ def vector_point(x):  # R^4 -> R^2 per sample, to check non-scalar per-sample ou
 
 
 @pytest.fixture(params=["eager", "fused"])
-def layouts(request, monkeypatch):
+def layouts(request):
     """Run each test on the program laid out for eager and on the one laid out for Inductor
     (run eagerly here: Inductor compiles cost seconds), whose contractions differ."""
-    if request.param == "fused":
-        lay_out_for_inductor(monkeypatch)
-    return request.param
+    return inductor_layout() if request.param == "fused" else None
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_per_sample_blocks_equal_vmap_of_torch_func(mode, layouts):
     X = rand(5, 4, seed=1)
-    res = hoad.compile(batched, order=3, batch_dim=0, mode=mode)(X)
+    res = compiled(batched, order=3, batch_dim=0, mode=mode, target=layouts)(X)
     assert_close(res.value, vmap(point)(X), "value")
     assert_close(res[0], vmap(jacrev(point))(X), "per-sample gradient")
     assert_close(res[0, 0], vmap(hessian(point))(X), "per-sample Hessian")
@@ -52,22 +50,21 @@ def test_per_sample_blocks_equal_vmap_of_torch_func(mode, layouts):
     assert res[0, 0].shape == (5, 4, 4)
 
 
-def test_fused_layout_sums_small_per_sample_products(monkeypatch):
+def test_fused_layout_sums_small_per_sample_products():
     """For Inductor, per-sample products of small matrices become a broadcast product and sum
     (one fused reduction) instead of bmm, except where a contracted axis is stored innermost
     (with 12 samples the Jacobians are one wide GEMM, stored hidden unit first)."""
     X = rand(12, 4, seed=1)
 
-    def program():
-        cf = hoad.compile(batched, order=3, batch_dim=0, mode="reverse")
+    def program(target=None):
+        cf = compiled(batched, order=3, batch_dim=0, mode="reverse", target=target)
         res = cf(X)
         assert_close(res[0, 0], vmap(hessian(point))(X), "per-sample Hessian")
         assert_close(res[0, 0, 0], vmap(jacfwd(hessian(point)))(X), "per-sample third order")
         return str(cf.graph)
 
     eager = program()
-    lay_out_for_inductor(monkeypatch)
-    fused = program()  # run eagerly: the same values from the program laid out for Inductor
+    fused = program(inductor_layout())  # run eagerly: the same values from the program laid out for Inductor
     assert fused.count("aten.bmm") < eager.count("aten.bmm")
     assert fused.count("aten.sum.dim_IntList") > eager.count("aten.sum.dim_IntList")
 
@@ -82,7 +79,7 @@ def test_per_sample_vector_output_and_two_inputs(mode, layouts):
     def single(x, y):
         return torch.stack([(x.sin() * y).sum(), (x[:2] * y[2:]).prod()])
 
-    res = hoad.compile(f, order=2, wrt=(0, 1), batch_dim=0, mode=mode)(X, Y)
+    res = compiled(f, order=2, wrt=(0, 1), batch_dim=0, mode=mode, target=layouts)(X, Y)
     for i in range(2):
         assert_close(res[i], vmap(jacrev(single, argnums=i))(X, Y), f"grad {i}")
         for j in range(2):
@@ -98,15 +95,14 @@ def test_batch_of_one_sample():
 
 
 @pytest.mark.parametrize("op", sorted(CASES, key=str)[::3], ids=str)
-def test_compact_blocks_equal_dense_blocks(op, monkeypatch):
+def test_compact_blocks_equal_dense_blocks(op):
     """The same programs built from dense identity seeds (no ties anywhere) give equal blocks."""
     case = CASES[op]
     if case.tol is not None:
         pytest.skip("float32 casts round differently in dense and compact programs")
     order = min(case.order, 3)
     compact = hoad.compile(case.fn, order=order, wrt=case.wrt)(*case.args)
-    monkeypatch.setattr(hoad.blocks, "DENSE_SEEDS", True)
-    dense = hoad.compile(case.fn, order=order, wrt=case.wrt)(*case.args)
+    dense = compiled(case.fn, order=order, wrt=case.wrt, target=Target(dense_seeds=True))(*case.args)
     for key in compact:
         torch.testing.assert_close(compact[key], dense[key], rtol=1e-9, atol=1e-9)
 

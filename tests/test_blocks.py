@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from hoad.blocks import Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out, unsqueeze_out
+from hoad.algebra import Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out, unsqueeze_out
 
 
 def dense_of(blk: Block) -> torch.Tensor:
@@ -37,7 +37,7 @@ def random_block(rng: random.Random, shape, ties=True, broadcast=True) -> Block:
             sizes.append(n)
     data_shape = [1 if broadcast and rng.random() < 0.25 else n for n in sizes]
     data = torch.randn(data_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
-    from hoad.blocks import _canonical
+    from hoad.algebra.block import _canonical
     return _canonical(data, dims, shape)
 
 
@@ -144,7 +144,7 @@ def test_materialize_keep_ties(seed):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_map_out_keeps_ties_of_untouched_axes(seed):
-    from hoad.blocks import along
+    from hoad.algebra import along
 
     rng = random.Random(seed)
     r = rng.choice([2, 3])

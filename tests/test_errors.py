@@ -250,7 +250,7 @@ def test_bad_backend(backend):
 
 
 def test_backend_none_means_the_default():
-    assert hoad.compile(f_xy, order=2, backend=None).config.backend == hoad.api.DEFAULT_BACKEND
+    assert hoad.compile(f_xy, order=2, backend=None).config.backend == hoad.api.default_backend()
 
 
 @pytest.mark.parametrize("mode", ["backward", "", None, "Forward"])

@@ -7,9 +7,10 @@ import torch
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
-from hoad import kernels
+from hoad.lowering import kernels
+from hoad.lowering.inductor import gram
 from hoad.passes.cost import node_cost
-from helpers import assert_close, lay_out_for_inductor, rand
+from helpers import assert_close, compiled, inductor_layout, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
 
@@ -49,11 +50,10 @@ def mlp(x):
 
 
 @needs_kernel
-def test_inductor_layout_programs_use_it_and_stay_exact(monkeypatch):
+def test_inductor_layout_programs_use_it_and_stay_exact():
     """The program laid out for Inductor, run eagerly: its [16,64]@[64,256] products are hoad::mm."""
-    lay_out_for_inductor(monkeypatch)
     x = rand(16, seed=8)
-    cf = hoad.compile(mlp, order=3, mode="reverse")
+    cf = compiled(mlp, order=3, mode="reverse", target=inductor_layout())
     res = cf(x)
     assert "hoad.mm(" in str(cf.graph)
     assert "aten.mm(" not in str(cf.graph)  # the vector-matrix products ([1,64]@[64,64]) are fused reductions
@@ -99,13 +99,12 @@ def test_compiled_per_sample_program_with_gram_matches_torch_func():
     assert_close(res[0, 0], vmap(hessian(sample_mlp))(X), "per-sample Hessian")
 
 
-def test_unwritable_cache_means_aten_mm(monkeypatch):
+def test_unwritable_cache_means_aten_mm(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise PermissionError("read-only cache directory")
 
     monkeypatch.setattr(kernels, "_state", None)
-    exists = kernels.os.path.exists
-    monkeypatch.setattr(kernels.os.path, "exists", lambda path: "hoad_mm-" not in path and exists(path))  # never built
+    monkeypatch.setenv("HOAD_CACHE_DIR", str(tmp_path / "never-built"))
     monkeypatch.setattr(kernels.os, "makedirs", refuse)
     assert not kernels.available()
 
@@ -163,12 +162,11 @@ def sample_mlp(x):  # one sample R^16 -> R; the per-sample products are 16x16 ov
 
 @needs_kernel
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_per_sample_programs_use_gram_and_stay_exact(monkeypatch, mode):
+def test_per_sample_programs_use_gram_and_stay_exact(mode):
     """The per-sample program laid out for Inductor, run eagerly: the second-order terms of both
     tanh layers are hoad::gram calls, the layer products (primal ones too) hoad::mm."""
-    lay_out_for_inductor(monkeypatch)
     X = rand(40, 16, seed=14)
-    cf = hoad.compile(sample_mlp, order=3, batch_dim=0, mode=mode)
+    cf = compiled(sample_mlp, order=3, batch_dim=0, mode=mode, target=inductor_layout())
     res = cf(X)
     assert_close(res[0, 0], vmap(hessian(sample_mlp))(X), "per-sample Hessian")
     assert_close(res[0, 0, 0], vmap(jacfwd(hessian(sample_mlp)))(X), "per-sample third order")
@@ -183,27 +181,41 @@ def test_per_sample_programs_use_gram_and_stay_exact(monkeypatch, mode):
 
 
 @needs_kernel
-def test_gram_only_for_per_sample_jacobians(monkeypatch):
+def test_gram_only_for_per_sample_jacobians():
     """The pattern: the same per-sample J twice and weights over its batch and contracted labels."""
-    from hoad import blocks
-
-    monkeypatch.setattr(blocks, "WIDE_GEMMS", blocks.contextvars.ContextVar("t", default=True))
     J, w, size = rand(5, 12, 16, seed=1), rand(5, 12, seed=2), {"b": 5, "k": 12, "i": 16, "j": 16}
-    gram = blocks._gram([(w, ["b", "k"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"], size)
+    gram = gram([(w, ["b", "k"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"], size)
     torch.testing.assert_close(gram, gram_reference(J, w), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(blocks._gram([(J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "j", "i"], size),
+    torch.testing.assert_close(gram([(J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "j", "i"], size),
                                gram_reference(J, torch.ones(5, 12, dtype=J.dtype)), rtol=1e-12, atol=1e-12)
     other = J.clone()
-    assert blocks._gram([(J, ["b", "k", "i"]), (other, ["b", "k", "j"])], ["b", "i", "j"], size) is None
+    assert gram([(J, ["b", "k", "i"]), (other, ["b", "k", "j"])], ["b", "i", "j"], size) is None
     shared = rand(1, 12, 16, seed=3)  # the same for every sample: a matrix product does better
-    assert blocks._gram([(w, ["b", "k"]), (shared, ["b", "k", "i"]), (shared, ["b", "k", "j"])], ["b", "i", "j"],
+    assert gram([(w, ["b", "k"]), (shared, ["b", "k", "i"]), (shared, ["b", "k", "j"])], ["b", "i", "j"],
                         size) is None
     free_weight = rand(5, 16, seed=4)  # a weight over a free label is not a Gram weight
-    assert blocks._gram([(free_weight, ["b", "i"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"],
+    assert gram([(free_weight, ["b", "i"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"],
                         size) is None
     unlabelled = rand(5, 12, 1, 16, seed=6)  # a size-1 axis without a label (None) is not the pattern
-    assert blocks._gram([(unlabelled, ["b", "k", None, "i"]), (unlabelled, ["b", "k", None, "j"])], ["b", "i", "j"],
+    assert gram([(unlabelled, ["b", "k", None, "i"]), (unlabelled, ["b", "k", None, "j"])], ["b", "i", "j"],
                         size) is None
     small = rand(5, 12, 4, seed=5)  # 4x4 Gram matrices: the fused reduction does better
-    assert blocks._gram([(small, ["b", "k", "i"]), (small, ["b", "k", "j"])], ["b", "i", "j"],
+    assert gram([(small, ["b", "k", "i"]), (small, ["b", "k", "j"])], ["b", "i", "j"],
                         {**size, "i": 4, "j": 4}) is None
+
+
+@pytest.mark.slow
+def test_the_library_builds_from_its_source(tmp_path, monkeypatch):
+    """kernels.cpp compiles and loads through torch.utils.cpp_extension on any x86-64 Linux with a
+    compiler (running it needs AVX-512; loading does not)."""
+    import platform
+    import shutil
+
+    if platform.machine() != "x86_64" or shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("needs x86-64, a C++ compiler and ninja")
+    if kernels._state:
+        pytest.skip("already built and loaded in this process")
+    monkeypatch.setenv("HOAD_CACHE_DIR", str(tmp_path))
+    assert kernels.build()
+    assert hasattr(torch.ops.hoad, "mm") and hasattr(torch.ops.hoad, "gram")
+    assert any(p.suffix == ".so" for p in tmp_path.rglob("*"))

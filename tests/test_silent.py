@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.func import jacfwd, jacrev
 
 import hoad
-from hoad.passes.capture import _mutates, bind_layout, capture
+from hoad.binding import bind_layout
+from hoad.passes.capture import _mutates, capture
 from helpers import assert_close, check, rand
 
 aten = torch.ops.aten

@@ -7,8 +7,9 @@ import torch
 import torch.fx as fx
 from torch.func import vjp as torch_vjp
 
-from hoad.blocks import Block
-from hoad.passes.capture import bind_layout, capture
+from hoad.algebra import Block
+from hoad.binding import bind_layout
+from hoad.passes.capture import capture
 from hoad.rules import RULES, VJPS, Jet
 from hoad.rules.base import VjpCtx
 from helpers import assert_close

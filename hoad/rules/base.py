@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from hoad.blocks import Block
+from hoad.algebra import EAGER_TARGET, Block, Target
 from hoad.errors import HoadInternalError
-from hoad.multiindex import MultiIndex, closure
+from hoad.algebra.multiindex import MultiIndex, closure
 
 
 class Jet:
@@ -70,6 +70,9 @@ class Ctx:
     # einsum labels, so every block is computed on its diagonal and nowhere else.
     diagonal: bool = False
     collapse: Collapse | None = None
+    # how products become ops on the machine that runs the program (hoad.algebra.target)
+    target: Target = EAGER_TARGET
+    batched: bool = False           # slot axis 0 of every input is the sample axis (batch_dim)
 
     @property
     def max_order(self) -> int:
@@ -95,6 +98,12 @@ class Ctx:
                 if (K[p], a) not in collapsed:
                     labels.append(label)
         return labels
+
+    def samples(self, K: MultiIndex) -> frozenset:
+        """The sample labels among ``K``'s slots, when the target keeps sample axes apart."""
+        if not (self.batched and self.target.sample_axes):
+            return frozenset()
+        return frozenset(("s", K[p] if self.diagonal else p, 0) for p in range(len(K)))
 
     def slot_ranks(self, K: MultiIndex) -> list[int]:
         """Axes of each slot group of ``K``'s block (collapsed axes excluded at the top order)."""
@@ -166,10 +175,29 @@ class Contracted:
 
 
 @dataclass(frozen=True)
+class NodeInfo:
+    """What a node of a derivative program is, at ``node.meta["hoad"]``: the block it holds (its
+    name and multi-index, when it holds one), the primal node it was made for ("output" for the
+    program's results) and the rule that made it (None: the primal op itself)."""
+
+    block: str | None = None
+    key: MultiIndex | None = None
+    primal: str | None = None
+    rule: str | None = None
+
+    def describe(self) -> str:
+        parts = [self.block] if self.block else []
+        if self.primal and self.primal != "output":
+            parts.append(f"from {self.primal}" + (f" by {self.rule}" if self.rule else " (primal)"))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
 class VjpCtx:
-    """What a VJP rule sees besides its arguments: the node's primal output."""
+    """What a VJP rule sees besides its arguments: the node's primal output, and the target."""
 
     out: Any
+    target: Target = EAGER_TARGET
 
 
 # A VJP rule: vjp(vctx, g, *args, **kwargs) -> [(argument jet, cotangent block), ...].

@@ -17,9 +17,8 @@ from dataclasses import replace
 
 import torch
 
-from hoad import blocks
-from hoad.blocks import Block, Lazy, add, contract, expand_out, reshape_out, sum_out
-from hoad.multiindex import distribution_terms, partition_terms
+from hoad.algebra import Block, Lazy, add, contract, expand_out, reshape_out, sum_out
+from hoad.algebra.multiindex import distribution_terms, partition_terms
 from hoad.rules.base import Contracted, Ctx, Jet, VjpCtx, adjoint_labels, out_labels
 
 Coefficient = torch.Tensor | float | int | None
@@ -50,7 +49,8 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
             else:
                 scalar = coeff
             out = lead + ctx.slots(K)
-            prod = contract(ctx.weigh(_with_adjoint(ctx, operands, o), out), out, lazy=_lazy(ctx, K)).scale(scalar)
+            prod = contract(ctx.weigh(_with_adjoint(ctx, operands, o), out), out, lazy=_lazy(ctx, K), target=ctx.target,
+                            samples=ctx.samples(K)).scale(scalar)
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))
@@ -58,9 +58,9 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
 
 
 def _lazy(ctx: Ctx, K) -> bool:
-    """Jets of order >= 2 stay unevaluated (see :class:`hoad.blocks.Lazy`); contractions with an
-    adjoint are evaluated, absorbing whatever lazy factors they have."""
-    return blocks.LAZY_JETS and ctx.adjoint is None and len(K) >= 2
+    """Jets of order >= 2 stay unevaluated (see :class:`hoad.algebra.Lazy`; the target may turn
+    that off); contractions with an adjoint are evaluated, absorbing whatever lazy factors they have."""
+    return ctx.adjoint is None and len(K) >= 2
 
 
 def _lead(ctx: Ctx, o: list) -> tuple[list, int]:
@@ -97,7 +97,8 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
             operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
             result_labels = lead + ctx.slots(K)
             prod = contract(ctx.weigh(_with_adjoint(ctx, operands, out), result_labels), result_labels,
-                            sizes=dict(zip(out, out_shape)), lazy=_lazy(ctx, K))
+                            sizes=dict(zip(out, out_shape)), lazy=_lazy(ctx, K), target=ctx.target,
+                            samples=ctx.samples(K))
             terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
         if terms:
             result[K] = _finish(ctx, add(terms))
@@ -142,7 +143,7 @@ def scaled(ctx: Ctx, x: Jet, coeff: torch.Tensor | float, out_shape: Sequence[in
         return {K: b.scale(coeff) for K, b in xb.blocks.items() if K in ctx.keys}
     c = _on_output(coeff, out_shape)
     o = out_labels(len(out_shape))
-    return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K), lazy=isinstance(b, Lazy))
+    return {K: contract([(c, o), (b, o + ctx.slots(K))], o + ctx.slots(K), lazy=isinstance(b, Lazy), target=ctx.target)
             for K, b in xb.blocks.items() if K in ctx.keys}
 
 

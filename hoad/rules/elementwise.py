@@ -13,7 +13,7 @@ import math
 import torch
 
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
-from hoad.blocks import Block
+from hoad.algebra import Block
 from hoad.rules.combinators import broadcast, chain, leibniz, scale_out, unbroadcast
 
 aten = torch.ops.aten

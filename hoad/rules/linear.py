@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hoad.blocks import Block, add, along, expand_out, map_out, permute_out, reshape_out, select_out, sum_out
+from hoad.algebra import Block, add, along, expand_out, map_out, permute_out, reshape_out, select_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import broadcast, linear, on_0d, on_0d_vjp, scale_out, scaled, sum_blocks, unbroadcast
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hoad.blocks import Block, contract
+from hoad.algebra import Block, contract
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import broadcast, chain, leibniz, scaled
 from hoad.rules.elementwise import reciprocal
@@ -138,7 +138,8 @@ def _contraction_vjp(v, g: Block, a, b, la: str, lb: str, lo: str) -> list:
     pairs = []
     for x, lx, other, lother in ((a, la, b, lb), (b, lb, a, la)):
         if _varies(x):
-            got = contract([(g, list(lo) + rest), (Block.dense(_value(other)), list(lother))], list(lx) + rest)
+            got = contract([(g, list(lo) + rest), (Block.dense(_value(other)), list(lother))], list(lx) + rest,
+                           target=v.target)
             pairs.append((x, got))
     return pairs
 

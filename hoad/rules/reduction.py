@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hoad.blocks import along, map_out, reshape_out, sum_out
+from hoad.algebra import along, map_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import leibniz, linear, on_0d, on_0d_vjp, scaled
 from hoad.rules.linear import _dims

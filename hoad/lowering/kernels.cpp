@@ -1,52 +1,11 @@
-"""Float64 kernels for CPUs with AVX-512: the operators ``hoad::mm`` and ``hoad::gram``.
+// hoad's float64 kernels for CPUs with AVX-512: the operators hoad::mm and hoad::gram.
+// Built once per machine by hoad/lowering/kernels.py (torch.utils.cpp_extension), loaded as a
+// torch library; programs lowered for Inductor call them (see hoad/lowering/inductor.py).
 
-Derivative programs multiply many small float64 matrices with short inner dimensions: a
-Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
-layer. MKL runs these at 20-45 GFLOP/s on one core of an AMD EPYC with AVX-512 (it takes its
-AVX2 code: MKL chooses by CPU vendor), XLA at 84-94. ``hoad::mm`` is a plain register-blocked
-loop, no packing: 4 rows by 32 columns of C in 16 AVX-512 accumulators, or 8 rows by 16 where
-16 columns are left; 65-100 GFLOP/s on those shapes (one [16,64]@[64,256] in 6.8 us against
-MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). It is slower than MKL for other narrow
-products (fewer than MIN_COLUMNS columns, other than 16) and no better once operands outgrow the
-caches, so Inductor programs use it for float64 on CPU with an inner dimension up to MAX_K; with
-more than one thread, MKL keeps the products large enough to parallelize.
+#ifndef HOAD_THREADED_MACS
+#define HOAD_THREADED_MACS (1 << 20)  // with more than one thread, MKL takes larger products
+#endif
 
-``hoad::gram`` computes per-sample Gram matrices G[b] = J[b]^T diag(w[b]) J[b], the
-second-order chain rule through an elementwise layer under a batch: each sample's J is copied
-into a dense scratch (whatever its strides), then tiles of 8x16 entries of the upper triangle
-accumulate in registers and the lower triangle is mirrored. 256 of 16x16 over 64 terms take
-0.13-0.17 ms whatever J's layout (one thread), MKL's bmm 0.42-0.6, Inductor's fused reduction
-0.27-0.73 depending on J's layout; samples are split between threads when there are several.
-
-Eager programs keep ``aten.mm`` and ``bmm``: they are differentiable by autograd, and these
-operators have no derivatives of their own. The library is built once per machine with the
-system's C++ compiler against torch's headers (about 10 s) into hoad's cache directory and
-loaded as a torch extension. Where that cannot be done (no AVX-512, no compiler, not Linux
-x86-64, ``HOAD_DGEMM=0``), :func:`available` is False and programs use ``aten.mm``.
-"""
-
-from __future__ import annotations
-
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
-
-import torch
-
-log = logging.getLogger("hoad")
-
-MAX_K = 256  # longer inner dimensions: MKL's packed kernels win
-MIN_COLUMNS = 32  # narrower ones waste lanes ([64,64]@[64,20]: 8.3 vs MKL 7.9 us); exactly 16 is full 8x16 tiles
-MIN_MACS = 2**14  # smaller products take ~1.5 us either way
-THREADED_MACS = 2**20  # with more than one thread, MKL takes the products larger than this
-GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones waste the 16-wide tiles
-
-SOURCE = r"""
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -122,7 +81,7 @@ static at::Tensor mm_cpu(const at::Tensor& a, const at::Tensor& b) {
               b.sizes(), " cannot be multiplied");
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   if (a.scalar_type() != at::kDouble || b.scalar_type() != at::kDouble || !a.device().is_cpu() ||
-      !b.device().is_cpu() || (M * K * N > THREADED_MACS && at::get_num_threads() > 1))
+      !b.device().is_cpu() || (M * K * N > HOAD_THREADED_MACS && at::get_num_threads() > 1))
     return at::mm(a, b);
   at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor out = at::empty({M, N}, a.options());
@@ -241,113 +200,3 @@ TORCH_LIBRARY_IMPL(hoad, CPU, m) {
   m.impl("mm", &mm_cpu);
   m.impl("gram", &gram_cpu);
 }
-"""
-
-_state: bool | None = None  # None: not tried yet
-
-
-def _build() -> str | None:
-    """Path of the compiled extension, building it first if this machine has none yet."""
-    if os.environ.get("HOAD_DGEMM", "1") == "0":
-        return None
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return None
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        return None
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    from hoad.passes.compile import cache_dir
-
-    source = SOURCE.replace("THREADED_MACS", str(THREADED_MACS))
-    # at::parallel_for is OpenMP in torch's headers; the library then shares torch's libgomp
-    flags = ["-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    digest = hashlib.sha256("\\0".join([source, compiler, *flags, torch.__version__]).encode()).hexdigest()[:16]
-    where = os.path.join(os.path.dirname(cache_dir()), "kernels")
-    path = os.path.join(where, f"hoad_mm-{digest}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(where, exist_ok=True)
-    log.info("hoad: building its float64 kernels into %s (once per machine, ~10 s)", where)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=where) as tmp:
-        src, lib = os.path.join(tmp, "hoad_mm.cpp"), os.path.join(tmp, "hoad_mm.so")
-        with open(src, "w") as f:
-            f.write(source)
-        command = [compiler, *flags, *[f"-I{p}" for p in include_paths()], src, "-o", lib,
-                   *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("hoad: the float64 kernels did not build (%s); programs use aten.mm",
-                        done.stderr.strip()[-300:])
-            return None
-        os.replace(lib, path)  # atomic: a concurrent process loads the whole library or builds its own
-    log.info("hoad: built the float64 kernels in %.1f s", time.perf_counter() - start)
-    return path
-
-
-def available() -> bool:
-    """Whether ``torch.ops.hoad.mm`` runs the AVX-512 kernel here (built and loaded on first use)."""
-    global _state
-    if _state is None:
-        _state = False
-        try:
-            path = _build()
-            if path is not None:
-                torch.ops.load_library(path)
-                torch.library.register_fake("hoad::mm")(_shape)
-                torch.library.register_fake("hoad::gram")(_gram_shape)
-                torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
-                torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
-                _state = True
-        except (OSError, RuntimeError) as e:  # unwritable cache, a library that does not load
-            log.warning("hoad: the float64 kernels are not available (%s); programs use aten.mm", e)
-    return _state
-
-
-def suits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a program's product ``a @ b`` (2-D) runs faster as ``hoad::mm``."""
-    return a.dtype == b.dtype and a.device.type == b.device.type and fits(a, a.shape[0], a.shape[1], b.shape[1])
-
-
-def fits(like: torch.Tensor, m: int, k: int, n: int) -> bool:
-    """Whether a product [m,k]@[k,n] of ``like``'s dtype and device runs faster as ``hoad::mm``."""
-    return (like.dtype == torch.float64 and like.device.type == "cpu"
-            and 0 < k <= MAX_K and (n >= MIN_COLUMNS or n == 16) and m * k * n >= MIN_MACS and available())
-
-
-def gram_suits(j: torch.Tensor, k: int, n: int) -> bool:
-    """Whether per-sample Gram matrices [n, n] over ``k`` terms of ``j`` run faster as ``hoad::gram``."""
-    return (j.dtype == torch.float64 and j.device.type == "cpu" and k > 1
-            and GRAM_MIN_N <= n <= GRAM_MAX_N and available())
-
-
-def _shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-def _gram_shape(J: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return J.new_empty((J.shape[0], J.shape[2], J.shape[2]))
-
-
-# Derivatives of the operators, in aten ops (so they are differentiable again): programs that
-# autograd goes through (training under Inductor) may contain them.
-def _save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def mm_backward(ctx, g: torch.Tensor):
-    """C = A B: dA = g Bᵀ, dB = Aᵀ g."""
-    a, b = ctx.saved_tensors
-    return g @ b.mT, a.mT @ g
-
-
-def gram_backward(ctx, g: torch.Tensor):
-    """G[b] = J[b]ᵀ diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]ᵀ), dw[b,k] = (J[b] g[b] J[b]ᵀ)_kk."""
-    j, w = ctx.saved_tensors
-    dj = (j * w.unsqueeze(2)) @ (g + g.mT)
-    dw = ((j @ g) * j).sum(2)
-    return dj, dw

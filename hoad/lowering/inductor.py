@@ -1,0 +1,148 @@
+"""Lowering for Inductor: how contractions become ops when a fusing compiler runs the program.
+
+Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
+
+- orientation: BLAS runs a short-wide product (m <= n) up to twice as fast as a tall-skinny one
+  (MKL dgemm: 64x64 @ 64x4096 at 51 GFLOP/s, 4096x64 @ 64x64 at 27), and the permutes a wide
+  layout needs fuse into neighbouring kernels. ``hoad::mm`` runs a tall one with 32+ columns as
+  fast (4096x64 @ 64x64 in 344 us, 64x64 @ 64x4096 in 506), and its result is sample-major for
+  per-sample products; with 16 columns the wide form still won (order 3 at a point: 66 vs 75 us).
+- small batched products (per-sample Gram matrices, up to 64x64) as a broadcast product summed
+  over the contracted labels, which Inductor fuses into one reduction kernel with the operands'
+  producers: MKL's bmm runs [256,16,64]@[256,64,16] at 20 GFLOP/s (9 with a transposed operand),
+  the fused reduction at 56. Not when a contracted axis is an operand's innermost: Inductor then
+  vectorizes the reduction itself, 3.6x slower than bmm (256 Gram matrices, 16x16 over 64).
+- batched operands packed densely: MKL's batched product is ~2.5x slower on batches that are not
+  (the copy fuses into the kernel that produces the operand).
+- vector-matrix products (one row or one column) of at most TINY_PRODUCT multiply-adds as a fused
+  reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us);
+  not matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
+- ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster.
+
+The custom kernels are chosen by the ``lower_products`` pass (``hoad/passes/lower.py``) after
+clean, and by :meth:`InductorLowering.einsum` for Gram matrices; everything else here is layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from hoad.algebra.einsum import _arrange
+from hoad.algebra.target import Lowering
+from hoad.lowering import kernels
+
+SMALL_MATRIX = 64
+TINY_PRODUCT = 4096
+
+# cpp_wrapper: the compiled program calls its kernels from C++ rather than Python, which cuts
+# ~30% off small programs (order-2 MLP Hessian at a point: 38 -> 27 µs per call here).
+INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
+
+class InductorLowering(Lowering):
+    """Layouts for Inductor programs; ``kernels``: whether hoad's AVX-512 kernels may be used."""
+
+    fused = True
+
+    def __init__(self, kernels: bool = False):
+        self.kernels = kernels
+
+    def __repr__(self) -> str:
+        return f"InductorLowering(kernels={self.kernels})"
+
+    def orientation(self, moves, tall, batched, m, k, n, like) -> tuple:
+        if self.kernels and not batched and n >= kernels.MIN_COLUMNS and kernels.fits(like, m, k, n):
+            return (0, moves)
+        return (int(tall), moves)
+
+    def batched_as_reduction(self, m, n, innermost) -> bool:
+        return max(m, n) <= SMALL_MATRIX and not innermost
+
+    def dense_batches(self, t: torch.Tensor) -> torch.Tensor:
+        return _dense_batches(t)
+
+    def einsum(self, terms, out, size):
+        return gram(terms, out, size) if self.kernels else None
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> str:
+        """How a 2-D product a @ b (shapes and strides of the traced values) runs: "kernel"
+        (``hoad::mm``), "reduction" (a fused broadcast product and sum), or "mm"."""
+        (m, k), n = a.shape, b.shape[1]
+        if self.kernels and kernels.suits(a, b):
+            return "kernel"
+        if min(m, n) == 1 and m * k * n <= TINY_PRODUCT:
+            return "reduction"
+        return "mm"
+
+
+def _dense_batches(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (batch, rows, cols) with each matrix stored densely (row- or column-major)."""
+    b, r, c = t.shape
+    stride = t.stride()
+    if stride[0] == r * c and (stride[1:] == (c, 1) or stride[1:] == (1, r)):
+        return t
+    return t.contiguous()
+
+
+def gram(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch.Tensor | None:
+    """Per-sample weighted Gram matrices as one ``hoad::gram`` call, or None if ``terms`` are not that.
+
+    The pattern is the second-order chain rule through an elementwise node under a batch:
+    sum over k of w[b,k] J[b,k,i] J[b,k,j], the same Jacobian J twice (its free labels i and j
+    differ), every other term a weight over the batch and contracted labels. Only for programs
+    laid out for Inductor, float64 on CPU where the kernel runs.
+    """
+    twice = [i for i, (t, _ls) in enumerate(terms) if sum(u is t for u, _l in terms) == 2]
+    if len(twice) != 2:
+        return None
+    (j, first), (_j, second) = terms[twice[0]], terms[twice[1]]
+    if len(first) != len(second) or len(set(first)) != len(first):
+        return None
+    shared = [a for a, b in zip(first, second) if a == b]
+    free = [(a, b) for a, b in zip(first, second) if a != b]
+    f1, f2 = [a for a, _b in free], [b for _a, b in free]
+    batch, con = [l for l in shared if l in out], [l for l in shared if l not in out]
+    weights = [terms[i] for i in range(len(terms)) if i not in twice]
+    if (not (free and batch and con) or len(out) != len(batch + f1 + f2) or set(out) != set(batch + f1 + f2)
+            or set(f1) & set(f2) or any(not set(ls) <= set(shared) for _t, ls in weights)
+            or any(j.shape[i] != size.get(l) for i, l in enumerate(first))):  # a broadcast J: matrix products do better
+        return None
+    nb, nk, nf = ([size[l] for l in ls] for ls in (batch, con, f1))
+    if not kernels.gram_suits(j, math.prod(nk), math.prod(nf)):
+        return None
+    w = j.new_ones(())
+    for t, ls in weights:
+        w = w * _arrange(t, ls, batch + con)
+    w = w.expand(nb + nk).reshape(math.prod(nb), math.prod(nk))
+    jj = _arrange(j, first, batch + con + f1).reshape(math.prod(nb), math.prod(nk), math.prod(nf))
+    g = torch.ops.hoad.gram(jj, w).reshape(nb + nf + nf)
+    return _arrange(g, batch + f1 + f2, out)
+
+
+# ------------------------------------------------------------------------------ the cache
+def cache_root() -> str:
+    """hoad's cache directory: ``$HOAD_CACHE_DIR``, by default ``~/.cache/hoad`` (kept across
+    reboots, unlike Inductor's own default under /tmp)."""
+    return os.environ.get("HOAD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hoad")
+
+
+def cache_dir() -> str:
+    """Where Inductor's compiled programs persist across processes: ``TORCHINDUCTOR_CACHE_DIR``
+    when the user set it, else ``<cache_root>/inductor``. Reads, never writes, the environment."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is not None and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        return current
+    return os.path.join(cache_root(), "inductor")
+
+
+def use_cache_dir() -> str:
+    """Point Inductor at :func:`cache_dir` (Inductor reads only the environment for it); called
+    by the compile pass before it compiles."""
+    where = cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
+    return where

@@ -1,0 +1,136 @@
+"""Float64 kernels for CPUs with AVX-512: the operators ``hoad::mm`` and ``hoad::gram``.
+
+Derivative programs multiply many small float64 matrices with short inner dimensions: a
+Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
+layer. MKL runs these at 20-45 GFLOP/s on one core of an AMD EPYC with AVX-512 (it takes its
+AVX2 code: MKL chooses by CPU vendor), XLA at 84-94. ``hoad::mm`` is a plain register-blocked
+loop, no packing: 4 rows by 32 columns of C in 16 AVX-512 accumulators, or 8 rows by 16 where
+16 columns are left; 65-100 GFLOP/s on those shapes (one [16,64]@[64,256] in 6.8 us against
+MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). It is slower than MKL for other narrow
+products (fewer than MIN_COLUMNS columns, other than 16) and no better once operands outgrow the
+caches, so Inductor programs use it for float64 on CPU with an inner dimension up to MAX_K; with
+more than one thread, MKL keeps the products large enough to parallelize.
+
+``hoad::gram`` computes per-sample Gram matrices G[b] = J[b]^T diag(w[b]) J[b], the
+second-order chain rule through an elementwise layer under a batch: each sample's J is copied
+into a dense scratch (whatever its strides), then tiles of 8x16 entries of the upper triangle
+accumulate in registers and the lower triangle is mirrored. 256 of 16x16 over 64 terms take
+0.13-0.17 ms whatever J's layout (one thread), MKL's bmm 0.42-0.6, Inductor's fused reduction
+0.27-0.73 depending on J's layout; samples are split between threads when there are several.
+
+Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
+so differentiable again): compiled programs that autograd goes through may contain them. The
+library (``kernels.cpp`` beside this file) is built once per machine by
+``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory,
+about 10 s, before a program that may use it is traced, never in the middle of a trace. Where it
+cannot be built or loaded (no AVX-512, no compiler or ninja, not Linux x86-64, an unwritable
+cache, ``HOAD_DGEMM=0``), :func:`available` is False and programs keep ``aten.mm``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hoad")
+
+MAX_K = 256  # longer inner dimensions: MKL's packed kernels win
+MIN_COLUMNS = 32  # narrower ones waste lanes ([64,64]@[64,20]: 8.3 vs MKL 7.9 us); exactly 16 is full 8x16 tiles
+MIN_MACS = 2**14  # smaller products take ~1.5 us either way
+THREADED_MACS = 2**20  # with more than one thread, MKL takes the products larger than this
+GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones waste the 16-wide tiles
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+_state: bool | None = None  # None: not tried yet
+
+
+def _build_directory() -> str:
+    from hoad.lowering.inductor import cache_root
+
+    return os.path.join(cache_root(), "kernels")
+
+
+def build() -> bool:
+    """Build (or find built) and load the library; False where that cannot be done here."""
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}"]
+    # the name carries the source and flags, so a changed kernel never reuses a stale library
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    where = os.path.join(_build_directory(), digest)
+    os.makedirs(where, exist_ok=True)
+    log.info("hoad: loading its float64 kernels (built once per machine into %s, ~10 s)", where)
+    load(name=f"hoad_kernels_{digest}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=where, is_python_module=False, verbose=False)
+    torch.library.register_fake("hoad::mm")(_shape)
+    torch.library.register_fake("hoad::gram")(_gram_shape)
+    torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
+    torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
+    return True
+
+
+def available() -> bool:
+    """Whether ``torch.ops.hoad.mm`` and ``hoad.gram`` run the AVX-512 kernels here (built and
+    loaded on the first call; call it before tracing)."""
+    global _state
+    if _state is None:
+        _state = False
+        if (os.environ.get("HOAD_DGEMM", "1") != "0" and platform.system() == "Linux"
+                and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+            try:
+                _state = build()
+            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, unwritable cache, a failed load
+                log.warning("hoad: the float64 kernels are not available (%s: %s); programs use aten.mm",
+                            type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
+    return _state
+
+
+def suits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a program's product ``a @ b`` (2-D) runs faster as ``hoad::mm``."""
+    return a.dtype == b.dtype and a.device.type == b.device.type and fits(a, a.shape[0], a.shape[1], b.shape[1])
+
+
+def fits(like: torch.Tensor, m: int, k: int, n: int) -> bool:
+    """Whether a product [m,k]@[k,n] of ``like``'s dtype and device runs faster as ``hoad::mm``
+    (``available()`` must have been asked before: this never builds)."""
+    return (like.dtype == torch.float64 and like.device.type == "cpu"
+            and 0 < k <= MAX_K and (n >= MIN_COLUMNS or n == 16) and m * k * n >= MIN_MACS and bool(_state))
+
+
+def gram_suits(j: torch.Tensor, k: int, n: int) -> bool:
+    """Whether per-sample Gram matrices [n, n] over ``k`` terms of ``j`` run faster as ``hoad::gram``."""
+    return (j.dtype == torch.float64 and j.device.type == "cpu" and k > 1
+            and GRAM_MIN_N <= n <= GRAM_MAX_N and bool(_state))
+
+
+def _shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _gram_shape(J: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return J.new_empty((J.shape[0], J.shape[2], J.shape[2]))
+
+
+# Derivatives of the operators, in aten ops (so they are differentiable again): programs that
+# autograd goes through (training under Inductor) may contain them.
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def mm_backward(ctx, g: torch.Tensor):
+    """C = A B: dA = g Bᵀ, dB = Aᵀ g."""
+    a, b = ctx.saved_tensors
+    return g @ b.mT, a.mT @ g
+
+
+def gram_backward(ctx, g: torch.Tensor):
+    """G[b] = J[b]ᵀ diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]ᵀ), dw[b,k] = (J[b] g[b] J[b]ᵀ)_kk."""
+    j, w = ctx.saved_tensors
+    dj = (j * w.unsqueeze(2)) @ (g + g.mT)
+    dw = ((j @ g) * j).sum(2)
+    return dj, dw

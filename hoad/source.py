@@ -1,0 +1,88 @@
+"""Where in the user's code something happened: for error messages that name their line."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+
+def user_frame(tb) -> str | None:
+    """The innermost traceback frame outside torch and hoad, as 'file:line: code'."""
+    import hoad
+    import hoad.passes
+
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
+                                                os.path.dirname(hoad.passes.__file__)))
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skip) and "<" not in filename[:1]:
+            found = (filename, lineno)
+    if found is None:
+        return None
+    filename, lineno = found
+    code = linecache.getline(filename, lineno).strip()
+    return f"{filename}:{lineno}: {code}"
+
+
+def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node | None = None,
+           match: Callable | None = None) -> str:
+    """' at file:line: code' for the user's line that emitted ``node``, or '' when unknown.
+
+    Re-runs the function eagerly on zeros under a dispatch mode that stops at the node's op the
+    same number of times it occurs before ``node`` in the graph (or at the first op ``match``
+    accepts). Only called on the way to an error, so it costs nothing otherwise.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    occurrence = 0
+    if match is None:
+        target = node.target
+        packet = getattr(target, "overloadpacket", None)
+        occurrence = sum(1 for n in node.graph.nodes if n is not node and n.target is target and _before(n, node))
+
+        def match(func):
+            return func is target or (packet is not None and getattr(func, "overloadpacket", None) is packet)
+
+    class _Found(Exception):
+        pass
+
+    class Finder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if match(func):
+                if self.seen == occurrence:
+                    raise _Found()
+                self.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    flat_fn = layout.flat(fn)
+
+    fresh = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    try:
+        with torch.no_grad(), Finder():
+            flat_fn(*fresh)
+    except _Found:
+        line = user_frame(sys.exc_info()[2])
+        return f" at {line}" if line else ""
+    except Exception:  # noqa: BLE001 - locating is best effort
+        return ""
+    return ""
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    for n in a.graph.nodes:
+        if n is a:
+            return True
+        if n is b:
+            return False
+    return False

@@ -1,0 +1,71 @@
+"""Imports flow one way: utilities ← algebra ← rules, lowering ← passes ← pipeline ← api.
+
+The derivative algebra knows nothing about the machine, rules nothing about lowering, passes
+nothing about the pipeline or the API. Checked on the source, so a new import that reaches up a
+layer fails here, not in a review.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a module's layer: it may import from its own layer and those below (higher numbers are above)
+LAYERS = {
+    "hoad.errors": 0, "hoad.source": 0, "hoad.binding": 0,
+    "hoad.algebra": 1,
+    "hoad.rules": 2, "hoad.lowering": 2,
+    "hoad.passes": 3,
+    "hoad.pipeline": 4, "hoad.training": 4, "hoad.derivatives": 4, "hoad.printing": 4, "hoad.explanation": 4,
+    "hoad.optable": 4,
+    "hoad.api": 5, "hoad.operators": 6, "hoad": 7,
+}
+# rules and lowering share a layer but must not know each other
+APART = {("hoad.rules", "hoad.lowering"), ("hoad.lowering", "hoad.rules")}
+
+
+def _layer_of(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in LAYERS:
+            return name, LAYERS[name]
+    raise KeyError(module)
+
+
+def _modules():
+    for path in sorted((ROOT / "hoad").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        yield ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts), path
+    for path in sorted((ROOT / "passes").rglob("*.py")):
+        rel = path.relative_to(ROOT / "passes").with_suffix("")
+        yield ".".join(("hoad", "passes") + (rel.parts[:-1] if rel.name == "__init__" else rel.parts)), path
+
+
+def _imports(path: Path) -> list[str]:
+    """Modules imported at module level (imports inside functions are deferred and may reach up)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return [n for n in names if n == "hoad" or n.startswith("hoad.")]
+
+
+@pytest.mark.parametrize("module,path", list(_modules()), ids=lambda x: x if isinstance(x, str) else "")
+def test_imports_flow_one_way(module, path):
+    own, level = _layer_of(module)
+    for imported in _imports(path):
+        other, other_level = _layer_of(imported)
+        assert other_level <= level, f"{module} (layer {level}) imports {imported} (layer {other_level})"
+        assert (own, other) not in APART, f"{module} imports {imported}"
+
+
+def test_no_module_level_flags_steer_the_algebra():
+    """The layout switches travel in a Target; the algebra keeps no mutable module state."""
+    for path in (ROOT / "hoad" / "algebra").glob("*.py"):
+        text = path.read_text()
+        assert "ContextVar" not in text and "global " not in text, path.name
