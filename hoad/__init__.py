@@ -18,6 +18,7 @@ from hoad.errors import (
     HoadError,
     HoadInternalError,
     InvalidArgumentError,
+    MemoryBudgetError,
     OutputError,
     RandomnessError,
     UnsupportedOperatorError,
@@ -53,5 +54,6 @@ __all__ = [
     "ExecutionError",
     "HoadInternalError",
     "CompileError",
+    "MemoryBudgetError",
     "cache_dir",
 ]

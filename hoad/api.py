@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -14,12 +15,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.errors import ExecutionError, HoadError, InvalidArgumentError
+from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError
 from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names
 from hoad.algebra import Target
-from hoad.pipeline import Build, Config, OperatorSpec, build
+from hoad.passes.memory import human
+from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -38,8 +42,8 @@ MODES = ("auto", "forward", "reverse")
 
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
-            mode: str = "auto", batch_dim: int | None = None,
-            diagonal: bool = False) -> Compiled | Callable[[Callable], Compiled]:
+            mode: str = "auto", batch_dim: int | None = None, diagonal: bool = False,
+            chunk_size: int | None = None, memory_budget: float | None = None) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
     ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple of them;
@@ -60,8 +64,14 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``diagonal=True`` computes pure derivatives only: ``res[0, 0][..., i] = ∂²f/∂x_i²`` with shape
     ``f.shape + x.shape`` (each wrt input's axes once per block), at a fraction of the cost;
     the Laplacian is ``res[0, 0].sum()`` over x's axes.
+    ``chunk_size=n`` (with ``batch_dim=0``) runs the program over n samples at a time and joins
+    the results, like ``torch.func.vmap``'s ``chunk_size``: one program, built for n samples.
+    ``memory_budget``: bytes a program may plan to use (default: 80% of the memory free when it
+    is built); a program whose estimated peak exceeds it is refused with a
+    :class:`hoad.MemoryBudgetError` naming the ways out, before anything is allocated.
     """
-    options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
+    options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
+                   memory_budget=memory_budget)
     if fn is None:
         _check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
         return lambda f: Compiled(f, order, wrt, **options)
@@ -70,7 +80,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
-def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False) -> None:
+def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chunk_size=None,
+                   memory_budget=None) -> None:
     backend = default_backend() if backend is None else backend
     if order is None:
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
@@ -95,6 +106,15 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False) ->
         raise InvalidArgumentError(f"batch_dim must be None or 0 (samples along the first dim), got {batch_dim!r}")
     if not isinstance(diagonal, bool):
         raise InvalidArgumentError(f"diagonal must be True or False, got {diagonal!r}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidArgumentError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if batch_dim is None:
+            raise InvalidArgumentError("chunk_size splits the samples of batch_dim=0: pass batch_dim=0 too")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not memory_budget > 0):
+        raise InvalidArgumentError(f"memory_budget must be a number of bytes > 0 (or None for 80% of free memory), "
+                                   f"got {memory_budget!r}")
 
 
 class _Parameters:
@@ -121,11 +141,12 @@ class Compiled:
     """
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
-                 batch_dim: int | None = None, diagonal: bool = False, module: torch.nn.Module | None = None,
+                 batch_dim: int | None = None, diagonal: bool = False, chunk_size: int | None = None,
+                 memory_budget: float | None = None, module: torch.nn.Module | None = None,
                  operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
                  target: Target | None = None):
         backend = default_backend() if backend is None else backend
-        _check_options(order, wrt, backend, mode, batch_dim, diagonal)
+        _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget)
         if module is None and isinstance(fn, torch.nn.Module):
             module, fn = fn, type(fn).forward
         elif module is None and inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
@@ -136,9 +157,11 @@ class Compiled:
         self.order = order
         self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
         self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
-                             operator=operator, nestable=nestable, target=target)
+                             operator=operator, nestable=nestable, target=target, memory_budget=memory_budget,
+                             chunk_size=chunk_size)
         self._extra_roots = dict(roots or {})
-        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal)
+        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
+                             chunk_size=chunk_size, memory_budget=memory_budget)
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
         self._method = module is None and bool(names) and names[0] == "self"
@@ -175,11 +198,81 @@ class Compiled:
 
     # ------------------------------------------------------------------------------- calling
     def __call__(self, *args, **kwargs) -> Derivatives:
+        n = self.config.chunk_size
+        if n is not None and get_proxy_mode() is None:
+            chunks = self._chunks(n, args, kwargs)
+            if chunks is not None:
+                return self._joined(chunks)
+        return self._call(*args, **kwargs)
+
+    def _chunks(self, n: int, args: tuple, kwargs: dict) -> list | None:
+        """The call split into calls of n samples each (the last padded with copies of its first
+        sample, so one program serves every chunk): [(args, kwargs, samples kept)], or None when
+        the call has at most n samples."""
+        places = []
+        for w in self._expanded_wrt():
+            if isinstance(w, int) and w < len(args):
+                places.append(Positional(w))
+            elif isinstance(w, int) and w < len(self._positional) and self._positional[w] in kwargs:
+                places.append(Keyword(self._positional[w]))
+            elif isinstance(w, str) and w in kwargs:
+                places.append(Keyword(w))
+            elif isinstance(w, str) and w in self._positional and self._positional.index(w) < len(args):
+                places.append(Positional(self._positional.index(w)))
+        values = [args[p.index] if isinstance(p, Positional) else kwargs[p.name] for p in places]
+        if not values or not all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in values):
+            return None  # the unchunked call names what is wrong
+        samples = values[0].shape[0]
+        if any(v.shape[0] != samples for v in values):
+            raise InvalidArgumentError(f"batch_dim=0 with chunk_size: the wrt inputs have different numbers of samples "
+                                       f"{[v.shape[0] for v in values]} along dim 0")
+        if samples <= n:
+            return None
+        chunks = []
+        for start in range(0, samples, n):
+            kept = min(n, samples - start)
+            a, k = list(args), dict(kwargs)
+            for place, v in zip(places, values):
+                piece = v[start:start + kept]
+                if kept < n:
+                    piece = torch.cat([piece, piece[:1].expand(n - kept, *piece.shape[1:])])
+                if isinstance(place, Positional):
+                    a[place.index] = piece
+                else:
+                    k[place.name] = piece
+            chunks.append((tuple(a), k, kept))
+        return chunks
+
+    def _joined(self, chunks: list) -> Derivatives:
+        parts = []
+        for i, (a, k, kept) in enumerate(chunks):
+            parts.append((self._call(*a, **k), kept))
+            if i == 0:
+                self._check_joined_size(len(chunks))
+        first = parts[0][0]
+        value = torch.cat([r.value[:kept] for r, kept in parts])
+        blocks = {K: torch.cat([r._blocks[K][:kept] for r, kept in parts]) for K in first._blocks}
+        return Derivatives(value, blocks, first._spec)
+
+    def _check_joined_size(self, chunks: int) -> None:
+        """The joined results must fit, whatever the size of one chunk's program."""
+        memory = self._last.build.stats.get("memory") if self._last is not None else None
+        if not memory or memory["budget"] is None:
+            return
+        total = memory["plan"].results * chunks
+        if total > memory["budget"]:
+            raise MemoryBudgetError(
+                f"the results of all {chunks} chunks take {human(total)}, over the memory budget of "
+                f"{human(memory['budget'])}: chunking bounds the program's working memory, not its results. Ways "
+                "out: diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order, or fewer samples per call")
+
+    def _call(self, *args, **kwargs) -> Derivatives:
         if self._method:
             raise InvalidArgumentError(
                 f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
                 "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
-        if not kwargs and self.module is None and all(type(a) is torch.Tensor for a in args):
+        nested = get_proxy_mode() is not None  # inside another hoad.compile's trace
+        if not nested and not kwargs and self.module is None and all(type(a) is torch.Tensor for a in args):
             # fast path: positional tensors only, no pytree needed (a few µs per call)
             key = tuple((a.shape, a.dtype, a.device) for a in args)
             entry = self._cache.get(key)
@@ -196,31 +289,46 @@ class Compiled:
             extra = tuple(m.training for m in self.module.modules())
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
+        config = self.config
+        if nested and (config.backend, config.nestable) != ("eager", True):
+            # the outer program differentiates this program's ops: an eager twin made for it
+            config = dataclasses.replace(config, backend="eager", nestable=True)
+            key = ("nested", key)
         entry = self._cache.get(key)
         free = entry.read_free() if entry is not None else None
         if free is None:
-            if entry is not None:
-                log.info("hoad: a tensor %s reads changed its shape, dtype or device; tracing again",
-                         getattr(self.fn, "__name__", "the function"))
-                del self._cache[key]
-            entry = self._new_signature(key, args, kwargs)
-            free = entry.read_free()
-            if free is None:
-                raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
-        self._last = entry
+            with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
+                entry = self._cache.get(key)  # another thread may have built it meanwhile
+                free = entry.read_free() if entry is not None else None
+                if free is None:
+                    if entry is not None:
+                        log.info("hoad: a tensor %s reads changed its shape, dtype or device; tracing again",
+                                 getattr(self.fn, "__name__", "the function"))
+                        del self._cache[key]
+                    entry = self._new_signature(key, args, kwargs, config, nested)
+                    free = entry.read_free()
+                    if free is None:
+                        raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
+        if not nested:
+            self._last = entry
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return entry.result(tensors, free)
 
-    def _new_signature(self, key, args: tuple, kwargs: dict) -> _Entry:
+    def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool) -> _Entry:
         """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
         name = getattr(self.fn, "__name__", "function")
-        if self._cache:
+        if not nested and any(not _is_nested(k) for k in self._cache):
             shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             log.log(level, "hoad: %s called with a new signature (tensor shapes %s); compiling program %d for it. "
                         "Each distinct shape (e.g. batch size) or Python-scalar value is its own program: pad "
                         "batches to a fixed size to compile once.", name, shapes, len(self._cache) + 1)
-        entry = self._compile(args, kwargs)
+        if nested:  # built outside the outer trace, on concrete stand-ins of its values
+            with temporarily_clear_interpreter_stack(), _disable_current_modes():
+                args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
+                entry = self._compile(args, kwargs, config)
+        else:
+            entry = self._compile(args, kwargs, config)
         if len(self._cache) >= MAX_PROGRAMS:
             oldest = next(iter(self._cache))
             del self._cache[oldest]
@@ -228,7 +336,7 @@ class Compiled:
         self._cache[key] = entry
         return entry
 
-    def _compile(self, args: tuple, kwargs: dict) -> _Entry:
+    def _compile(self, args: tuple, kwargs: dict, config: Config) -> _Entry:
         stateful = self.module is not None
         target = self._stateful if stateful else self.fn
         layout, tensors = bind_layout(target, args, kwargs, state=stateful, names=self._positional)
@@ -245,7 +353,7 @@ class Compiled:
                     "(convert it with .double() or .float())")
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
         roots = self._roots()
-        b = build(target, layout, tensors, wrt_leaves, self.config, roots=roots)
+        b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
         return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
 
     def _roots(self) -> dict:
@@ -363,7 +471,7 @@ class _Entry:
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
-        self.trainable = Trainable(p.gm, b.main, f"the order-{p.order} {p.direction} program") \
+        self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program") \
             if b.config.backend == "inductor" else None
         self.n_user = len(b.tensors) - len(b.captured.free)
         free = b.captured.free
@@ -422,11 +530,18 @@ class _Entry:
         """The eager program on traced values, its prefix recomputed (cached prefix values would
         be constants of the outer program, stale once the weights change)."""
         b = self.build
-        if b.config.backend != "eager":
-            raise InvalidArgumentError("a hoad program called inside hoad.compile must be built with backend='eager'")
         if b.prefix is None:
             return b.main(*tensors)
         return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
+
+
+def _is_nested(key) -> bool:
+    return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[0] == "nested"
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A concrete tensor like a traced one (a program is traced in fake mode: values never matter)."""
+    return torch.zeros(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
 def _leaf_key(leaf) -> Hashable:

@@ -40,6 +40,11 @@ class BatchCouplingError(HoadError):
     """``batch_dim`` promised independent samples, but an operator mixes them."""
 
 
+class MemoryBudgetError(HoadError, MemoryError):
+    """A derivative program would need more memory than its budget (``memory_budget=``): refused
+    when it is built, before anything is allocated."""
+
+
 class CompileError(HoadError):
     """Inductor could not compile a derivative program."""
 

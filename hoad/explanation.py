@@ -12,6 +12,7 @@ import math
 from tabulate import tabulate
 
 from hoad.algebra.multiindex import all_multi_indices
+from hoad.passes.memory import human
 
 
 class Explanation:
@@ -59,6 +60,10 @@ class Explanation:
             rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == p.direction else ""]
                     for d, c in costs.items()]
             lines += ["", tabulate(rows, headers=["direction", "FLOPs", "bytes", "ATen calls", "score", ""])]
+        memory = b.stats.get("memory")
+        if memory:
+            budget = "none" if memory["budget"] is None else human(memory["budget"])
+            lines += ["", f"memory: {memory['plan']}; budget {budget}"]
         stages = []
         for name, st in b.stats.items():
             if isinstance(st, dict) and "seconds" in st:

@@ -207,18 +207,12 @@ class Biharmonic:
         self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, directions=directions, backend=backend,
                                mode=mode)
         self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
-        self._inner_built: set = set()
 
     @property
     def graph(self):
         return self.outer.graph
 
     def __call__(self, *args, **kwargs) -> OperatorResult:
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in list(args) + list(kwargs.values())
-                    if isinstance(t, torch.Tensor))
-        if key not in self._inner_built:  # the outer trace runs the inner program: build it first
-            self.inner(*args, **kwargs)
-            self._inner_built.add(key)
         res = self.outer(*args, **kwargs)
         return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
 

@@ -1,4 +1,4 @@
-"""The pipeline, declared once: capture → differentiate → prune → clean → lower → hoist → choose → compile.
+"""The pipeline, declared once: capture → differentiate → prune → clean → lower → hoist → choose → plan → compile.
 
 Each stage takes the :class:`Build` so far and returns it with its own product filled in; the
 list :data:`PIPELINE` is the architecture. Per-stage node counts and times land in
@@ -8,6 +8,7 @@ list :data:`PIPELINE` is the architecture. Per-stage node counts and times land 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from hoad.algebra import EAGER, Target
 from hoad.binding import CallLayout, Keyword, Source, find_sources
 from hoad.lowering import kernels
 from hoad.lowering.inductor import InductorLowering
-from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError
+from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
 from hoad.passes.clean import clean
@@ -28,9 +29,14 @@ from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import lower_products
+from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
 from hoad.passes.prune import prune
 
 log = logging.getLogger(__name__)
+
+# Builds run one at a time in the process: tracing (make_fx) and Inductor keep process-wide state.
+# Reentrant: a program called inside another's trace builds inside that build.
+BUILDS = threading.RLock()
 
 
 @dataclass
@@ -43,6 +49,8 @@ class Config:
     operator: OperatorSpec | None = None   # a differential operator (hoad.operators)
     nestable: bool = False        # the program will be differentiated again (per sample: no mixed rows)
     target: Target | None = None  # how products become ops; None: the backend's (tests pass their own)
+    memory_budget: float | None = None  # bytes a program may plan to use; None: a share of free memory
+    chunk_size: int | None = None       # samples per run under batch_dim (the program is built for them)
 
     def resolve_target(self) -> Target:
         """The program's target. For Inductor this prepares hoad's kernel library, so that a
@@ -161,6 +169,36 @@ def _choose(b: Build) -> Build:
     return b
 
 
+def _plan(b: Build) -> Build:
+    """The memory plan of the chosen program, refused before anything runs when over budget."""
+    plan = memory_plan(b.program.gm)
+    device = b.tensors[b.wrt_leaves[0]].device
+    budget = b.config.memory_budget if b.config.memory_budget is not None else default_budget(device)
+    b.stats["memory"] = {"plan": plan, "budget": budget}
+    if budget is not None and plan.peak > budget:
+        raise MemoryBudgetError(_over_budget(b, plan, budget))
+    return b
+
+
+def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
+    p, c = b.program, b.config
+    given = "memory_budget=" if c.memory_budget is not None else f"{BUDGET_SHARE:.0%} of the memory free now; memory_budget= sets it"
+    ways = []
+    if c.batch_dim is None:
+        ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
+    else:
+        samples = p.out_shape[0]
+        fit = int(samples * budget / plan.peak * 0.9)
+        if plan.results <= budget and fit >= 1:  # chunks bound the working memory, not the results
+            ways.append(f"chunk_size={fit} to run {fit} samples at a time")
+    if not c.diagonal:
+        ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
+    ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is what you need")
+    ways.append("a lower order or fewer wrt inputs")
+    return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
+            f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
+
+
 def _compile(b: Build) -> Build:
     p = b.program
     n_user = len(b.tensors) - len(b.captured.free)
@@ -196,6 +234,7 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
     ("lower", _lower),
     ("hoist", _hoist),
     ("choose", _choose),
+    ("plan", _plan),
     ("compile", _compile),
 )
 

@@ -1,40 +1,51 @@
 """Training through compiled derivative programs: results that autograd can differentiate.
 
 An Inductor program records no autograd graph. When a call needs one (grad is enabled and an
-input requires grad: a PINN's parameters, closed over or passed), its outputs come from
-:class:`Differentiable`, an ``autograd.Function`` whose
+input requires grad: a PINN's parameters, closed over or passed), the derivative program is
+compiled a second time by AOTAutograd, once per pattern of inputs that require grad: a compiled
+forward that keeps what the backward needs (its min-cut partition chooses what to recompute
+instead) and a compiled backward. Measured against a backward that recomputes the whole forward
+from the inputs (a Laplacian-residual step, 16-64-64-1 MLP, 256 points, one thread): 5.6 vs 7.3
+ms per step, eager autograd 7.6. Compiled with fake inputs, so it reuses Inductor's and
+AOTAutograd's on-disk caches across processes.
 
-- forward is the compiled program itself, unchanged;
-- backward is a second compiled program, the VJP of the derivative program, traced once per
-  pattern of inputs that require grad. It recomputes the forward values it needs instead of
-  keeping them from the forward call, so a training step holds no activations between the two;
-- backward with ``create_graph=True`` (a gradient that is itself differentiated) runs the same
-  derivative program eagerly under autograd, so double backward works as in the eager backend.
+The AOTAutograd program runs inside :class:`_Guard` on detached aliases of the inputs, so its
+backward is reached only through the guard. Its backward cannot itself be differentiated, and it
+runs once (its buffers are donated). A plain backward flows into it; a backward with
+``create_graph=True`` (a gradient penalty, meta-learning) or a second backward after the caller's
+``retain_graph=True`` runs the same derivative program eagerly under autograd instead, so double
+backward works as in the eager backend.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from hoad.passes.compile import eager_program, inductor_program
+from hoad.errors import CompileError
+from hoad.lowering.inductor import use_cache_dir
+from hoad.passes.compile import eager_program
+from hoad.pipeline import BUILDS
+
+log = logging.getLogger("hoad")
 
 
 class Trainable:
-    """What :class:`Differentiable` needs of one program: its compiled forward, its eager twin,
-    and the compiled VJP programs built so far (one per set of inputs that require grad)."""
+    """One program's differentiable runs: AOTAutograd compilations keyed by the inputs that
+    require grad, and the eager twin for double backward."""
 
-    def __init__(self, gm: fx.GraphModule, run: Callable, label: str):
+    def __init__(self, gm: fx.GraphModule, label: str):
         self.gm = gm
-        self.run = run
         self.label = label
         self._eager: Callable | None = None
-        self._vjps: dict[tuple[int, ...], tuple[Callable, list[int]]] = {}
-        # inputs the program writes into (batch norm's running statistics): the recomputations
-        # of the backward work on copies, so the forward call stays the only write
+        self._compiled: dict[tuple[int, ...], Callable] = {}
+        # inputs the program writes into (batch norm's running statistics): the eager
+        # recomputation of a double backward works on copies, so the call stays the only write
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.written = {placeholders.index(n.args[0]) for n in gm.graph.nodes
                         if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
@@ -46,77 +57,81 @@ class Trainable:
             self._eager = eager_program(self.gm)
         return self._eager
 
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        return _Guard.apply(self, *inputs)
+
+    def compiled(self, inputs: Sequence[torch.Tensor]) -> Callable:
+        needs = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
+        run = self._compiled.get(needs)
+        if run is None:
+            with BUILDS:
+                run = self._compiled.get(needs)
+                if run is None:
+                    run = self._compiled[needs] = self._compile(inputs)
+        return run
+
+    def _compile(self, inputs: Sequence[torch.Tensor]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        use_cache_dir()
+        fake = FakeTensorMode(shape_env=ShapeEnv())
+        examples = [fake.from_tensor(t) for t in inputs]
+        gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # compile_fx changes what it gets
+        log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
+        start = time.perf_counter()
+        try:
+            run = compile_fx(gm, examples)
+        except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
+            raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "
+                               "backend='eager' trains through the same program without compiling it") from e
+        log.info("hoad: compiled %s for autograd in %.1f s", self.label, time.perf_counter() - start)
+        return run
+
     def _private(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.clone() if i in self.written else t for i, t in enumerate(inputs)]
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple:
-        return Differentiable.apply(self, *inputs)
 
-    def vjp(self, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor],
-            needs: tuple[int, ...]) -> tuple[Callable, list[int]]:
-        """The compiled VJP program for the inputs at positions ``needs``, and which outputs it
-        takes cotangents for (those that depend on them)."""
-        if needs not in self._vjps:
-            self._vjps[needs] = self._build_vjp(inputs, cotangents, needs)
-        return self._vjps[needs]
-
-    def _build_vjp(self, inputs, cotangents, needs) -> tuple[Callable, list[int]]:
-        n = len(inputs)
-        varying = _varying_outputs(self.eager, inputs, needs)
-
-        def vjp(*args):
-            primals = [a.detach().requires_grad_(i in needs) for i, a in enumerate(self._private(args[:n]))]
-            with torch.enable_grad():
-                outs = self.eager(*primals)
-                grads = torch.autograd.grad([outs[k] for k in varying], [primals[i] for i in needs],
-                                            list(args[n:]), allow_unused=True)
-            return tuple(torch.zeros_like(primals[i]) if g is None else g for i, g in zip(needs, grads))
-
-        examples = [t.detach() for t in inputs] + [cotangents[k].detach() for k in varying]
-        gm = make_fx(vjp, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
-        return inductor_program(gm, examples, f"the backward of {self.label}"), varying
-
-
-def _varying_outputs(eager: Callable, inputs: Sequence[torch.Tensor], needs: tuple[int, ...]) -> list[int]:
-    """Outputs that depend on the inputs requiring grad (the others get no cotangent)."""
-    with torch.enable_grad():
-        fake = [t.detach().requires_grad_(i in needs) for i, t in enumerate(inputs)]
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            outs = eager(*[mode.from_tensor(t) for t in fake])
-    return [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-
-class Differentiable(torch.autograd.Function):
-    """The outputs of a compiled program, differentiable with respect to its inputs."""
+class _Guard(torch.autograd.Function):
+    """One differentiable call: the AOTAutograd program runs on detached aliases of the inputs,
+    so its backward is reached only from here; a backward with ``create_graph`` goes around it,
+    through the eager program (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, program: Trainable, *inputs):
-        outs = tuple(program.run(*inputs))
-        ctx.program = program
+        primals = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            outs = tuple(program.compiled(primals)(*primals))
+        ctx.program, ctx.primals, ctx.outs = program, primals, outs
         ctx.save_for_backward(*inputs)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point])
-        return outs
+        results = tuple(o.detach() for o in outs)
+        ctx.mark_non_differentiable(*[r for r in results if not r.dtype.is_floating_point])
+        return results
 
     @staticmethod
     def backward(ctx, *cotangents):
-        program: Trainable = ctx.program
         inputs = ctx.saved_tensors
-        needs = tuple(i for i in range(len(inputs)) if ctx.needs_input_grad[i + 1])
+        needs = [i for i in range(len(inputs)) if ctx.needs_input_grad[1 + i]]
         grads: list = [None] * len(inputs)
-        if torch.is_grad_enabled():  # create_graph=True: the gradient must be differentiable itself
-            # fresh aliases: gradients with respect to them count only the paths through this
-            # program, not those that already join the inputs upstream (a prefix computes some
-            # inputs from others), and stay connected to the inputs for the next differentiation
-            primals = [t.view_as(t) if i in needs else t.detach() for i, t in enumerate(program._private(inputs))]
-            outs = program.eager(*primals)
-            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-            got = torch.autograd.grad([o for o, _ in pairs], [primals[i] for i in needs],
-                                      [c for _, c in pairs], create_graph=True, allow_unused=True) if pairs else ()
-        else:
-            run, varying = program.vjp(inputs, cotangents, needs)
-            got = run(*[t.detach() for t in inputs], *[cotangents[k] for k in varying])
-        for i, g in zip(needs, got):
-            grads[i] = g
+        create = torch.is_grad_enabled()
+        if create or ctx.outs is None:
+            # create_graph, or a second backward (the caller's retain_graph=True) after the
+            # compiled backward, which runs once, freed its buffers: the eager program under
+            # autograd. Fresh aliases: gradients with respect to them count only the paths
+            # through this program, not those that join the inputs upstream (a prefix computes
+            # some inputs from others), and stay connected to the inputs for the next derivative
+            program: Trainable = ctx.program
+            with torch.enable_grad():
+                primals = [t.view_as(t) if i in needs else t.detach()
+                           for i, t in enumerate(program._private(inputs))]
+                outs = program.eager(*primals)
+        else:  # a plain backward: the compiled one
+            primals, outs, ctx.primals, ctx.outs = ctx.primals, ctx.outs, None, None
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
+        if pairs and needs:
+            got = torch.autograd.grad([o for o, _ in pairs], [primals[i] for i in needs], [c for _, c in pairs],
+                                      create_graph=create, allow_unused=True)
+            for i, g in zip(needs, got):
+                grads[i] = g
         return (None, *grads)

@@ -91,8 +91,8 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node.op != "call_function" or node.target in RANDOM or not _pure(node):
             continue
-        if not all(a in values for a in node.all_input_nodes):
-            continue
+        if not all(a in values for a in node.all_input_nodes) or _nbytes(node.meta.get("val")) > FOLD_LIMIT_BYTES:
+            continue  # (a value too large to store is not computed here either)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a])
         values[node] = node.target(*args, **kwargs)
     for node, value in values.items():
@@ -114,6 +114,10 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _nbytes(traced) -> int:
+    return traced.numel() * traced.element_size() if isinstance(traced, torch.Tensor) else 0
 
 
 def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:

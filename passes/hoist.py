@@ -101,22 +101,19 @@ class Prefix:
         self.run = run
         self.reads = list(reads)
         self.first_free = first_free        # where the free tensors start among the program inputs
-        self._key: tuple | None = None
-        self._held: tuple = ()
-        self._values: tuple = ()
+        # (state key, the input objects, the outputs): replaced as one value, so a thread never
+        # reads one call's key with another's outputs
+        self._last: tuple = (None, (), ())
 
     def __call__(self, free: Sequence[torch.Tensor]) -> tuple:
         inputs = [free[i] for i in self.reads]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         key = _state(inputs)
-        if needs_grad or key is None or key != self._key or any(a is not b for a, b in zip(inputs, self._held)):
+        last_key, held, values = self._last
+        if needs_grad or key is None or key != last_key or any(a is not b for a, b in zip(inputs, held)):
             values = tuple(self.run(*inputs))
-            if needs_grad or key is None:
-                self._key, self._held, self._values = None, (), ()
-            else:
-                self._key, self._held, self._values = key, tuple(inputs), values
-            return values
-        return self._values
+            self._last = (None, (), ()) if needs_grad or key is None else (key, tuple(inputs), values)
+        return values
 
 
 def _state(tensors: Sequence[torch.Tensor]) -> tuple | None:

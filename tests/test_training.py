@@ -233,3 +233,22 @@ def test_batchnorm_running_statistics_update_once_per_call_under_training():
     cf(X)[0].sum().backward()
     assert bn.num_batches_tracked.item() == once + 1
     assert_close(bn.running_mean, 0.9 * mean + 0.1 * X.mean(0), "one momentum update")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_retained_graph_runs_backward_twice(backend):
+    """The caller's retain_graph=True: the second backward accumulates the same gradient."""
+    W = rand(3, 4, seed=9).requires_grad_(True)
+
+    def f(x):
+        return (x @ W).tanh().sum(-1)
+
+    x = rand(5, 3, seed=10)
+    L = hoad.compile(f, order=2, batch_dim=0, backend=backend)(x)[0, 0].pow(2).sum()
+    L.backward(retain_graph=True)
+    once = W.grad.clone()
+    L.backward()
+    H = vmap(hessian(lambda xb: f(xb[None])[0]))(x)
+    ref, = torch.autograd.grad(H.pow(2).sum(), W)
+    assert_close(once, ref, "first backward")
+    assert_close(W.grad, 2 * ref, "accumulated over two backwards")

@@ -1,0 +1,181 @@
+"""Reliability: compiled functions called from many threads, and hoad programs inside hoad programs."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+
+import pytest
+import torch
+from torch.func import hessian, jacrev, vmap
+
+import hoad
+from helpers import assert_close, rand
+
+W = rand(3, 4, seed=301)
+V = rand(4, seed=302)
+
+
+def mlp(x):
+    return (x @ W).tanh() @ V
+
+
+def _programs(backend):
+    """(compiled function, [(args, expected blocks)]) for a few programs of different shapes."""
+    point = hoad.compile(lambda x: mlp(x).sin(), order=2, backend=backend)
+    per_sample = hoad.compile(mlp, order=2, batch_dim=0, backend=backend)
+    cube = hoad.compile(lambda x: (x.sin() * x.exp()).sum(), order=3, backend=backend)
+    out = []
+    for i in range(3):
+        x = rand(3, seed=310 + i)
+        g = lambda x: mlp(x).sin()  # noqa: E731
+        out.append((point, (x,), {(0,): jacrev(g)(x), (0, 0): hessian(g)(x)}))
+        X = rand(5, 3, seed=320 + i)
+        out.append((per_sample, (X,), {(0, 0): vmap(hessian(mlp))(X)}))
+        y = rand(2, 2, seed=330 + i)
+        c = lambda y: (y.sin() * y.exp()).sum()  # noqa: E731
+        out.append((cube, (y,), {(0, 0, 0): jacrev(jacrev(jacrev(c)))(y)}))
+    return out
+
+
+def _hammer(cases, threads=8, calls=50):
+    """Every thread makes ``calls`` calls in its own random order, starting together (so that the
+    first calls, which build, collide); returns the failures."""
+    start = threading.Barrier(threads)
+    failures: list = []
+
+    def worker(seed):
+        order = random.Random(seed)
+        start.wait()
+        for _ in range(calls):
+            f, args, expected = order.choice(cases)
+            try:
+                res = f(*args)
+                for K, ref in expected.items():
+                    assert_close(res[K], ref, f"block {K}")
+            except Exception as e:  # noqa: BLE001 - collected and reported by the test
+                failures.append(f"{type(e).__name__}: {e}")
+
+    pool = [threading.Thread(target=worker, args=(s,)) for s in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return failures
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_many_threads_build_and_call_concurrently(backend):
+    failures = _hammer(_programs(backend))
+    assert not failures, f"{len(failures)} of 400 calls failed, e.g. {failures[0]}"
+
+
+# ------------------------------------------------------------------------------------ nesting
+@pytest.mark.parametrize("inner_backend", ["eager", "inductor"])
+def test_a_program_inside_a_program_composes(inner_backend):
+    """The outer order works over the inner one: order 2 of a gradient is order 3 of f; the
+    inner function still works on its own afterwards."""
+
+    def f(x):
+        return mlp(x).sin()
+
+    inner = hoad.compile(f, order=1, backend=inner_backend)
+    outer = hoad.compile(lambda x: inner(x)[0], order=2, backend="eager")
+    x = rand(3, seed=340)
+    res = outer(x)
+    assert_close(res.value, jacrev(f)(x), "value: the inner gradient")
+    assert_close(res[0], jacrev(jacrev(f))(x), "order 1 over the gradient")
+    assert_close(res[0, 0], jacrev(jacrev(jacrev(f)))(x), "order 2 over the gradient")
+    assert_close(inner(x)[0], jacrev(f)(x), "the inner program called directly")
+
+
+def test_nested_programs_see_live_weights():
+    """The inner program's closed-over weights are inputs of the outer program, read at every call."""
+    w = rand(3, seed=341)
+
+    def f(x):
+        return (x * w).sin().sum()
+
+    inner = hoad.compile(f, order=1)
+    outer = hoad.compile(lambda x: inner(x)[0].sin().sum(), order=2)
+    x = rand(3, seed=342)
+    g = lambda x: jacrev(f)(x).sin().sum()  # noqa: E731
+    assert_close(outer(x)[0, 0], hessian(g)(x), "before the update")
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert_close(outer(x)[0, 0], hessian(g)(x), "after an in-place update of the weights")
+
+
+# ------------------------------------------------------------------------------ memory plan
+def test_a_result_that_cannot_fit_is_refused_before_anything_is_allocated():
+    """Order 3 of a 60000-entry input, dense: petabytes. Refused at build time, with the ways out."""
+    x = rand(20000, 3, seed=350)
+    with pytest.raises(hoad.MemoryBudgetError) as e:
+        hoad.compile(lambda x: x.sin().sum(0), order=3)(x)
+    message = str(e.value)
+    for way in ("PB", "memory budget", "batch_dim=0", "diagonal=True", "hoad.laplacian", "memory_budget="):
+        assert way in message, f"{way!r} missing from: {message}"
+
+
+def _per_sample(X):
+    return (X.sin() @ W).tanh().sum(-1)
+
+
+def _per_sample_reference(X):
+    return vmap(jacrev(jacrev(jacrev(lambda x: _per_sample(x[None])[0]))))(X)
+
+
+def test_over_budget_with_batch_dim_suggests_a_chunk_size_that_fits():
+    X = rand(400, 3, seed=351)
+    cf = hoad.compile(_per_sample, order=3, batch_dim=0)
+    plan = cf.explain(X).build.stats["memory"]["plan"]
+    assert plan.results < plan.peak
+    budget = (plan.results + plan.peak) / 2
+    with pytest.raises(hoad.MemoryBudgetError, match=r"chunk_size=(\d+)") as e:
+        hoad.compile(_per_sample, order=3, batch_dim=0, memory_budget=budget)(X)
+    size = int(re.search(r"chunk_size=(\d+)", str(e.value)).group(1))
+    assert 1 <= size < 400
+    chunked = hoad.compile(_per_sample, order=3, batch_dim=0, memory_budget=budget, chunk_size=size)
+    res = chunked(X)
+    assert chunked.explain().build.stats["memory"]["plan"].peak <= budget
+    assert_close(res[0, 0, 0], _per_sample_reference(X), "order 3 joined from chunks")
+
+
+def test_chunks_give_the_unchunked_result_with_one_program():
+    X = rand(10, 3, seed=352)
+    chunked = hoad.compile(_per_sample, order=3, batch_dim=0, chunk_size=4)  # 4 + 4 + 2 (padded)
+    res, whole = chunked(X), hoad.compile(_per_sample, order=3, batch_dim=0)(X)
+    assert len(chunked._cache) == 1, "the padded last chunk must reuse the program"
+    assert_close(res.value, whole.value, "value")
+    for K in whole:
+        assert_close(res[K], whole[K], f"block {K}")
+    assert_close(res[0, 0, 0], _per_sample_reference(X), "order 3 against torch.func")
+
+
+def test_gradients_flow_through_joined_chunks():
+    X = rand(7, 3, seed=353)
+    Wg = W.clone().requires_grad_(True)
+
+    def f(X):
+        return (X.sin() @ Wg).tanh().sum(-1)
+
+    loss = hoad.compile(f, order=2, batch_dim=0, chunk_size=3)(X)[0, 0].pow(2).sum()
+    got, = torch.autograd.grad(loss, Wg)
+    ref, = torch.autograd.grad(vmap(hessian(lambda x: f(x[None])[0]))(X).pow(2).sum(), Wg)
+    assert_close(got, ref, "dL/dW through chunks")
+
+
+def test_explain_shows_the_memory_plan():
+    text = str(hoad.compile(_per_sample, order=2, batch_dim=0).explain(rand(5, 3, seed=354)))
+    assert "estimated peak" in text and "budget" in text
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(chunk_size=4), "pass batch_dim=0"),
+    (dict(batch_dim=0, chunk_size=0), "chunk_size must be"),
+    (dict(memory_budget=-1), "memory_budget must be"),
+])
+def test_bad_chunk_and_budget_options(options, fragment):
+    with pytest.raises(hoad.InvalidArgumentError, match=fragment):
+        hoad.compile(_per_sample, order=2, **options)
