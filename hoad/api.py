@@ -168,6 +168,8 @@ class Compiled:
         if not self._method:
             self._check_wrt_against_signature()
         self._cache: dict[Hashable, _Entry] = {}
+        self._families: dict[Hashable, _Family] = {}
+        self._wrt_leaves: dict[Hashable, list[int]] = {}
         self._last: _Entry | None = None
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -305,7 +307,17 @@ class Compiled:
                         log.info("hoad: a tensor %s reads changed its shape, dtype or device; tracing again",
                                  getattr(self.fn, "__name__", "the function"))
                         del self._cache[key]
-                    entry = self._new_signature(key, args, kwargs, config, nested)
+                    family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
+                    entry = family.entry if family is not None and family.entry is not None else None
+                    if entry is not None:  # one program for every number of samples
+                        entry.check_samples(family.samples(leaves))
+                        self._keep(key, entry)
+                    else:
+                        if family is not None and family.first is not None and family.tried is False:
+                            config = dataclasses.replace(config, sized=family.first)
+                        entry = self._new_signature(key, args, kwargs, config, nested)
+                        if not nested and config.batch_dim is not None:
+                            self._remember(treedef, leaves, extra, entry, config.sized is not None)
                     free = entry.read_free()
                     if free is None:
                         raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
@@ -317,24 +329,60 @@ class Compiled:
     def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool) -> _Entry:
         """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
         name = getattr(self.fn, "__name__", "function")
-        if not nested and any(not _is_nested(k) for k in self._cache):
+        if config.sized is not None:
+            log.info("hoad: %s called with another number of samples; building one program for every number",
+                     name)
+        elif not nested and any(not _is_nested(k) for k in self._cache):
             shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             log.log(level, "hoad: %s called with a new signature (tensor shapes %s); compiling program %d for it. "
-                        "Each distinct shape (e.g. batch size) or Python-scalar value is its own program: pad "
-                        "batches to a fixed size to compile once.", name, shapes, len(self._cache) + 1)
+                        "Each distinct shape or Python-scalar value is its own program (under batch_dim=0, "
+                        "one program serves every number of samples).", name, shapes, len(self._cache) + 1)
         if nested:  # built outside the outer trace, on concrete stand-ins of its values
             with temporarily_clear_interpreter_stack(), _disable_current_modes():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
                 entry = self._compile(args, kwargs, config)
         else:
             entry = self._compile(args, kwargs, config)
+        self._keep(key, entry)
+        return entry
+
+    def _keep(self, key, entry: _Entry) -> None:
         if len(self._cache) >= MAX_PROGRAMS:
             oldest = next(iter(self._cache))
-            del self._cache[oldest]
-            log.warning("hoad: %s keeps at most %d programs; dropped the least recently compiled one", name, MAX_PROGRAMS)
+            dropped = self._cache.pop(oldest)
+            if not any(f.entry is dropped for f in self._families.values()):  # (else a size's shortcut)
+                log.warning("hoad: %s keeps at most %d programs; dropped the least recently compiled one",
+                            getattr(self.fn, "__name__", "function"), MAX_PROGRAMS)
         self._cache[key] = entry
-        return entry
+
+    # ----------------------------------------------------------------- every number of samples
+    def _family(self, treedef, leaves: list, extra) -> _Family | None:
+        """The calls that differ from this one only in the number of samples (dim 0 of every wrt
+        input, all equal), or None when this call has none or fewer than 2 samples."""
+        wrt = self._wrt_leaves.get((treedef, extra))
+        if wrt is None:
+            return None
+        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None for i in wrt}
+        if len(counts) != 1 or None in counts or next(iter(counts)) < 2:
+            return None
+        fkey = (treedef, tuple((None,) + tuple(leaf.shape[1:]) + (leaf.dtype, leaf.device) if i in wrt
+                               else _leaf_key(leaf) for i, leaf in enumerate(leaves)), extra)
+        return self._families.setdefault(fkey, _Family(wrt))
+
+    def _remember(self, treedef, leaves: list, extra, entry: _Entry, tried: bool) -> None:
+        """After a build: the wrt leaves of this call structure, and the family's program."""
+        self._wrt_leaves.setdefault((treedef, extra), list(entry.build.wrt_leaves))
+        family = self._family(treedef, leaves, extra)
+        if family is None:
+            return
+        if entry.build.stats.get("any_samples"):
+            family.entry = entry
+            log.info("hoad: %s: one program now serves every number of samples", getattr(self.fn, "__name__", "function"))
+        elif tried:
+            family.tried = True  # the structure depends on the number of samples: one program per count
+        elif family.first is None:
+            family.first = (entry.build.program.gm, entry.build.captured.out_shape[0])
 
     def _compile(self, args: tuple, kwargs: dict, config: Config) -> _Entry:
         stateful = self.module is not None
@@ -462,6 +510,19 @@ class Compiled:
         return f"<hoad.compile({getattr(self.fn, '__name__', self.fn)!s}, order={self.order}, wrt={self.wrt!r})>"
 
 
+class _Family:
+    """Calls of one function that differ only in their number of samples (under batch_dim)."""
+
+    def __init__(self, wrt: list[int]):
+        self.wrt = wrt
+        self.first: tuple | None = None   # (main program, its number of samples) of the first build
+        self.tried = False                # a second build showed the structure depends on the count
+        self.entry: _Entry | None = None  # the program for every number of samples
+
+    def samples(self, leaves: list) -> int:
+        return leaves[self.wrt[0]].shape[0]
+
+
 class _Entry:
     """One compiled signature: the program, the free tensors it reads, how to wrap its outputs."""
 
@@ -486,6 +547,21 @@ class _Entry:
                         "the same tensor objects, so in-place updates are seen but rebinding them to new tensors "
                         "is not. Pass them as arguments to be safe.", getattr(b.fn, "__name__", "the function"),
                         ", ".join(lost))
+
+    def check_samples(self, count: int) -> None:
+        """A program for every number of samples: refuse a count whose estimated peak (the plan
+        scaled from the count it was built for) exceeds the budget."""
+        memory = self.build.stats.get("memory")
+        if not memory or memory["budget"] is None:
+            return
+        built = self.build.captured.out_shape[0]
+        peak = memory["plan"].peak * count / built
+        if peak > memory["budget"]:
+            fit = max(1, int(built * memory["budget"] / memory["plan"].peak * 0.9))
+            raise MemoryBudgetError(
+                f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
+                f"{human(memory['budget'])}. Ways out: chunk_size={fit} to run {fit} samples at a time, "
+                "diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order")
 
     def read_free(self) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or

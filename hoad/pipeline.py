@@ -27,6 +27,7 @@ from hoad.passes.clean import clean
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
+from hoad.passes.dynamic import generalize
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import lower_products
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
@@ -51,6 +52,9 @@ class Config:
     target: Target | None = None  # how products become ops; None: the backend's (tests pass their own)
     memory_budget: float | None = None  # bytes a program may plan to use; None: a share of free memory
     chunk_size: int | None = None       # samples per run under batch_dim (the program is built for them)
+    # under batch_dim: the program of this function built for another number of samples; when the
+    # two differ only in sample counts, the compiled program serves every count (passes/dynamic.py)
+    sized: tuple[fx.GraphModule, int] | None = None
 
     def resolve_target(self) -> Target:
         """The program's target. For Inductor this prepares hoad's kernel library, so that a
@@ -207,7 +211,14 @@ def _compile(b: Build) -> Build:
         b.prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
         with torch.no_grad():
             hoisted = b.prefix(b.tensors[n_user:])
-    b.main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted))
+    samples: list[int] = []
+    if b.config.sized is not None:
+        other, count = b.config.sized
+        general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0])
+        if general is not None:
+            p.gm, samples = general, list(b.wrt_leaves)
+        b.stats["any_samples"] = general is not None
+    b.main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     if hasattr(b.main, "cache_hit"):
         b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -59,8 +60,13 @@ def eager_program(gm: fx.GraphModule) -> fx.GraphModule:
     return fast
 
 
-def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], label: str = "program"):
-    """Compile ``gm`` with Inductor for inputs shaped like ``example_inputs``."""
+def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], label: str = "program",
+                     samples: Sequence[int] = ()):
+    """Compile ``gm`` with Inductor for inputs shaped like ``example_inputs``; dim 0 of the inputs
+    at ``samples`` is a symbol (one program for every number of samples, :mod:`hoad.passes.dynamic`)."""
+    fake = None
+    if samples:
+        example_inputs, fake = _symbolic(example_inputs, samples)
     from torch._dynamo.utils import counters
 
     where = use_cache_dir()
@@ -75,7 +81,16 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     slow.start()
     try:
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
-            artifact = torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs")
+            if fake is None:
+                artifact = torch._inductor.standalone_compile(gm, list(example_inputs),
+                                                              dynamic_shapes="from_example_inputs")
+            else:  # standalone_compile specialises symbolic inputs, and so does the C++ wrapper (measured,
+                # torch 2.13); compile_fx in their tracing context with the Python wrapper does not
+                from torch._inductor.compile_fx import compile_fx
+
+                with torch._guards.tracing(torch._guards.TracingContext(fake)), \
+                        torch._inductor.config.patch({"cpp_wrapper": False}):
+                    artifact = compile_fx(fx.GraphModule(gm, copy.deepcopy(gm.graph)), list(example_inputs))
     except Exception as e:  # noqa: BLE001 - any Inductor failure becomes one error naming the way out
         raise CompileError(f"Inductor failed to compile the derivative program ({type(e).__name__}: {e}); "
                            "backend='eager' runs the same program without compiling it") from e
@@ -85,6 +100,18 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     hit = counters["inductor"]["fxgraph_cache_hit"] > hits_before
     log.info("hoad: compiled %s in %.1f s (%s, cache %s)", label, seconds, "cache hit" if hit else "cache miss", where)
     return _Compiled(artifact, seconds, hit)
+
+
+def _symbolic(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple[list[torch.Tensor], object]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    out = []
+    for i, t in enumerate(tensors):
+        sizes = [DimDynamic.DYNAMIC if i in samples and d == 0 else DimDynamic.STATIC for d in range(t.ndim)]
+        out.append(fake.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
+    return out, fake
 
 
 class _Compiled:
@@ -101,10 +128,11 @@ class _Compiled:
         return self.artifact(*tensors)
 
 
-def compile_program(program, backend: str, example_inputs=None):
+def compile_program(program, backend: str, example_inputs=None, samples: Sequence[int] = ()):
     keep_freed_memory()
     if backend == "eager":
         return eager_program(program.gm)
     if backend == "inductor":
-        return inductor_program(program.gm, example_inputs, f"the order-{program.order} {program.direction} program")
+        return inductor_program(program.gm, example_inputs, f"the order-{program.order} {program.direction} program",
+                                samples=samples)
     raise HoadError(f"unknown backend {backend!r}")

@@ -179,3 +179,41 @@ def test_explain_shows_the_memory_plan():
 def test_bad_chunk_and_budget_options(options, fragment):
     with pytest.raises(hoad.InvalidArgumentError, match=fragment):
         hoad.compile(_per_sample, order=2, **options)
+
+
+# ---------------------------------------------------------------------- every number of samples
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_program_serves_every_number_of_samples(backend):
+    """The second number of samples builds the general program; later ones build nothing."""
+    cf = hoad.compile(mlp, order=2, batch_dim=0, backend=backend)
+    for count in (6, 9, 4, 13, 9):
+        X = rand(count, 3, seed=360 + count)
+        assert_close(cf(X)[0, 0], vmap(hessian(mlp))(X), f"{count} samples")
+    entries = {id(e) for e in cf._cache.values()}
+    assert len(entries) == 2, "one program for 6 samples, one for every number"
+    general = [e for e in cf._cache.values() if e.build.stats.get("any_samples")]
+    assert general and "sym_size" in general[0].build.program.gm.code
+
+
+def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
+    """The count squared is a constant of the program, not a size that follows the input: no
+    general program exists, and each count is built on its own, correctly."""
+    def f(X):
+        return (X.sin() * X.shape[0] ** 2).sum(-1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0)
+    for count in (3, 5, 7):
+        X = rand(count, 2, seed=370 + count)
+        assert_close(cf(X)[0, 0], vmap(hessian(lambda x: (x.sin() * count ** 2).sum()))(X), f"{count} samples")
+    assert not any(e.build.stats.get("any_samples") for e in cf._cache.values())
+    assert len(cf._cache) == 3
+
+
+def test_samples_over_budget_with_the_general_program_are_refused():
+    cf = hoad.compile(mlp, order=2, batch_dim=0)
+    cf(rand(4, 3, seed=380))
+    cf(rand(5, 3, seed=381))
+    plan = [e for e in cf._cache.values() if e.build.stats.get("any_samples")][0].build.stats["memory"]
+    plan["budget"] = plan["plan"].peak * 2  # as if little memory were free
+    with pytest.raises(hoad.MemoryBudgetError, match="chunk_size="):
+        cf(rand(50, 3, seed=382))

@@ -1,0 +1,130 @@
+"""One program for every number of samples: a ``batch_dim`` program whose sizes follow its input.
+
+hoad builds programs for concrete shapes: the number of samples B appears as plain integers in
+the arguments of views, expands and new tensors. Two builds of the same function at B1 and B2
+samples differ only in those integers when the program's structure does not depend on B; each
+such integer is then ``a·B``, a fixed multiple of the sample count (a block's leading dims are
+B, or B times a product of fixed sizes; an integer that is not a multiple in both builds, such as
+B + 1 or B², means the structure depends on B). :func:`generalize` checks that the two
+programs are the same node for node and rewrites every differing integer as that expression of
+the first batched input's ``size(0)``, so Inductor compiles it once with B as a symbol.
+Anything else that differs (a float, a folded constant's shape, a different node) means the
+structure depends on B: there is no general program and each size keeps its own.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+class _Differs(Exception):
+    """The two programs differ in more than B-dependent integers."""
+
+
+def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batched: int) -> fx.GraphModule | None:
+    """``gm1`` (built for ``b1`` samples) with its sample-count integers read from placeholder
+    ``batched``'s dim 0, or None when ``gm2`` (built for ``b2``) shows the structure depends on B."""
+    n1, n2 = list(gm1.graph.nodes), list(gm2.graph.nodes)
+    if len(n1) != len(n2) or b1 == b2:
+        return None
+    pairs = dict(zip(n1, n2))
+    rewrites: dict[fx.Node, tuple] = {}
+    try:
+        for a, b in pairs.items():
+            if a.op != b.op or a.target != b.target:
+                raise _Differs
+            if a.op == "get_attr":
+                if _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
+                    raise _Differs
+                continue
+            args, changed = _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, b1, b2)
+            if changed:
+                rewrites[a] = args
+    except _Differs:
+        return None
+    gm = fx.GraphModule(gm1, gm1.graph.__deepcopy__())
+    nodes = dict(zip(n1, gm.graph.nodes))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(placeholders[-1]):
+        samples = gm.graph.call_function(aten.sym_size.int, (placeholders[batched], 0))
+    expressions: dict[tuple[int, int], fx.Node] = {}
+
+    def expression(a: int, c: int) -> fx.Node:
+        if (a, c) not in expressions:
+            with gm.graph.inserting_after(samples):
+                node = samples if a == 1 else gm.graph.call_function(operator.mul, (samples, a))
+                if c:
+                    with gm.graph.inserting_after(node):
+                        node = gm.graph.call_function(operator.add, (node, c))
+            expressions[(a, c)] = node
+        return expressions[(a, c)]
+
+    for old, (args, kwargs) in rewrites.items():
+        nodes[old].args, nodes[old].kwargs = _build((args, kwargs), nodes, expression)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+class _Affine:
+    """An integer that is ``a·B + c``."""
+
+    __slots__ = ("a", "c")
+
+    def __init__(self, a: int, c: int):
+        self.a, self.c = a, c
+
+
+def _match(x, y, pairs, b1, b2):
+    """(x with B-dependent integers replaced by _Affine, whether any was); raises _Differs."""
+    if isinstance(x, fx.Node):
+        if not isinstance(y, fx.Node) or pairs.get(x) is not y:
+            raise _Differs
+        return x, False
+    if isinstance(x, bool) or not isinstance(x, (int, tuple, list, dict)):
+        if type(x) is not type(y) or (x != y and not (isinstance(x, float) and x != x and y != y)):
+            raise _Differs
+        return x, False
+    if isinstance(x, int):
+        if not isinstance(y, int) or isinstance(y, bool):
+            raise _Differs
+        if x == y:
+            return x, False
+        # sizes of per-sample blocks are multiples of B (B, B·9, …): anything else (B + 1, B²)
+        # is a structure that depends on B
+        if x % b1 or y % b2 or x // b1 != y // b2:
+            raise _Differs
+        return _Affine(x // b1, 0), True
+    if type(x) is not type(y) or len(x) != len(y):
+        raise _Differs
+    if isinstance(x, dict):
+        if x.keys() != y.keys():
+            raise _Differs
+        out = {k: _match(x[k], y[k], pairs, b1, b2) for k in x}
+        return {k: v for k, (v, _) in out.items()}, any(c for _, c in out.values())
+    items = [_match(u, v, pairs, b1, b2) for u, v in zip(x, y)]
+    return type(x)(v for v, _ in items), any(c for _, c in items)
+
+
+def _build(x, remap, expression):
+    if isinstance(x, _Affine):
+        return expression(x.a, x.c)
+    if isinstance(x, fx.Node):
+        return remap[x]
+    if isinstance(x, dict):
+        return {k: _build(v, remap, expression) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_build(v, remap, expression) for v in x)
+    return x
+
+
+def _attr_shape(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else value
