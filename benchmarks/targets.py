@@ -312,6 +312,32 @@ def fresh_first_calls(budget: Budget) -> list[Measured]:
         return out
 
 
+# ------------------------------------------------------ issue 18: every number of samples
+def new_sample_counts(budget: Budget) -> list[Measured]:
+    """Per-sample Hessians (inductor, batch_dim=0): a compiled function that has seen two counts
+    (100 and 128 samples, which build the program for every count) called with a third (256):
+    that call's time; then its steady state against a program compiled for 256 samples alone."""
+    p = workloads.tanh_mlp(2, 256)()
+    ref = reference(p)
+    try:
+        general = hoad.compile(p.fn, order=p.order, wrt=p.wrt, backend="inductor", batch_dim=0)
+        general(p.sample[:100])
+        general(p.sample[:128])
+        start = time.perf_counter()
+        general(*p.args)
+        first = time.perf_counter() - start
+    except hoad.HoadError as e:
+        return [_failed(e), _failed(e)]
+    if not any(e.build.stats.get("any_samples") for e in general._cache.values()):
+        note = "no general program was built (the structure depends on the count)"
+        return [Measured("none", "—", None, "failed", note), Measured("none", "—", None, "failed", note)]
+    option = HoadOption("inductor", "batch_dim")
+    mine = HoadContender("hoad, every count", general, option, functools.partial(hoad_answer, p, general, option))
+    static = fixed_hoad(p, name="hoad, 256 only", backend="inductor", batch_dim=0)
+    return [Measured(f"{first * 1e3:.1f} ms", "—", first, note="first call at a third count, nothing built"),
+            ratio((mine, ref), [(static, ref)], budget)]
+
+
 # ---------------------------------------------------------------- issue 7: model parameters
 class Classifier(nn.Module):
     """The classifier of :func:`benchmarks.workloads.classifier_loss` as a module."""
@@ -469,6 +495,10 @@ TARGETS: list[Target] = [
                          for baseline, limit in (("torch.func (grad of vmap(hessian))", 0.25),
                                                  ("best peer (torch.func, torch.compile, JAX, folx, torch-jet)", 0.5))),
            _train_lines, workloads=TRAIN_IDS),
+    Target(16, 18, (Line("per-sample Hessians, tanh MLP (inductor, batch_dim=0): first call at a new count "
+                         "(256 after 100 and 128)", "—", Goal(1, "s", strict=True)),
+                    Line("the same program's steady state at 256 samples", "a program compiled for 256 alone",
+                         Goal(1.1))), new_sample_counts),
 ]
 
 
