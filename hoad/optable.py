@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 
-from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES
+from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, USER_OPS
 
 BEGIN = "<!-- optable:begin -->"
 END = "<!-- optable:end -->"
@@ -19,8 +19,9 @@ def _first_line(fn) -> str:
 
 
 def markdown() -> str:
-    rows = sorted(RULES.items(), key=lambda kv: (FAMILIES[kv[0]], str(kv[0])))
-    lines = [f"{len(RULES)} ATen overloads have rules; composites (softmax, log_softmax, layer_norm, gelu, silu,",
+    own = {op: fn for op, fn in RULES.items() if op not in USER_OPS}  # hoad's table, not registrations
+    rows = sorted(own.items(), key=lambda kv: (FAMILIES[kv[0]], str(kv[0])))
+    lines = [f"{len(own)} ATen overloads have rules; composites (softmax, log_softmax, layer_norm, gelu, silu,",
              "logsumexp, var/std, `F.linear`, `F.scaled_dot_product_attention`, …) decompose into them at capture.",
              "",
              "| family | ATen overload | rule |",

@@ -9,6 +9,9 @@ import math
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
+from hoad.rules import USER_OPS
+from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
+
 aten = torch.ops.aten
 
 
@@ -82,15 +85,23 @@ def _as_strided(x, size, stride, storage_offset=None):
     return x.reshape(-1)[index]
 
 
-@functools.lru_cache(maxsize=None)
 def decomposition_table() -> dict:
+    """The table capture traces with: :func:`_table`, without the ops that have a rule
+    registered from outside (hoad.extend): such a rule wants the op itself."""
+    table = _table()
+    return {op: fn for op, fn in table.items() if op not in USER_OPS} if USER_OPS else table
+
+
+@functools.lru_cache(maxsize=None)
+def _table() -> dict:
     """Core ATen decompositions, keeping ``detach`` (a stop-gradient) and splitting composites
     (softmax, layer_norm, gelu, silu, addmm, variance) into ops with rules."""
     table = dict(core_aten_decompositions())
     table.pop(aten.detach.default, None)
     # ops torch differentiates by their own formula, which the decomposition's where() branches
-    # do not reproduce at the domain edge (entr at 0)
+    # do not reproduce at the domain edge (entr at 0, log_ndtr deep in the left tail)
     table.pop(aten.special_entr.default, None)
+    table.pop(aten.special_log_ndtr.default, None)  # (its where() leaves log1p(-1) in the branch not taken)
     table.update(get_decompositions([
         aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu, aten.addmm,
         aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,
@@ -98,6 +109,7 @@ def decomposition_table() -> dict:
         aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
         aten._native_batch_norm_legit_functional,
     ]))
+    table.update(_LINALG)  # factorizing ops -> single-output ops with rules (hoad/rules/linalg.py)
     table[aten._safe_softmax.default] = _safe_softmax
     table[aten.as_strided.default] = _as_strided
     table[aten.mv.default] = _mv

@@ -676,7 +676,34 @@ def _plain_prod(sample):
     return f
 
 
+def _plain_solve(sample):
+    # torch.linalg.solve(A, B, left=...) as the inverse times B: torch.func's forward-over-forward
+    # of linalg.solve is wrong from order 3 (torch 2.13), that of linalg.inv is right
+    B, left = sample.args[0], sample.kwargs.get("left", True)
+
+    def f(a):
+        inv = torch.linalg.inv(a)
+        if B.ndim == 1 or (B.ndim == a.ndim - 1 and tuple(B.shape) == tuple(a.shape[:-1])):
+            return (inv @ B.unsqueeze(-1)).squeeze(-1) if left else (B.unsqueeze(-2) @ inv).squeeze(-2)
+        return inv @ B if left else B @ inv
+
+    return f
+
+
+def _plain_logdet(sample):
+    # log det as Σ log|U_ii| of the LU factors (NaN where the determinant is negative, as logdet):
+    # torch.func's third derivative of logdet, slogdet and det is wrong (torch 2.13), lu_factor's right
+    def f(a):
+        lu = torch.linalg.lu_factor(a)[0]
+        return lu.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1) + 0 * torch.logdet(a.detach())
+
+    return f
+
+
 PLAIN_FUNCTIONS = {
+    "linalg.solve": _plain_solve,
+    "linalg.solve_ex": _plain_solve,
+    "logdet": _plain_logdet,
     "nn.functional.layer_norm": _plain_layer_norm,
     "native_layer_norm": _plain_layer_norm,
     "native_batch_norm": _plain_native_batch_norm,

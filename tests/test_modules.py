@@ -251,3 +251,66 @@ def test_bound_method_and_errors():
         hoad.compile(lambda x: x.sum(), order=1, wrt=hoad.parameters)(x)
     with pytest.raises(hoad.InvalidArgumentError, match="self"):
         Classifier.energy(x)
+
+
+class SmallCNN(nn.Module):
+    """Conv2d + MaxPool2d + AvgPool2d + Linear: the layer ops of issue 17 in one model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1, dtype=DT)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(3, 2, 2, groups=1, dtype=DT)
+        self.fc = nn.Linear(2, 2, dtype=DT)
+
+    def forward(self, x):
+        h = self.pool(torch.tanh(self.conv(x)))
+        h = F.adaptive_avg_pool2d(torch.tanh(self.conv2(h)), 1).flatten(1)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_small_cnn_hessians_against_torch_func(mode):
+    m = SmallCNN()
+    x = rand(2, 2, 4, 4)
+    names = ["x", "conv.weight", "conv.bias"]
+    got = hoad.compile(m, order=2, wrt=tuple(names), mode=mode)(x)
+    ref = reference(m, "forward", (x,), names, 2)
+    for i, a in enumerate(names):
+        assert_close(got[a], ref[1][i], f"d/d{a}")
+        for j, b in enumerate(names):
+            assert_close(got[a, b], ref[2][i][j], f"d2/d{a}d{b}")
+    loss = lambda x: m(x).pow(2).sum()  # noqa: E731
+    assert_close(hoad.compile(loss, order=2, mode=mode)(x)[0, 0], jacfwd(jacrev(loss))(x), "loss Hessian")
+
+
+def test_embedding_hessians_and_per_sample_cnn():
+    torch.manual_seed(4)
+    emb = nn.Embedding(5, 3, padding_idx=0, dtype=DT)
+    head = nn.Linear(3, 1, dtype=DT)
+    tokens = torch.tensor([[1, 0, 4], [2, 2, 3]])
+
+    def f(w):
+        return head(torch.tanh(F.embedding(tokens, w, padding_idx=0)).mean(1)).pow(2).sum()
+
+    # The padding row is a constant (torch's backward gives it no gradient). torch's forward mode
+    # ignores padding_idx, so jacfwd(jacrev(f)) is not even symmetric; the reference detaches the row.
+    keep = (torch.arange(5) != 0)[:, None]
+
+    def plain(w):
+        return head(torch.tanh(F.embedding(tokens, torch.where(keep, w, w.detach()))).mean(1)).pow(2).sum()
+
+    w = emb.weight.detach()
+    for mode in ("forward", "reverse"):
+        res = hoad.compile(f, order=3, mode=mode)(w)
+        assert_close(res[0, 0], jacfwd(jacrev(plain))(w), f"embedding Hessian ({mode})")
+        assert_close(res[0, 0], jacrev(jacrev(f))(w), f"embedding Hessian, reverse-over-reverse ({mode})")
+        assert_close(res[0, 0, 0], jacfwd(jacfwd(jacrev(plain)))(w), f"embedding 3rd order ({mode})")
+    assert float(res[0, 0][0].abs().max()) == 0.0  # the padding row carries no derivative
+
+    m = SmallCNN()
+    x = rand(3, 2, 4, 4)
+    per_sample = hoad.compile(lambda x: m(x).pow(2).sum(1), order=2, batch_dim=0)(x)
+    single = lambda xi: m(xi[None]).pow(2).sum()  # noqa: E731
+    assert_close(per_sample[0, 0], torch.func.vmap(jacfwd(jacrev(single)))(x), "per-sample CNN Hessians")

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 from hoad.rules import elementwise, linear, multilinear, reduction
+from hoad.rules import conv, indexing, pooling
+from hoad.rules import linalg
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM
 
-RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES)
-VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, reduction.VJPS)
+RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
+                     conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES)
+VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, reduction.VJPS,
+                    conv.VJPS, pooling.VJPS, indexing.VJPS, linalg.VJPS)
 
 FAMILIES = {
     op: table.family
-    for table in (linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES)
+    for table in (linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
+                  conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES)
     for op in table
 }
 
-__all__ = ["RULES", "VJPS", "FAMILIES", "PIECEWISE_CONSTANT", "RANDOM", "Ctx", "Jet"]
+# ops with a rule registered from outside (hoad.extend): capture leaves them undecomposed
+USER_OPS: set = set()
+
+__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "PIECEWISE_CONSTANT", "RANDOM", "Ctx", "Jet"]

@@ -105,6 +105,32 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
     return result
 
 
+def product_rule(ctx: Ctx, factors: Sequence[Jet], product: Callable[[list], Block]) -> dict:
+    """Blocks of an op multilinear in ``factors`` that is no einsum (a convolution): Leibniz with
+    the op itself as the product. ``product(blocks)`` gets one entry per factor, a :class:`Block`
+    (that factor's derivative) or None (its value), and returns a block with the op's output axes
+    followed by each given block's slots, in factor order. Ties between slots of different
+    factors (diagonal mode), collapsed labels and the adjoint are then applied by one contraction."""
+    o = out_labels(ctx.out.ndim)
+    lead, r = _lead(ctx, o)
+    result = {}
+    for K in ctx.keys:
+        terms = []
+        for term in distribution_terms(K, len(factors)):
+            subs = term.sub_indices(K)
+            blocks = [jet.blocks.get(sub) if sub else None for jet, sub in zip(factors, subs)]
+            if any(sub and b is None for sub, b in zip(subs, blocks)):
+                continue
+            labels = o + [label for part in term.parts for label in ctx.slots(K, part)]
+            out = lead + ctx.slots(K)
+            prod = contract(ctx.weigh(_with_adjoint(ctx, [(product(blocks), labels)], o), out), out, target=ctx.target,
+                            samples=ctx.samples(K))
+            terms += [ctx.permute_slots(prod, r, K, sigma) for sigma in term.copies]
+        if terms:
+            result[K] = _finish(ctx, add(terms))
+    return result
+
+
 def linear(ctx: Ctx, x: Jet, fn: Callable[[Block], Block]) -> dict:
     """Blocks of an op linear in ``x``: the op applied to each block, slots carried along."""
     return {K: fn(x.blocks[K]) for K in ctx.keys if K in x.blocks}

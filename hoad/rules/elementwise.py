@@ -9,32 +9,41 @@ order, a polynomial past its degree), a Python number a constant.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.algebra import Block
-from hoad.rules.combinators import broadcast, chain, leibniz, scale_out, unbroadcast
+from hoad.rules.combinators import broadcast, chain, leibniz, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.linear import _select, _select_vjp, _spread
 
 aten = torch.ops.aten
 RULES = RuleTable("elementwise")
 VJPS = RuleTable("elementwise")
 
 
+def elementwise_pair(derivs):
+    """The rule and VJP of an elementwise op given by its scalar-derivative function."""
+
+    def rule(ctx: Ctx, x: Jet, *args, **kwargs):
+        return chain(ctx, x, derivs(ctx.max_order, x.primal, ctx.out, *args, **kwargs))
+
+    def vjp(v, g: Block, x: Jet, *args, **kwargs):
+        first = derivs(1, x.primal, v.out, *args, **kwargs)[0]
+        return [] if first is None else [(x, scale_out(g, first, x.shape))]
+
+    rule.__name__ = rule.__qualname__ = derivs.__name__ + "_rule"
+    vjp.__name__ = vjp.__qualname__ = derivs.__name__ + "_vjp"
+    rule.derivatives = derivs  # type: ignore[attr-defined]
+    return rule, vjp
+
+
 def derivatives(*ops):
     """Register a scalar-derivative function as the elementwise rule (and VJP) of ``ops``."""
 
     def deco(derivs):
-        def rule(ctx: Ctx, x: Jet, *args, **kwargs):
-            return chain(ctx, x, derivs(ctx.max_order, x.primal, ctx.out, *args, **kwargs))
-
-        def vjp(v, g: Block, x: Jet, *args, **kwargs):
-            first = derivs(1, x.primal, v.out, *args, **kwargs)[0]
-            return [] if first is None else [(x, scale_out(g, first, x.shape))]
-
-        rule.__name__ = rule.__qualname__ = derivs.__name__ + "_rule"
-        vjp.__name__ = vjp.__qualname__ = derivs.__name__ + "_vjp"
-        rule.derivatives = derivs  # type: ignore[attr-defined]
+        rule, vjp = elementwise_pair(derivs)
         RULES.register(*ops)(rule)
         VJPS.register(*ops)(vjp)
         return derivs
@@ -262,6 +271,223 @@ def entr(n, x, y):
     return out
 
 
+# --------------------------------------------------- inverse trigonometric and hyperbolic
+def _algebraic(n: int, x: torch.Tensor, a: int, b: int, p: float, lead: int) -> list:
+    """Derivatives of φ with φ' = lead · u^p, u = a + b x²: φ^(k) = P_k(x) · u^(p-k+1), where
+    P_1 = lead and P_{k+1} = P_k' · u + 2b (p-k+1) x · P_k (integer polynomials for p = -1, -1/2)."""
+    u = x * x * b + a
+    q = u.reciprocal()
+    s = q if p == -1 else u.rsqrt()  # u^p
+    out, poly, power = [], [lead], s
+    for k in range(1, n + 1):
+        out.append(power if poly == [1] else power * _polynomial(poly, x))
+        dp = [i * c for i, c in enumerate(poly)][1:] or [0]
+        nxt = [0] * (len(poly) + 2)
+        for i, c in enumerate(dp):  # P_k' · (a + b x²)
+            nxt[i] += a * c
+            nxt[i + 2] += b * c
+        step = 2 * b * (p - k + 1)
+        for i, c in enumerate(poly):  # + 2b (p-k+1) x P_k
+            nxt[i + 1] += int(step * c) if float(step * c).is_integer() else step * c
+        poly, power = nxt, power * q
+    return out
+
+
+@derivatives(aten.asin.default)
+def asin(n, x, y):
+    return _algebraic(n, x, 1, -1, -0.5, 1)  # (1 - x²)^(-1/2)
+
+
+@derivatives(aten.acos.default)
+def acos(n, x, y):
+    return _algebraic(n, x, 1, -1, -0.5, -1)  # -(1 - x²)^(-1/2)
+
+
+@derivatives(aten.asinh.default)
+def asinh(n, x, y):
+    return _algebraic(n, x, 1, 1, -0.5, 1)  # (1 + x²)^(-1/2)
+
+
+@derivatives(aten.acosh.default)
+def acosh(n, x, y):
+    return _algebraic(n, x, -1, 1, -0.5, 1)  # (x² - 1)^(-1/2)
+
+
+@derivatives(aten.atanh.default)
+def atanh(n, x, y):
+    return _algebraic(n, x, 1, -1, -1, 1)  # (1 - x²)^(-1)
+
+
+# ------------------------------------------------------------------ other bases and erfc
+@derivatives(aten.log2.default)
+def log2(n, x, y):
+    return [d / math.log(2) for d in log(n, x, y)]
+
+
+@derivatives(aten.log10.default)
+def log10(n, x, y):
+    return [d / math.log(10) for d in log(n, x, y)]
+
+
+@derivatives(aten.exp2.default)
+def exp2(n, x, y):
+    return [y * math.log(2) ** k for k in range(1, n + 1)]
+
+
+@derivatives(aten.erfc.default)
+def erfc(n, x, y):
+    return [-d for d in erf(n, x, y)]
+
+
+@derivatives(aten.special_erfcx.default)
+def erfcx(n, x, y):
+    """erfcx = exp(x²) erfc(x): y' = 2x y - 2/√π, then y^(k+1) = 2x y^(k) + 2k y^(k-1)."""
+    out = [2 * x * y - 2 / math.sqrt(math.pi)]
+    for k in range(1, n):
+        out.append(2 * x * out[-1] + 2 * k * (y if k == 1 else out[-2]))
+    return out
+
+
+def _inverse_gaussian(n: int, y: torch.Tensor, c: float, a: float) -> list:
+    """Derivatives of y with y' = c · exp(a y²) (erfinv, ndtri): y^(k) = (c e^{a y²})^k Q_k(y),
+    Q_1 = 1, Q_{k+1} = Q_k' + 2ak y Q_k."""
+    e = (y * y * a).exp() * c
+    out, poly, power = [], [1], e
+    for k in range(1, n + 1):
+        out.append(power if poly == [1] else power * _polynomial(poly, y))
+        nxt = ([i * c for i, c in enumerate(poly)][1:] or [0]) + [0, 0]
+        for i, c in enumerate(poly):
+            nxt[i + 1] += int(2 * a * k) * c
+        poly, power = nxt, power * e
+    return out
+
+
+@derivatives(aten.erfinv.default)
+def erfinv(n, x, y):
+    return _inverse_gaussian(n, y, math.sqrt(math.pi) / 2, 1)  # y' = √π/2 · exp(y²)
+
+
+@derivatives(aten.special_ndtri.default)
+def ndtri(n, x, y):
+    return _inverse_gaussian(n, y, math.sqrt(2 * math.pi), 0.5)  # y' = √(2π) · exp(y²/2)
+
+
+@derivatives(aten.special_log_ndtr.default)
+def log_ndtr(n, x, y):
+    """y = log Φ(x): y' = r = φ(x)/Φ(x) = exp(-x²/2 - y)/√(2π), and r' = -x·r - r², so each
+    derivative is a polynomial in x and r (no Φ(x) is formed: exact deep in the left tail)."""
+    r = torch.exp(-0.5 * x * x - y) / math.sqrt(2 * math.pi)
+    poly = {(0, 1): 1}  # {(i, j): c}: Σ c·x^i·r^j
+    out = []
+    for _ in range(n):
+        out.append(sum(c * x.pow(i) * r.pow(j) for (i, j), c in poly.items()))
+        nxt: dict = {}
+        for (i, j), c in poly.items():  # d/dx x^i r^j = i x^(i-1) r^j + j x^i r^(j-1) (-x r - r²)
+            for key, v in (((i - 1, j), c * i), ((i + 1, j), -c * j), ((i, j + 1), -c * j)):
+                if v:
+                    nxt[key] = nxt.get(key, 0) + v
+        poly = nxt
+    return out
+
+
+# ------------------------------------------------------------------------- gamma family
+@derivatives(aten.lgamma.default)
+def lgamma(n, x, y):
+    return [torch.special.polygamma(k - 1, x) for k in range(1, n + 1)]
+
+
+@derivatives(aten.digamma.default)
+def digamma(n, x, y):
+    return [torch.special.polygamma(k, x) for k in range(1, n + 1)]
+
+
+@RULES.register(aten.polygamma.default)
+def polygamma_rule(ctx: Ctx, m: int, x: Jet):
+    """The k-th derivative of polygamma(m, ·) is polygamma(m + k, ·)."""
+    return chain(ctx, x, [torch.special.polygamma(m + k, x.primal) for k in range(1, ctx.max_order + 1)])
+
+
+@VJPS.register(aten.polygamma.default)
+def polygamma_vjp(v, g: Block, m: int, x: Jet):
+    return [(x, scale_out(g, torch.special.polygamma(m + 1, x.primal), x.shape))]
+
+
+# ------------------------------------------------------------- modified Bessel functions
+def _bessel_i(n_max: int, x: torch.Tensor, scaled: bool) -> list:
+    """[I_0(x), …, I_{n_max}(x)], times e^{-|x|} when ``scaled``.
+
+    torch has I_0 and I_1 only. I_m for m >= 2 comes from the upward recurrence
+    I_m = I_{m-2} - 2(m-1)/x · I_{m-1} where |x| >= max(2, m) (it loses accuracy near 0), and
+    from the power series Σ_j (x/2)^{2j+m} / (j! (j+m)!) (24 terms) below that.
+    """
+    out = [torch.special.i0e(x) if scaled else torch.special.i0(x),
+           torch.special.i1e(x) if scaled else torch.special.i1(x)]
+    for m in range(2, n_max + 1):
+        bound = max(2.0, float(m))
+        small = x.abs() < bound
+        # each branch sees safe inputs only, so neither makes inf or NaN where it is not taken
+        r = torch.where(small, bound, x).reciprocal()
+        upward = out[m - 2] - out[m - 1] * r * (2 * (m - 1))
+        t = torch.where(small, x, 0.0) * 0.5
+        t2, acc = t * t, None
+        for j in reversed(range(24)):
+            c = 1 / (math.factorial(j) * math.factorial(j + m))
+            acc = c if acc is None else acc * t2 + c
+        series = acc * _power_of(t, m)
+        if scaled:
+            series = series * (t.abs() * -2).exp()
+        out.append(torch.where(small, series, upward))
+    return out[: n_max + 1]
+
+
+def _bessel_derivatives(n: int, x: torch.Tensor, order: int, scaled: bool) -> list:
+    """Derivatives 1..n of I_order (0 or 1), or of e^{-|x|} I_order when ``scaled``.
+
+    I_m' = (I_{m-1} + I_{m+1}) / 2 with I_{-m} = I_m, so I^(k) = 2^-k Σ_j C(k,j) I_{|order+k-2j|};
+    the scaled one is Σ_j C(k,j) (-sign x)^(k-j) e^{-|x|} I^(j) by Leibniz (sign 0 at 0, as torch).
+    """
+    bessel = _bessel_i(n + order, x, scaled)
+
+    def plain(k):  # e^{-|x|}-scaled or not, the k-th derivative of I_order itself
+        acc = None
+        for j in range(k + 1):
+            term = bessel[order + k - 2 * j if order + k >= 2 * j else 2 * j - order - k] * (math.comb(k, j) / 2**k)
+            acc = term if acc is None else acc + term
+        return acc
+
+    if not scaled:
+        return [plain(k) for k in range(1, n + 1)]
+    s = -x.sign()
+    terms = [bessel[order]] + [plain(j) for j in range(1, n + 1)]
+    out = []
+    for k in range(1, n + 1):
+        acc = terms[k]
+        for j in range(k):
+            acc = acc + terms[j] * _power_of(s, k - j) * math.comb(k, j)
+        out.append(acc)
+    return out
+
+
+@derivatives(aten.i0.default)
+def i0(n, x, y):
+    return _bessel_derivatives(n, x, 0, scaled=False)
+
+
+@derivatives(aten.special_i0e.default)
+def i0e(n, x, y):
+    return _bessel_derivatives(n, x, 0, scaled=True)
+
+
+@derivatives(aten.special_i1.default)
+def i1(n, x, y):
+    return _bessel_derivatives(n, x, 1, scaled=False)
+
+
+@derivatives(aten.special_i1e.default)
+def i1e(n, x, y):
+    return _bessel_derivatives(n, x, 1, scaled=True)
+
+
 def _log_of(c: float) -> float:
     """log c for a Python number, as torch computes it: -inf at 0, NaN below."""
     return math.log(c) if c > 0 else (-math.inf if c == 0 else math.nan)
@@ -366,3 +592,109 @@ def pow_tensor_vjp(v, g: Block, a: Jet, b: Jet):
         coeff = torch.where((a.primal == 0) & (b.primal >= 0), torch.zeros_like(y), y * a.primal.log())
         pairs.append((b, unbroadcast(scale_out(g, coeff, shape), r, b.shape)))
     return pairs
+
+
+# --------------------------------------------------------------------- two arguments
+def _varies(x) -> bool:
+    return isinstance(x, Jet) and not x.constant
+
+
+def _value(x):
+    return x.primal if isinstance(x, Jet) else x
+
+
+@RULES.register(aten.hypot.default)
+def hypot_rule(ctx: Ctx, a, b):
+    """hypot(a, b) = √u with u = a² + b²: u by Leibniz, then the square root's derivatives."""
+    shape = tuple(ctx.out.shape)
+    o = out_labels(len(shape))
+    u = ctx.out * ctx.out
+    inner = ctx.inner(u)
+    squares = [leibniz(inner, [(broadcast(t, shape), o)] * 2, o, shape) for t in (a, b) if _varies(t)]
+    return chain(ctx, Jet(u, sum_blocks(*squares)), _power(ctx.max_order, u, ctx.out, 0.5))
+
+
+def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
+    """num / den, with den replaced by 1 where ``taken`` is false (no inf or NaN made there)."""
+    from hoad.rules.multilinear import div_rule
+
+    safe = Jet(torch.where(taken, den.primal, torch.ones_like(den.primal)), den.blocks, den.varies)
+    value = num.primal / safe.primal
+    return Jet(value, div_rule(ctx.inner(value), num, safe))
+
+
+@RULES.register(aten.atan2.default)
+def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
+    """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
+    (each differs from it by a constant where defined): one branch per entry, each ratio
+    formed only where it is taken. The blocks are returned uncontracted, also as remainders."""
+    shape = tuple(ctx.out.shape)
+    a, b = broadcast(a, shape), broadcast(b, shape)
+    first = a.primal.abs() <= b.primal.abs()
+    plain = replace(ctx, adjoint=None)
+    branches = []
+    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
+        q = _ratio(ctx, num, den, taken)
+        coeffs = [c * sign for c in atan(ctx.max_order, q.primal, q.primal.atan())]
+        branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
+    return _select(plain, branches)
+
+
+def _copysign_coeff(a, out: torch.Tensor) -> torch.Tensor:
+    """∂ copysign(a, b) / ∂a: +1 where a already has the output's sign, -1 where not, 0 at a = 0 (torch)."""
+    va = _value(a)
+    same = (va.signbit() == out.signbit()).to(out.dtype)
+    return (same * 2 - 1) * (va != 0).to(out.dtype)
+
+
+@RULES.register(aten.copysign.Tensor, aten.copysign.Scalar)
+def copysign_rule(ctx: Ctx, a: Jet, b):
+    """|a| with the sign of b: ±a, linear in a piecewise; constant in b."""
+    return scaled(ctx, a, _copysign_coeff(a, ctx.out), tuple(ctx.out.shape)) if _varies(a) else {}
+
+
+def _nan_max_take_a(a, b, larger: bool) -> torch.Tensor:
+    """Where fmax (fmin) takes a, as torch's backward assigns it: ties and a NaN b go to a."""
+    va, vb = _value(a), _value(b)
+    return (va >= vb if larger else va <= vb) | vb.isnan()
+
+
+@RULES.register(aten.fmax.default)
+def fmax_rule(ctx: Ctx, a, b):
+    take = _nan_max_take_a(a, b, larger=True)
+    return _select(ctx, [(a, take), (b, ~take)])
+
+
+@RULES.register(aten.fmin.default)
+def fmin_rule(ctx: Ctx, a, b):
+    take = _nan_max_take_a(a, b, larger=False)
+    return _select(ctx, [(a, take), (b, ~take)])
+
+
+@VJPS.register(aten.hypot.default)
+def hypot_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, _value(a) / v.out), (b, _value(b) / v.out)])
+
+
+@VJPS.register(aten.atan2.default)
+def atan2_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    r2 = va * va + vb * vb
+    return _spread(v, g, [(a, vb / r2), (b, -va / r2)])
+
+
+@VJPS.register(aten.copysign.Tensor, aten.copysign.Scalar)
+def copysign_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, _copysign_coeff(a, v.out))])
+
+
+@VJPS.register(aten.fmax.default)
+def fmax_vjp(v, g: Block, a, b):
+    take = _nan_max_take_a(a, b, larger=True)
+    return _select_vjp(v, g, [(a, take), (b, ~take)])
+
+
+@VJPS.register(aten.fmin.default)
+def fmin_vjp(v, g: Block, a, b):
+    take = _nan_max_take_a(a, b, larger=False)
+    return _select_vjp(v, g, [(a, take), (b, ~take)])

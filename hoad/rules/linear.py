@@ -84,7 +84,17 @@ def index_select_rule(ctx: Ctx, x: Jet, dim: int, index):
 def index_rule(ctx: Ctx, x: Jet, indices):
     r, new = x.ndim, tuple(ctx.out.shape)
     idx = [None if i is None else i.primal for i in indices]
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.index.Tensor(t, idx), new))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.index.Tensor(t, idx), new, _leading_kept(idx)))
+
+
+def _leading_kept(idx: list) -> dict[int, int]:
+    """``keep`` for advanced indexing: the unindexed dims before the first indexed one stay in
+    place when the indexed dims are adjacent (torch then puts the index dims where they were);
+    otherwise the index dims move to the front and nothing stays."""
+    indexed = [i for i, t in enumerate(idx) if t is not None]
+    if not indexed or indexed != list(range(indexed[0], indexed[-1] + 1)):
+        return {}
+    return {a: a for a in range(indexed[0])}
 
 
 @RULES.register(aten.gather.default)
@@ -434,7 +444,8 @@ def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
 def index_vjp(v, g: Block, x: Jet, indices):
     r_out = v.out.ndim
     idx = [None if i is None else i.primal for i in indices]
-    return [(x, map_out(g, r_out, lambda t: aten.index_put(_zeros_like_input(t, x, r_out), idx, t, True), x.shape))]
+    return [(x, map_out(g, r_out, lambda t: aten.index_put(_zeros_like_input(t, x, r_out), idx, t, True), x.shape,
+                        _leading_kept(idx)))]
 
 
 def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:

@@ -1,13 +1,17 @@
-"""Reductions that are not linear sums: products and maxima."""
+"""Reductions that are not linear sums (products, maxima, selections) and the scans that are not
+cumulative sums (cumprod, logcumsumexp, cummax/cummin)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from hoad.algebra import along, map_out, reshape_out, sum_out
+from hoad.algebra import Block, add, along, contract, expand_out, map_out, reshape_out, sum_out, unsqueeze_out
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
-from hoad.rules.combinators import leibniz, linear, on_0d, on_0d_vjp, scaled
-from hoad.rules.linear import _dims
+from hoad.rules.combinators import chain, leibniz, linear, on_0d, on_0d_vjp, scale_out, scaled
+from hoad.rules.elementwise import log as log_derivatives
+from hoad.rules.linear import _dims, _scatter_along, _select_along
 
 aten = torch.ops.aten
 RULES = RuleTable("reduction")
@@ -81,7 +85,7 @@ def amax_rule(ctx: Ctx, x: Jet, dim=(), keepdim: bool = False):
     return _select_max(ctx, x, dims, keepdim, weight)
 
 
-@RULES.register(aten.max.dim, aten.min.dim)
+@RULES.register(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
 @on_0d(reduces=True)
 def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     """(values, indices): the derivative follows the returned index, as torch's backward does."""
@@ -90,6 +94,96 @@ def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     idx = indices if keepdim else indices.unsqueeze(d)
     one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
     return [_select_max(ctx, x, [d], keepdim, one_hot), {}]
+
+
+@RULES.register(aten.mode.default)
+def mode_rule(ctx: Ctx, x: Jet, dim: int = -1, keepdim: bool = False):
+    return max_dim_rule(ctx, x, dim, keepdim)
+
+
+@RULES.register(aten.kthvalue.default)
+def kthvalue_rule(ctx: Ctx, x: Jet, k: int, dim: int = -1, keepdim: bool = False):
+    return max_dim_rule(ctx, x, dim, keepdim)
+
+
+def _median_weight(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The median of all entries: entries equal to it (NaN ones, when it is NaN) share the
+    derivative equally, as torch's backward does."""
+    hit = ((x == value) | (x.isnan() & value.isnan())).to(x.dtype)
+    return hit / hit.sum()
+
+
+@RULES.register(aten.median.default, aten.nanmedian.default)
+def median_rule(ctx: Ctx, x: Jet):
+    return _select_max(ctx, x, list(range(x.ndim)), False, _median_weight(x.primal, ctx.out))
+
+
+# ---------------------------------------------------------------------------------- scans
+def _shifted(ctx: Ctx, x: Jet, d: int, s: int) -> Jet:
+    """x moved ``s`` places along ``d``: entry i holds x_{i-s}, the first ``s`` entries are 1."""
+    r, shape = x.ndim, x.shape
+
+    def shift(t, fill):
+        return aten.constant_pad_nd(t, [0, 0] * (t.ndim - d - 1) + [s, 0], fill).narrow(d, 0, shape[d])
+
+    return Jet(shift(x.primal, 1.0), linear(ctx, x, lambda b: map_out(b, r, lambda t: shift(t, 0.0), shape, along(r, [d]))))
+
+
+@RULES.register(aten.cumprod.default)
+@on_0d
+def cumprod_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
+    """A Hillis-Steele scan: log2(n) levels y <- y ⊙ (y moved 2^l places, ones moved in), each a
+    product by Leibniz. No division, so exact where x has zeros."""
+    d = dim % max(x.ndim, 1)
+    inner = ctx.inner(x.primal)
+    o, shape = out_labels(x.ndim), x.shape
+    y, s = x, 1
+    while s < x.shape[d]:
+        moved = _shifted(inner, y, d, s)
+        value = y.primal * moved.primal
+        y = Jet(value, leibniz(inner, [(y, o), (moved, o)], o, shape))
+        s *= 2
+    return {K: b.to(ctx.out.dtype) for K, b in y.blocks.items() if K in ctx.keys}
+
+
+def _lower_triangle(n: int, d: int, r: int, device) -> torch.Tensor:
+    """[i >= j] over axes (d, d+1) of an (r+1)-axis tensor, broadcast along the others."""
+    tri = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return tri.reshape([1] * d + [n, n] + [1] * (r - d - 1))
+
+
+def _prefix_weights(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
+    """exp(x_j - y_i) for j <= i, else 0, over axes (i, j) = (d, d+1): each in [0, 1]."""
+    n, r = x.shape[d], x.ndim
+    u = x.unsqueeze(d) - y.unsqueeze(d + 1)
+    below = _lower_triangle(n, d, r, x.device)
+    return torch.where(below, u, torch.full((), -math.inf, dtype=u.dtype, device=u.device)).exp()
+
+
+@RULES.register(aten.logcumsumexp.default)
+@on_0d
+def logcumsumexp_rule(ctx: Ctx, x: Jet, dim: int):
+    """y_i = log Σ_{j<=i} e^{x_j} = y_i + log s_i with s_i = Σ_{j<=i} e^{x_j - y_i} (= 1 in value),
+    y_i held constant: the chain goes through terms in [0, 1] that never overflow, O(n²) per scan."""
+    d = dim % max(x.ndim, 1)
+    r, n = x.ndim, x.shape[d]
+    wide = list(x.shape[:d]) + [n] + list(x.shape[d:])  # axes (…, i, j, …)
+    inner = ctx.inner(x.primal)
+    spread = Jet(x.primal.unsqueeze(d).expand(wide),
+                 linear(inner, x, lambda b: expand_out(unsqueeze_out(b, r, d), r + 1, wide)))
+    e = _prefix_weights(x.primal, ctx.out, d)
+    terms = Jet(e, chain(inner, spread, [e] * ctx.max_order))
+    s = e.sum(d + 1)
+    total = Jet(s, linear(inner, terms, lambda b: sum_out(b, r + 1, [d + 1])))
+    return chain(ctx, total, log_derivatives(ctx.max_order, s, None))
+
+
+@RULES.register(aten.cummax.default, aten.cummin.default)
+@on_0d
+def cummax_rule(ctx: Ctx, x: Jet, dim: int):
+    """(values, indices): the values are x gathered at the indices, as torch's backward has it."""
+    values, indices = ctx.out
+    return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
 
 
 # ---------------------------------------------------------------------------------- VJPs
@@ -109,7 +203,6 @@ def _exclusive_product(x: torch.Tensor, d: int) -> torch.Tensor:
 @VJPS.register(aten.prod.dim_int, aten.prod.default)
 @on_0d_vjp(reduces=True)
 def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
-    from hoad.rules.combinators import scale_out
     from hoad.rules.linear import _unsum
 
     if dim is None:
@@ -124,7 +217,6 @@ def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
 
 
 def _max_vjp(g: Block, x: Jet, dims: list[int], keepdim: bool, weight: torch.Tensor) -> list:
-    from hoad.rules.combinators import scale_out
     from hoad.rules.linear import _unsum
 
     return [(x, scale_out(_unsum(g, x, dims, keepdim), weight, x.shape))]
@@ -140,7 +232,7 @@ def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
     return _max_vjp(g, x, dims, keepdim, weight)
 
 
-@VJPS.register(aten.max.dim, aten.min.dim)
+@VJPS.register(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
 @on_0d_vjp(reduces=True)
 def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
     if g[0] is None:
@@ -150,3 +242,60 @@ def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
     idx = indices if keepdim else indices.unsqueeze(d)
     one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
     return _max_vjp(g[0], x, [d], keepdim, one_hot)
+
+
+@VJPS.register(aten.mode.default)
+def mode_vjp(v, g, x: Jet, dim: int = -1, keepdim: bool = False):
+    return max_dim_vjp(v, g, x, dim, keepdim)
+
+
+@VJPS.register(aten.kthvalue.default)
+def kthvalue_vjp(v, g, x: Jet, k: int, dim: int = -1, keepdim: bool = False):
+    return max_dim_vjp(v, g, x, dim, keepdim)
+
+
+@VJPS.register(aten.median.default, aten.nanmedian.default)
+def median_vjp(v, g: Block, x: Jet):
+    return _max_vjp(g, x, list(range(x.ndim)), False, _median_weight(x.primal, v.out))
+
+
+@VJPS.register(aten.cumprod.default)
+@on_0d_vjp
+def cumprod_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
+    """The scan of :func:`cumprod_rule` run backwards: a level z = y ⊙ m, m = y moved s places,
+    sends g_z ⊙ m to y and g_z ⊙ y, moved back s places, to y as well."""
+    d = dim % max(x.ndim, 1)
+    r, shape, n = x.ndim, x.shape, x.shape[d]
+    levels, y, s = [], x.primal, 1
+    while s < n:
+        moved = aten.constant_pad_nd(y, [0, 0] * (r - d - 1) + [s, 0], 1.0).narrow(d, 0, n)
+        levels.append((y, moved, s))
+        y, s = y * moved, s * 2
+
+    def back(t, s):  # transpose of moving s places: entry i takes t_{i+s}, the last s take 0
+        return aten.constant_pad_nd(t.narrow(d, s, n - s), [0, 0] * (t.ndim - d - 1) + [0, s], 0.0)
+
+    g = g.to(x.primal.dtype)
+    for y, moved, s in reversed(levels):
+        to_moved = map_out(scale_out(g, y, shape), r, lambda t, s=s: back(t, s), shape, along(r, [d]))
+        g = add([scale_out(g, moved, shape), to_moved])
+    return [(x, g)]
+
+
+@VJPS.register(aten.logcumsumexp.default)
+@on_0d_vjp
+def logcumsumexp_vjp(v, g: Block, x: Jet, dim: int):
+    """g_x_j = Σ_{i>=j} exp(x_j - y_i) g_i."""
+    d = dim % max(x.ndim, 1)
+    r = x.ndim
+    o, f = out_labels(r), [("f", a) for a in range(g.ndim - r)]
+    weights = Block.dense(_prefix_weights(x.primal, v.out, d))
+    j = ("j",)
+    w_labels = o[:d] + [o[d], j] + o[d + 1:]
+    return [(x, contract([(weights, w_labels), (g, o + f)], o[:d] + [j] + o[d + 1:] + f, target=v.target))]
+
+
+@VJPS.register(aten.cummax.default, aten.cummin.default)
+@on_0d_vjp
+def cummax_vjp(v, g, x: Jet, dim: int):
+    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
