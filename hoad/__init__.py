@@ -7,6 +7,7 @@ by Schwarz symmetry), and runs it.
 
 from hoad.api import Compiled, compile, parameters
 from hoad.derivatives import Derivatives
+from hoad.extend import register_elementwise, register_linear, register_rule, unregister_rule
 from hoad.operators import OperatorResult, biharmonic, laplacian, taylor
 from hoad.lowering.inductor import cache_dir
 from hoad.errors import (
@@ -41,6 +42,10 @@ __all__ = [
     "OperatorResult",
     "explain",
     "parameters",
+    "register_elementwise",
+    "register_linear",
+    "register_rule",
+    "unregister_rule",
     "Compiled",
     "Derivatives",
     "HoadError",

@@ -1,0 +1,133 @@
+"""Adding derivative rules from outside hoad: a custom op (``torch.library``) or an ATen overload
+hoad does not cover, or a rule to override.
+
+Three ways to give a rule, from the least to the most work:
+
+- :func:`register_elementwise`: an elementwise op ``y = φ(x, *args)`` as its scalar derivatives
+  ``[φ'(x), …, φ^(n)(x)]`` (given x and y); Faà di Bruno does every order and mixed block.
+- :func:`register_linear`: an op linear in its first argument that treats leading dims as a
+  batch (like most torch ops on their trailing dims), with its transpose for the reverse sweep.
+- :func:`register_rule`: a forward rule and a VJP over hoad's blocks (``hoad.rules.base``), as
+  hoad's own rules are written.
+
+A registration applies to programs built afterwards, in every compiled function; the op stays out
+of the decompositions capture applies, so it reaches its rule. :func:`unregister_rule` restores
+what was there before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from hoad.algebra import map_out
+from hoad.errors import InvalidArgumentError
+from hoad.rules import FAMILIES, RULES, USER_OPS, VJPS
+from hoad.rules.combinators import linear
+from hoad.rules.elementwise import elementwise_pair
+
+_saved: dict = {}  # op -> (rule, vjp, family) before the first user registration, or None
+
+
+def _check_op(op) -> None:
+    if not isinstance(op, torch._ops.OpOverload):
+        raise InvalidArgumentError(
+            f"rules are registered per ATen overload, e.g. torch.ops.mylib.op.default or torch.ops.aten.sin.default, "
+            f"got {op!r}" + (" (an overload packet: pick an overload such as .default)"
+                             if isinstance(op, torch._ops.OpOverloadPacket) else ""))
+
+
+def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) -> None:
+    """Register ``rule(ctx, *args, **kwargs) -> {multi-index: Block}`` and
+    ``vjp(vctx, g, *args, **kwargs) -> [(argument jet, cotangent block), ...]`` for ``op``.
+
+    ``override=True`` replaces a rule hoad (or an earlier registration) has; without it, an op
+    that already has one is refused."""
+    _check_op(op)
+    if not callable(rule) or not callable(vjp):
+        raise InvalidArgumentError("register_rule needs a forward rule and a VJP (both callables)")
+    if len(op._schema.returns) != 1:
+        raise InvalidArgumentError(
+            f"{op} returns {len(op._schema.returns)} values; rules can be registered for single-output ops only "
+            "(hoad's reverse mode treats its own multi-output ops as gathers). Wrap the output you differentiate "
+            "in a single-output custom op")
+    if op in RULES and not override:
+        raise InvalidArgumentError(f"{op} already has a rule ({FAMILIES.get(op)}): pass override=True to replace it")
+    if op not in _saved:
+        _saved[op] = (RULES[op], VJPS[op], FAMILIES[op]) if op in RULES else None
+    RULES[op], VJPS[op], FAMILIES[op] = rule, vjp, "user"
+    USER_OPS.add(op)
+
+
+def unregister_rule(op) -> None:
+    """Undo every registration of ``op``: hoad's own rule comes back, or none."""
+    _check_op(op)
+    if op not in _saved:
+        raise InvalidArgumentError(f"{op} has no registered rule to remove")
+    before = _saved.pop(op)
+    USER_OPS.discard(op)
+    if before is None:
+        for table in (RULES, VJPS, FAMILIES):
+            table.pop(op, None)
+    else:
+        RULES[op], VJPS[op], FAMILIES[op] = before
+
+
+def register_elementwise(op, derivatives: Callable | None = None, *, override: bool = False):
+    """An elementwise op by its scalar derivatives: ``derivatives(n, x, y, *args, **kwargs)``
+    returns ``[φ'(x), …, φ^(n)(x)]`` (tensors shaped like x, Python numbers, or None for a
+    structural zero), where ``x`` is the differentiated input (the op's first argument) and ``y``
+    the op's output. Usable as a decorator: ``@hoad.register_elementwise(torch.ops.mylib.f.default)``."""
+    def register(fn: Callable) -> Callable:
+        def checked(n, x, y, *args, **kwargs):
+            got = list(fn(n, x, y, *args, **kwargs))
+            if len(got) < n:
+                raise InvalidArgumentError(
+                    f"the derivatives registered for {op} returned {len(got)} entries where order {n} needs {n} "
+                    "(return [φ', …, φ^(n)], None for a structural zero)")
+            return got[:n]
+
+        checked.__name__ = getattr(fn, "__name__", "user")
+        rule, vjp = elementwise_pair(checked)
+        register_rule(op, rule, vjp, override=override)
+        return fn
+
+    _check_op(op)
+    return register if derivatives is None else register(derivatives)
+
+
+def register_linear(op, transpose: Callable, *, override: bool = False) -> None:
+    """An op linear in its first argument, ``y = op(x, *args)``, that treats dims before x's own
+    as a batch (``op(x_batch, *args)[i] == op(x_batch[i], *args)``); ``transpose(g, x_shape,
+    *args)`` is its adjoint with the same batch convention: a cotangent ``g`` shaped like
+    ``(*batch, *y.shape)`` goes back to ``(*batch, *x.shape)``."""
+    _check_op(op)
+    if not callable(transpose):
+        raise InvalidArgumentError("register_linear needs the op's transpose (a callable)")
+
+    def rule(ctx, x, *args, **kwargs):
+        r, new = x.ndim, tuple(ctx.out.shape)
+        return linear(ctx, x, lambda b: map_out(b, r, _batched(lambda t: op(t, *args, **kwargs), r, new), new))
+
+    def vjp(vctx, g, x, *args, **kwargs):
+        shape = tuple(x.shape)
+        back = _batched(lambda t: transpose(t, shape, *args, **kwargs), len(vctx.out.shape), shape)
+        return [(x, map_out(g, len(vctx.out.shape), back, shape))]
+
+    rule.__name__ = vjp.__name__ = f"user_linear_{op}"
+    register_rule(op, rule, vjp, override=override)
+
+
+def _batched(fn: Callable, r: int, new: tuple) -> Callable:
+    """``fn`` on data laid out as (r op axes, *rest) -> (new axes, *rest), calling it with the
+    rest flattened into one leading batch dim."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        rest = tuple(t.shape[r:])
+        batch = math.prod(rest)
+        moved = t.movedim(tuple(range(r)), tuple(range(t.ndim - r, t.ndim))).reshape(batch, *t.shape[:r])
+        out = fn(moved).reshape(*rest, *new)
+        return out.movedim(tuple(range(len(rest), out.ndim)), tuple(range(len(new))))
+
+    return apply

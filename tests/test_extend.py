@@ -1,0 +1,145 @@
+"""Rules added from outside hoad (hoad.extend): a torch.library custom op, an override, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import hessian, jacrev
+
+import hoad
+from helpers import assert_close, check, rand
+
+aten = torch.ops.aten
+
+# two custom ops of a user library: an elementwise one and a linear one (a fixed 3-point stencil
+# along the last dim, batch dims in front)
+LIB = torch.library.Library("hoadtest", "DEF")
+LIB.define("scaled_tanh(Tensor x, float scale) -> Tensor")
+LIB.define("stencil(Tensor x) -> Tensor")
+
+
+@torch.library.impl(LIB, "scaled_tanh", "CompositeExplicitAutograd")
+def _scaled_tanh(x, scale):
+    return scale * torch.tanh(x)
+
+
+@torch.library.impl(LIB, "stencil", "CompositeExplicitAutograd")
+def _stencil(x):
+    return x[..., 2:] - 2 * x[..., 1:-1] + x[..., :-2]
+
+
+@torch.library.register_fake("hoadtest::scaled_tanh")
+def _scaled_tanh_fake(x, scale):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("hoadtest::stencil")
+def _stencil_fake(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] - 2)
+
+
+SCALED_TANH = torch.ops.hoadtest.scaled_tanh.default
+STENCIL = torch.ops.hoadtest.stencil.default
+
+
+def _scaled_tanh_derivatives(n, x, y, scale):
+    t = y / scale
+    d1 = scale * (1 - t * t)
+    out = [d1, -2 * t * d1, d1 * (6 * t * t - 2) / 1.0, 8 * t * d1 * (2 - 3 * t * t) / 1.0]
+    return out[:n]  # up to order 4
+
+
+def _stencil_transpose(g, x_shape, *args):
+    out = g.new_zeros(*g.shape[:-1], x_shape[-1])
+    out[..., 2:] += g
+    out[..., 1:-1] -= 2 * g
+    out[..., :-2] += g
+    return out
+
+
+@pytest.fixture
+def user_rules():
+    hoad.register_elementwise(SCALED_TANH, _scaled_tanh_derivatives)
+    hoad.register_linear(STENCIL, _stencil_transpose)
+    yield
+    hoad.unregister_rule(SCALED_TANH)
+    hoad.unregister_rule(STENCIL)
+
+
+def test_a_custom_op_without_a_rule_is_unsupported():
+    with pytest.raises(hoad.UnsupportedOperatorError, match="hoadtest.scaled_tanh"):
+        hoad.compile(lambda x: SCALED_TANH(x, 2.0).sum(), order=2)(rand(3))
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_custom_elementwise_op_at_order_4(user_rules, mode):
+    W = rand(3, 2, seed=401)
+    check(lambda x: (SCALED_TANH(x @ W, 1.5) * x.sum()).sin(), (rand(2, 3, seed=402),), order=4,
+          reference_fn=lambda x: (1.5 * torch.tanh(x @ W) * x.sum()).sin(), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_custom_linear_op_with_two_inputs(user_rules, mode):
+    def f(x, y):
+        return (STENCIL(x.sin() * y) ** 2).sum(-1)
+
+    def plain(x, y):
+        z = x.sin() * y
+        return ((z[..., 2:] - 2 * z[..., 1:-1] + z[..., :-2]) ** 2).sum(-1)
+
+    check(f, (rand(2, 5, seed=403), rand(2, 5, seed=404)), wrt=(0, 1), order=3, reference_fn=plain, mode=mode)
+
+
+def test_custom_ops_per_sample_and_in_training(user_rules):
+    W = rand(4, 3, seed=405).requires_grad_(True)
+
+    def u(X):
+        return SCALED_TANH(X @ W, 0.5).sum(-1)
+
+    X = rand(6, 4, seed=406)
+    res = hoad.compile(u, order=2, batch_dim=0)(X)
+    plain = lambda x: (0.5 * torch.tanh(x @ W)).sum()  # noqa: E731
+    ref = torch.func.vmap(hessian(plain))(X)
+    assert_close(res[0, 0], ref, "per-sample Hessian")
+    got, = torch.autograd.grad(res[0, 0].pow(2).sum(), W)
+    want, = torch.autograd.grad(ref.pow(2).sum(), W)
+    assert_close(got, want, "gradient through the custom op")
+
+
+def test_override_an_aten_rule_and_restore_it():
+    calls = []
+
+    def sin_derivatives(n, x, y):
+        calls.append(n)
+        c = x.cos()
+        return [c, -y, -c, y][:n]
+
+    with pytest.raises(hoad.InvalidArgumentError, match="override=True"):
+        hoad.register_elementwise(aten.sin.default, sin_derivatives)
+    hoad.register_elementwise(aten.sin.default, sin_derivatives, override=True)
+    try:
+        x = rand(3, seed=407)
+        res = hoad.compile(lambda x: x.sin().sum(), order=3)(x)
+        assert calls, "the override was not used"
+        assert_close(res[0, 0, 0], jacrev(jacrev(jacrev(lambda x: x.sin().sum())))(x), "order 3")
+    finally:
+        hoad.unregister_rule(aten.sin.default)
+    calls.clear()
+    hoad.compile(lambda x: x.sin().sum(), order=2)(rand(4, seed=408))
+    assert not calls, "hoad's own sin rule must be back"
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: hoad.register_elementwise(torch.ops.aten.sin, lambda n, x, y: []), "overload packet"),
+    (lambda: hoad.register_rule("sin", lambda *a: {}, lambda *a: []), "per ATen overload"),
+    (lambda: hoad.unregister_rule(torch.ops.aten.cos.default), "no registered rule"),
+    (lambda: hoad.register_linear(STENCIL, None), "transpose"),
+])
+def test_bad_registrations(call, fragment):
+    with pytest.raises(hoad.InvalidArgumentError, match=fragment):
+        call()
+
+
+def test_too_few_derivatives_name_the_op(user_rules):
+    with pytest.raises(hoad.InvalidArgumentError, match="returned 4 entries where order 5 needs 5"):
+        hoad.compile(lambda x: SCALED_TANH(x, 1.0).sum(), order=5)(rand(2, seed=409))
