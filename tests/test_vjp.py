@@ -21,6 +21,11 @@ REFERENCE = {
     torch.ops.aten.copy.default: lambda dst, src, non_blocking=False: src.expand_as(dst).to(dst.dtype) + 0 * dst,
     # torch has no derivative of remainder(scalar, tensor)
     torch.ops.aten.remainder.Scalar_Tensor: lambda a, b: a - torch.div(a, b, rounding_mode="floor").detach() * b,
+    # hoad's single-output linear-algebra ops (custom ops: their autograd formula is not functorch's)
+    torch.ops.hoad_linalg.inv.default: torch.linalg.inv,
+    torch.ops.hoad_linalg.solve.default: torch.linalg.solve,
+    torch.ops.hoad_linalg.logabsdet.default: lambda A: torch.linalg.slogdet(A)[1],
+    torch.ops.hoad_linalg.cholesky.default: lambda A, upper=False: torch.linalg.cholesky(A, upper=upper),
 }
 
 
