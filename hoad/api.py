@@ -584,6 +584,8 @@ class _Entry:
 
     def result(self, tensors, free) -> Derivatives:
         tensors = list(tensors) + list(free) if free else tensors
+        if self.build.captured.strided:
+            _check_own_storage(tensors, list(self.build.layout.names) + [f"c{i}" for i in range(len(free or ()))])
         try:
             if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
                 outs = self._traced(tensors)
@@ -609,6 +611,20 @@ class _Entry:
         if b.prefix is None:
             return b.main(*tensors)
         return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
+
+
+def _check_own_storage(tensors, names) -> None:
+    """A function that calls as_strided reads storage: its program assumes every input is a
+    contiguous tensor owning its storage (as traced). A view into a larger storage would be read
+    differently by torch, so it is refused rather than answered wrongly."""
+    for t, name in zip(tensors, names):
+        if get_proxy_mode() is None and isinstance(t, torch.Tensor) and (
+                t.storage_offset() != 0 or not t.is_contiguous()
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+            raise InvalidArgumentError(
+                f"the function calls as_strided, which reads a tensor's storage, and input {name!r} is a view into a "
+                f"larger storage (offset {t.storage_offset()}, strides {tuple(t.stride())}); hoad's program reads its "
+                "inputs as tensors of their own. Pass a copy (x.clone() or x.contiguous()), or avoid as_strided")
 
 
 def _is_nested(key) -> bool:

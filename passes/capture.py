@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, OutputError, RandomnessError
-from hoad.passes.decompositions import decomposition_table
+from hoad.passes.decompositions import STRIDED_READS, decomposition_table
 from hoad.rules import RANDOM
 from hoad.source import locate, user_frame
 
@@ -39,6 +39,8 @@ class Captured:
     # tensors the function reached without receiving them (closed over, globals, module state):
     # the last placeholders, after the call's own tensor leaves
     free: list[torch.Tensor] = field(default_factory=list)
+    # the function calls as_strided: the program reads each input as if it owned its storage
+    strided: bool = False
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
@@ -59,6 +61,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )
+    strided_before = STRIDED_READS[0]
     try:
         gm = traced(*fresh)
         free = _lift_free_tensors(gm)
@@ -107,7 +110,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node._rename(name)
         node.target = name
     gm.recompile()
-    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free)
+    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:

@@ -66,6 +66,10 @@ def _contiguous_strides(size) -> list[int]:
     return strides[::-1]
 
 
+# how many as_strided calls capture has turned into reads of the tensor's own entries
+STRIDED_READS = [0]
+
+
 def _as_strided(x, size, stride, storage_offset=None):
     """as_strided of a contiguous tensor (decompositions such as group_norm's emit it) as what it
     reads: a view when the strides are those of ``size`` laid out densely, else the entries at
@@ -73,6 +77,7 @@ def _as_strided(x, size, stride, storage_offset=None):
     non-contiguous tensor reads its storage, not its entries: left to the rule table (unsupported)."""
     if not x.is_contiguous():
         return NotImplemented
+    STRIDED_READS[0] += 1  # the program now assumes its inputs own their storage (capture records it)
     offset = int(storage_offset or 0)
     size, stride = [int(n) for n in size], [int(s) for s in stride]
     if offset == 0 and math.prod(size) == x.numel() and stride == _contiguous_strides(size):

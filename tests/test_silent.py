@@ -254,3 +254,18 @@ def test_an_internal_failure_names_the_node(monkeypatch):
     with pytest.raises(hoad.HoadInternalError, match="sin") as info:
         hoad.compile(lambda x: x.sin().sum(), order=1)(rand(3))
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_as_strided_of_a_view_into_a_larger_storage_is_refused():
+    """as_strided reads storage: the program assumes inputs own theirs; a view would be read
+    differently by torch, so it is refused, and a copy gives torch's answer."""
+    def f(x):
+        return torch.as_strided(x, (2, 2), (1, 2)).sin().sum()
+
+    base = torch.randn(12, dtype=torch.float64)
+    cf = hoad.compile(f, order=2)
+    x = base[:10].clone()
+    res = cf(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x))
+    with pytest.raises(hoad.InvalidArgumentError, match="larger storage"):
+        cf(base[2:12])
