@@ -29,7 +29,7 @@ from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import generalize
 from hoad.passes.hoist import Prefix, hoist
-from hoad.passes.lower import lower_products
+from hoad.passes.lower import lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
 from hoad.passes.prune import prune
 
@@ -151,7 +151,7 @@ def _clean(b: Build) -> Build:
 def _lower(b: Build) -> Build:
     """Matrix products as the target's lowering prefers them (hoad::mm, fused reductions)."""
     for p in b.candidates.values():
-        p.gm = lower_products(p.gm, b.target.lowering)
+        p.gm = sink_permutes(lower_products(p.gm, b.target.lowering), b.target.lowering)
     return b
 
 

@@ -8,12 +8,15 @@ over the inner dimension, which Inductor fuses. The primal layers' products are 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from hoad.algebra.target import Lowering
 
 aten = torch.ops.aten
+TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
 
 
 def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
@@ -46,6 +49,122 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def sink_permutes(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
+    """Give a fusing compiler the layouts the traced program assumed, for the operands of products.
+
+    The algebra reshapes a jet into a matrix as ``view(permute(e), shape)``, valid because eager
+    elementwise ops lay ``e`` out like their operands (a [256,64,16] jet stored [256,16,64]).
+    Inductor lays every elementwise value out in its logical order instead, so the view is no
+    longer one: it wrote ``e`` once and again reordered (7.6 of 25 ms for a [256,128,50] jet).
+    Here such an ``e`` is computed in its stored order (operands permuted: a view each) and the
+    matrix is read from it as ``permute(view(e'))``, which Inductor passes to BLAS as a strided
+    operand without a copy. Only for fused lowerings; the eager program already works this way.
+    """
+    if not lowering.fused:
+        return gm
+    changed = False
+    for view in list(gm.graph.nodes):
+        if view.op != "call_function" or view.target not in (aten.view.default, aten._unsafe_view.default):
+            continue
+        perm = view.args[0]
+        if not isinstance(perm, fx.Node) or perm.target is not aten.permute.default or len(perm.users) != 1:
+            continue
+        e = perm.args[0]
+        if (not isinstance(e, fx.Node) or e.op != "call_function" or len(e.users) != 1 or e.kwargs
+                or torch.Tag.pointwise not in getattr(e.target, "tags", ())):
+            continue
+        ve = e.meta.get("val")
+        if not isinstance(ve, torch.Tensor) or ve.is_contiguous() or perm.meta["val"].is_contiguous():
+            continue
+        stored = sorted(range(ve.ndim), key=lambda d: (-ve.stride(d), d))  # e's axes, outermost first
+        groups = _merged(list(perm.meta["val"].shape), list(view.args[1]))
+        if groups is None:
+            continue
+        at = {d: stored.index(d) for d in range(ve.ndim)}
+        runs = [[at[perm.args[1][i]] for i in g] for g in groups]
+        if any(r != list(range(r[0], r[0] + len(r))) for r in runs if r):
+            continue
+        with gm.graph.inserting_before(perm), ve.fake_mode:
+            new = _call(gm, e.target, tuple(_permuted(gm, a, ve.ndim, stored) for a in e.args))
+            if not new.meta["val"].is_contiguous():
+                gm.graph.erase_node(new)
+                continue
+            new.meta.update({k: v for k, v in e.meta.items() if k != "val"})
+            by_start = sorted(range(len(runs)), key=lambda i: runs[i][0] if runs[i] else -1)
+            shape = [math.prod(perm.meta["val"].shape[j] for j in groups[i]) for i in by_start]
+            flat = _call(gm, aten.view.default, (new, shape))
+            out = _call(gm, aten.permute.default, (flat, [by_start.index(i) for i in range(len(runs))]))
+        view.replace_all_uses_with(out)
+        for dead in (view, perm, e):
+            gm.graph.erase_node(dead)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def orient_products(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each tall matrix product ``a @ b`` (many more rows than columns) as ``(bᵀ @ aᵀ)ᵀ``.
+
+    MKL's dgemm runs the short-wide form up to twice as fast here (see
+    :mod:`hoad.lowering.inductor`). The algebra orients its own products; this pass is for graphs
+    it did not write: AOTAutograd's backward of a program, whose ``mm`` backward computes the
+    gradient of a column-major operand in the tall form to return it column-major (the weight
+    gradients of a Laplacian's jets: [4096,64]@[64,64] took 2.5x the time of the wide form).
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mm.default or node.kwargs:
+            continue
+        a, b = node.args
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+            continue
+        (m, k), n = va.shape, vb.shape[1]
+        if not (isinstance(m, int) and isinstance(n, int) and m > 4 * n and m * k * n >= TALL_PRODUCT):
+            continue
+        with gm.graph.inserting_before(node), va.fake_mode:
+            wide = _call(gm, aten.mm.default, (_call(gm, aten.permute.default, (b, [1, 0])),
+                                                _call(gm, aten.permute.default, (a, [1, 0]))))
+            new = _call(gm, aten.permute.default, (wide, [1, 0]))
+        new.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _merged(shape: list, target: list) -> list | None:
+    """The axes of ``shape`` that each axis of ``target`` merges (consecutive runs), or None if the
+    reshape splits an axis; trailing size-1 axes join the last run."""
+    groups, i = [], 0
+    for n in target:
+        run, size = [], 1
+        while i < len(shape) and size < n:
+            run.append(i)
+            size *= shape[i]
+            i += 1
+        if size != n:
+            return None
+        groups.append(run)
+    if any(shape[j] != 1 for j in range(i, len(shape))) or not groups:
+        return None
+    groups[-1].extend(range(i, len(shape)))
+    return groups
+
+
+def _permuted(gm: fx.GraphModule, a, ndim: int, order: list):
+    """Operand ``a`` of an elementwise op of rank ``ndim``, with its axes in ``order``."""
+    if not isinstance(a, fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
+        return a
+    shape = list(a.meta["val"].shape)
+    if len(shape) < ndim:
+        a = _call(gm, aten.view.default, (a, [1] * (ndim - len(shape)) + shape))
+    return _call(gm, aten.permute.default, (a, order))
 
 
 def _call(gm: fx.GraphModule, target, args: tuple) -> fx.Node:

@@ -155,3 +155,38 @@ def test_a_prefix_runs_again_only_when_its_tensors_change():
         prefix([P])
         prefix([P])
     assert len(runs) == 6
+
+
+def test_sink_permutes_computes_a_jet_in_the_order_its_matrix_reads():
+    """view(permute(e)) of an elementwise e stored in another order than its logical one (as
+    eager lays out s[p,j] * w[d,j] viewed [p,j,d]) becomes e computed in its stored order and
+    read as permute(view(e')): no view of a permute left, the same values."""
+    from hoad.lowering.inductor import InductorLowering
+    from hoad.passes.lower import sink_permutes
+
+    def f(s, w):
+        e = s[:, :, None] * w.t()[None]                      # [p, j, d], stored [p, d, j]
+        return aten.view(e.permute(1, 0, 2), [3, 8]).sin()   # the matrix [j, (p d)]
+
+    s, w = rand(4, 3), rand(2, 3)
+    gm = traced(f, s, w)
+    expected = gm(s, w)
+    gm = sink_permutes(gm, InductorLowering())
+    views = [n for n in gm.graph.nodes if n.target is aten.view.default]
+    assert all(v.args[0].target is not aten.permute.default for v in views)
+    mul, = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    assert mul.meta["val"].is_contiguous() and tuple(mul.meta["val"].shape) == (4, 2, 3)
+    torch.testing.assert_close(gm(s, w), expected, rtol=0, atol=0)
+    assert sink_permutes(traced(f, s, w), Target().lowering).graph.find_nodes(
+        op="call_function", target=aten.permute.default), "the eager lowering keeps the program as traced"
+
+
+def test_orient_products_makes_tall_products_wide():
+    from hoad.passes.lower import orient_products
+
+    a, b, c = rand(2048, 16), rand(16, 16), rand(16, 2)
+    gm = orient_products(traced(lambda a, b, c: (a @ b, a @ c), a, b, c))
+    shapes = [tuple(n.args[0].meta["val"].shape) for n in gm.graph.nodes if n.target is aten.mm.default]
+    assert shapes == [(16, 16), (2048, 16)], "the tall [2048,16]@[16,16] turned wide (bᵀ @ aᵀ); the small one kept"
+    for got, want in zip(gm(a, b, c), (a @ b, a @ c)):
+        torch.testing.assert_close(got, want)
