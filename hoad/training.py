@@ -30,7 +30,7 @@ import torch.fx as fx
 from hoad.errors import CompileError
 from hoad.lowering.inductor import use_cache_dir
 from hoad.passes.compile import eager_program
-from hoad.passes.lower import orient_products
+from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS
 
 log = logging.getLogger("hoad")
@@ -83,11 +83,7 @@ class Trainable:
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
         try:
-            # AOTAutograd's own cache keys on the forward graph alone, not on what
-            # _compile_oriented does to the graphs it compiles: a cached artifact from before a
-            # change there would be served. Each graph's Inductor compile is still cached.
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                run = compile_fx(gm, examples, inner_compile=_compile_oriented)
+            run = compile_fx(gm, examples, config_patches={"post_grad_custom_post_pass": OrientProducts()})
         except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
             raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "
                                "backend='eager' trains through the same program without compiling it") from e
@@ -96,13 +92,6 @@ class Trainable:
 
     def _private(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.clone() if i in self.written else t for i, t in enumerate(inputs)]
-
-
-def _compile_oriented(gm: fx.GraphModule, example_inputs, **kwargs):
-    """Inductor's compile of one of AOTAutograd's graphs, with its matrix products oriented wide."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    return compile_fx_inner(orient_products(gm), example_inputs, **kwargs)
 
 
 class _Guard(torch.autograd.Function):

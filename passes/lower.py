@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hoad.algebra.target import Lowering
 
@@ -37,11 +38,11 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
         with gm.graph.inserting_before(node), va.fake_mode:
             if how == "kernel":
                 ca, cb = _contiguous(gm, a), _contiguous(gm, b)
-                new = _call(gm, torch.ops.hoad.mm.default, (ca, cb))
+                new = _call(gm.graph, torch.ops.hoad.mm.default, (ca, cb))
             else:  # a vector-matrix product as a fused reduction: (a[:, :, None] * b[None]).sum(1)
-                left = _call(gm, aten.unsqueeze.default, (a, 2))
-                right = _call(gm, aten.unsqueeze.default, (b, 0))
-                new = _call(gm, aten.sum.dim_IntList, (_call(gm, aten.mul.Tensor, (left, right)), [1]))
+                left = _call(gm.graph, aten.unsqueeze.default, (a, 2))
+                right = _call(gm.graph, aten.unsqueeze.default, (b, 0))
+                new = _call(gm.graph, aten.sum.dim_IntList, (_call(gm.graph, aten.mul.Tensor, (left, right)), [1]))
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -87,15 +88,15 @@ def sink_permutes(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
         if any(r != list(range(r[0], r[0] + len(r))) for r in runs if r):
             continue
         with gm.graph.inserting_before(perm), ve.fake_mode:
-            new = _call(gm, e.target, tuple(_permuted(gm, a, ve.ndim, stored) for a in e.args))
+            new = _call(gm.graph, e.target, tuple(_permuted(gm, a, ve.ndim, stored) for a in e.args))
             if not new.meta["val"].is_contiguous():
                 gm.graph.erase_node(new)
                 continue
             new.meta.update({k: v for k, v in e.meta.items() if k != "val"})
             by_start = sorted(range(len(runs)), key=lambda i: runs[i][0] if runs[i] else -1)
             shape = [math.prod(perm.meta["val"].shape[j] for j in groups[i]) for i in by_start]
-            flat = _call(gm, aten.view.default, (new, shape))
-            out = _call(gm, aten.permute.default, (flat, [by_start.index(i) for i in range(len(runs))]))
+            flat = _call(gm.graph, aten.view.default, (new, shape))
+            out = _call(gm.graph, aten.permute.default, (flat, [by_start.index(i) for i in range(len(runs))]))
         view.replace_all_uses_with(out)
         for dead in (view, perm, e):
             gm.graph.erase_node(dead)
@@ -114,8 +115,26 @@ def orient_products(gm: fx.GraphModule) -> fx.GraphModule:
     gradient of a column-major operand in the tall form to return it column-major (the weight
     gradients of a Laplacian's jets: [4096,64]@[64,64] took 2.5x the time of the wide form).
     """
+    if _orient(gm.graph):
+        gm.recompile()
+    return gm
+
+
+class OrientProducts(CustomGraphPass):
+    """:func:`orient_products` as Inductor's post-grad pass (``post_grad_custom_post_pass``): it
+    runs on each graph AOTAutograd hands Inductor, and its uuid enters Inductor's and
+    AOTAutograd's cache keys, so an artifact compiled without it is never served."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        _orient(graph)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+def _orient(graph: fx.Graph) -> bool:
     changed = False
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.mm.default or node.kwargs:
             continue
         a, b = node.args
@@ -125,17 +144,15 @@ def orient_products(gm: fx.GraphModule) -> fx.GraphModule:
         (m, k), n = va.shape, vb.shape[1]
         if not (isinstance(m, int) and isinstance(n, int) and m > 4 * n and m * k * n >= TALL_PRODUCT):
             continue
-        with gm.graph.inserting_before(node), va.fake_mode:
-            wide = _call(gm, aten.mm.default, (_call(gm, aten.permute.default, (b, [1, 0])),
-                                                _call(gm, aten.permute.default, (a, [1, 0]))))
-            new = _call(gm, aten.permute.default, (wide, [1, 0]))
+        with graph.inserting_before(node), va.fake_mode:
+            wide = _call(graph, aten.mm.default, (_call(graph, aten.permute.default, (b, [1, 0])),
+                                                   _call(graph, aten.permute.default, (a, [1, 0]))))
+            new = _call(graph, aten.permute.default, (wide, [1, 0]))
         new.meta.update({key: v for key, v in node.meta.items() if key != "val"})
         node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        graph.erase_node(node)
         changed = True
-    if changed:
-        gm.recompile()
-    return gm
+    return changed
 
 
 def _merged(shape: list, target: list) -> list | None:
@@ -163,13 +180,13 @@ def _permuted(gm: fx.GraphModule, a, ndim: int, order: list):
         return a
     shape = list(a.meta["val"].shape)
     if len(shape) < ndim:
-        a = _call(gm, aten.view.default, (a, [1] * (ndim - len(shape)) + shape))
-    return _call(gm, aten.permute.default, (a, order))
+        a = _call(gm.graph, aten.view.default, (a, [1] * (ndim - len(shape)) + shape))
+    return _call(gm.graph, aten.permute.default, (a, order))
 
 
-def _call(gm: fx.GraphModule, target, args: tuple) -> fx.Node:
+def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
     """A new node with its traced value (shapes and strides) in ``meta["val"]``."""
-    node = gm.graph.call_function(target, args)
+    node = graph.call_function(target, args)
     values = fx.node.map_arg(args, lambda n: n.meta["val"])
     node.meta["val"] = target(*values)
     return node

@@ -177,3 +177,25 @@ def test_dense_identity_of_256_and_more():
         x = torch.randn(n, dtype=torch.float64)
         res = hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")(x)
         torch.testing.assert_close(res[0, 0], torch.diag(-x.sin()))
+
+
+def test_a_weight_broadcast_over_a_batch_makes_one_matrix_product():
+    """Under a fused lowering, an operand that only broadcasts along a label it shares with the
+    other (stride 0: a weight expanded over samples) drops it: one mm with the batch folded into
+    the columns instead of a bmm over copies of the weight. The value is the bmm's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hoad.algebra import Target
+    from hoad.algebra.einsum import _einsum
+    from hoad.lowering.inductor import InductorLowering
+
+    w, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, 6, dtype=torch.float64)
+
+    def product(w, y, lowering):
+        terms = [(w.expand(5, 4, 3), ["b", "i", "k"]), (y, ["b", "k", "j"])]
+        return _einsum(terms, ["b", "i", "j"], {"b": 5, "i": 4, "k": 3, "j": 6}, lowering=lowering)
+
+    for lowering, op in ((InductorLowering(), torch.ops.aten.mm.default), (Target().lowering, torch.ops.aten.bmm.default)):
+        gm = make_fx(lambda w, y: product(w, y, lowering))(w, y)
+        assert [n.target for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)] == [op]
+        torch.testing.assert_close(gm(w, y), torch.bmm(w.expand(5, 4, 3), y))

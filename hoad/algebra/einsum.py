@@ -50,6 +50,18 @@ def _moves(labels: list, target: list) -> int:
     return int([labels.index(l) for l in present] != sorted(labels.index(l) for l in present))
 
 
+def _unbroadcast(t: torch.Tensor, labels: list, other: list, samples: set) -> torch.Tensor:
+    """``t`` with size 1 along the labels it shares with the other operand but only broadcasts
+    (stride 0), so the product treats them as the other's own labels: a weight expanded over a
+    batch makes one matrix product with the batch folded into the columns, not a batched one (the
+    inner program of a biharmonic expands its weights over the samples). Sample labels a program
+    keeps as batch axes (SAMPLE_LABELS) stay."""
+    for i, l in enumerate(labels):
+        if l in other and l not in samples and t.shape[i] > 1 and t.stride(i) == 0:
+            t = t.narrow(i, 0, 1)
+    return t
+
+
 def _share_samples(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, samples: set):
     """Give each operand the kept sample labels only the other has (broadcast), so they become
     batch labels of the product (see SAMPLE_LABELS)."""
@@ -70,6 +82,8 @@ def _pair(x: torch.Tensor, xs: list, y: torch.Tensor, ys: list, keep: set, order
     """
     x, xs = _reduce_private(x, xs, set(ys) | keep)
     y, ys = _reduce_private(y, ys, set(xs) | keep)
+    if lowering.fused:
+        x, y = _unbroadcast(x, xs, ys, samples), _unbroadcast(y, ys, xs, samples)
     # A shared label of size 1 in one operand: that operand is constant along it, so drop it there.
     sx = [i for i, l in enumerate(xs) if l in ys and x.shape[i] == 1 and (l not in keep or y.shape[ys.index(l)] != 1)]
     if sx:
