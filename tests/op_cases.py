@@ -190,6 +190,19 @@ CASES: dict = {
     aten.scatter_reduce.two: Case(lambda x, s: x.sin().scatter_reduce(0, _idx(2, 0, 2, 1, 0, 2).view(2, 3), s.exp(), "mean",
                                                                       include_self=False).tanh().sum(0),
                                   (rand(4, 3), rand(2, 3)), wrt=(0, 1), order=3),
+    # ---- issue 17: op coverage (variants and decomposed ops: tests/test_more_rules.py)
+    aten.nextafter.default: Case(lambda x, y: torch.nextafter(x.sin(), y).exp().sum(0), (rand(2, 3), rand(3)), wrt=(0, 1),
+                                 order=3),
+    aten.upsample_bilinear2d.default: Case(lambda x: F.interpolate(x.sin(), scale_factor=1.5, mode="bilinear",
+                                                                   align_corners=True).tanh().sum((1, 2, 3)),
+                                           (rand(2, 1, 2, 3),), order=3),
+    aten.upsample_bicubic2d.default: Case(lambda x: F.interpolate(x.sin(), size=(3, 4), mode="bicubic").tanh().sum(),
+                                          (rand(1, 2, 2, 3),), order=3),
+    aten._upsample_bilinear2d_aa.default: Case(lambda x: F.interpolate(x.sin(), size=(3, 2), mode="bilinear",
+                                                                       antialias=True).tanh().sum((1, 2, 3)),
+                                               (rand(2, 1, 4, 5),), order=3),
+    aten.upsample_trilinear3d.default: Case(lambda x: F.interpolate(x.sin(), size=(2, 3, 2), mode="trilinear").tanh().sum(),
+                                            (rand(1, 1, 2, 2, 3),), order=3),
     # ---- issue 17: elementwise, scans, selections
     aten.asin.default: Case(lambda x: (x.sin() * 0.8).asin().sum(), (rand(2, 3),), order=5),
     aten.acos.default: Case(lambda x: (x.tanh() * 0.9).acos() * x, (rand(2, 3),), order=5),
@@ -251,6 +264,33 @@ CASES: dict = {
     aten.linalg_solve_triangular.default: Case(
         lambda a, b: torch.linalg.solve_triangular(a + 0.2 * a.sin(), b.sin(), upper=True).sin(),
         (_well(2, 3, 3, seed=27), rand(3, 2, seed=28)), wrt=(0, 1), order=3),
+    # ---- issue 17: factorizations (hoad/rules/factorizations.py). The eigen- and singular vectors
+    # are torch's own (its signs, piecewise constant), so the cases read them directly; random
+    # inputs keep the eigenvalue and singular value gaps open. torch.func agrees with the plain-op
+    # references at these points, which stand in for it where given. Order 2 where order 3 costs
+    # seconds to build (the OpInfo sweep checks every factorization at order 3).
+    torch.ops.hoad_linalg.eigvalsh.default: Case(lambda a: torch.linalg.eigvalsh(a + a.mT).sin(),
+                                                 (rand(2, 3, 3, seed=31),), order=3),
+    torch.ops.hoad_linalg.eigvecsh.default: Case(
+        lambda a: (torch.linalg.eigh(a + a.mT, UPLO="U")[1] * W43[:3]).sin().sum(0), (rand(3, 3, seed=32),),
+        order=3),
+    torch.ops.hoad_linalg.svdvals.default: Case(lambda a: torch.linalg.svdvals(2 * a.sin()).exp(), (rand(3, 2, seed=33),),
+                                                order=2),
+    torch.ops.hoad_linalg.svd_u.default: Case(
+        lambda a: (torch.linalg.svd(a, full_matrices=False)[0] * W23.mT).sin().sum(1), (rand(3, 2, seed=34),), order=2),
+    torch.ops.hoad_linalg.svd_vh.default: Case(
+        lambda a: (torch.linalg.svd(a, full_matrices=False)[2] * W23).sin().sum(-1),
+        (rand(2, 3, seed=35),), order=2),
+    torch.ops.hoad_linalg.qr_q.default: Case(lambda a: torch.linalg.qr(a).Q.sin().sum(0), (rand(3, 2, seed=36),), order=3),
+    torch.ops.hoad_linalg.qr_r.default: Case(lambda a: torch.linalg.qr(a.sin()).R.exp().sum(-1), (rand(2, 2, 3, seed=37),),
+                                             order=2),
+    torch.ops.hoad_linalg.lu_packed.default: Case(lambda a: torch.linalg.lu_factor(a).LU.sin().sum(0),
+                                                  (rand(4, 3, seed=38),), order=2),
+    # a full-rank wide matrix: A⁺ = Aᵀ(AAᵀ)⁻¹
+    torch.ops.hoad_linalg.pinv.default: Case(lambda a: torch.linalg.pinv(a).sin().sum(0), (rand(2, 3, seed=39),), order=2,
+                                             reference=lambda a: (a.mT @ torch.linalg.inv(a @ a.mT)).sin().sum(0)),
+    torch.ops.hoad_linalg.matrix_exp.default: Case(lambda a: torch.linalg.matrix_exp(a.sin()).sum(-1), (rand(2, 2, 2, seed=40),),
+                                         order=2),
 }
 
 

@@ -26,6 +26,17 @@ REFERENCE = {
     torch.ops.hoad_linalg.solve.default: torch.linalg.solve,
     torch.ops.hoad_linalg.logabsdet.default: lambda A: torch.linalg.slogdet(A)[1],
     torch.ops.hoad_linalg.cholesky.default: lambda A, upper=False: torch.linalg.cholesky(A, upper=upper),
+    torch.ops.hoad_linalg.eigvalsh.default: lambda A, UPLO="L": torch.linalg.eigh(A, UPLO=UPLO)[0],
+    torch.ops.hoad_linalg.eigvecsh.default: lambda A, UPLO="L": torch.linalg.eigh(A, UPLO=UPLO)[1],
+    torch.ops.hoad_linalg.svdvals.default: lambda A: torch.linalg.svd(A, full_matrices=False)[1],
+    torch.ops.hoad_linalg.svd_u.default: lambda A: torch.linalg.svd(A, full_matrices=False)[0],
+    torch.ops.hoad_linalg.svd_vh.default: lambda A: torch.linalg.svd(A, full_matrices=False)[2],
+    torch.ops.hoad_linalg.qr_q.default: lambda A: torch.linalg.qr(A)[0],
+    torch.ops.hoad_linalg.qr_r.default: lambda A: torch.linalg.qr(A)[1],
+    torch.ops.hoad_linalg.lu_packed.default: lambda A: torch.linalg.lu_factor(A)[0],
+    torch.ops.hoad_linalg.matrix_exp.default: torch.linalg.matrix_exp,
+    torch.ops.hoad_linalg.pinv.default: lambda A, atol=None, rtol=None, hermitian=False: torch.linalg.pinv(
+        A, atol=atol, rtol=rtol, hermitian=hermitian),
 }
 
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from hoad.rules import elementwise, linear, multilinear, reduction
 from hoad.rules import conv, indexing, pooling
-from hoad.rules import linalg
+from hoad.rules import factorizations, linalg
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM
 
 RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
-                     conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES)
+                     conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
 VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, reduction.VJPS,
-                    conv.VJPS, pooling.VJPS, indexing.VJPS, linalg.VJPS)
+                    conv.VJPS, pooling.VJPS, indexing.VJPS, linalg.VJPS, factorizations.VJPS)
 
 FAMILIES = {
     op: table.family
     for table in (linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
-                  conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES)
+                  conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
     for op in table
 }
 

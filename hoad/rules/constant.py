@@ -11,7 +11,9 @@ import torch
 aten = torch.ops.aten
 
 PIECEWISE_CONSTANT = frozenset({
-    aten.sign.default, aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
+    aten.sign.default, aten.floor.default, aten.ceil.default, aten.round.default, aten.round.decimals,
+    aten.trunc.default,
+    aten.angle.default,  # of a real tensor: 0 or pi (complex values are refused before any rule)
     aten.detach.default, aten.div.Tensor_mode,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,

@@ -18,6 +18,12 @@ ops return (value, LU, pivots, info) tuples. :data:`CAPTURE_DECOMPOSITIONS` (mer
 table) routes them to single-output ops: ``aten.linalg_solve_triangular`` and four
 ``hoad_linalg`` operators defined here (``inv``, ``solve``, ``logabsdet``, ``cholesky``), which run torch's
 own kernels and carry autograd formulas, so results stay differentiable for training.
+
+The same table routes the rest of torch.linalg: det (sign · exp log|det|), cholesky_inverse and
+the deprecated triangular_solve (triangular solves), lu_solve and lu_unpack (triangular solves
+and masks of the packed factors, the permutation constant), householder_product and ormqr
+(products of reflectors), and the factorizations eigh, svd, qr, lu_factor, lu and pinv to the
+single-output operators of :mod:`hoad.rules.factorizations`.
 """
 
 from __future__ import annotations
@@ -181,12 +187,167 @@ def _cholesky_solve(B, L, upper=False):
     return aten.linalg_solve_triangular(lower.mT, Y, upper=True)
 
 
+def _det(A):
+    """(det, LU, pivots): det = sign · exp(log|det|), the sign piecewise constant (0 where A is
+    singular, whose derivatives the exp form does not reach: NaN there)."""
+    sign, logabs, LU, pivots = _slogdet(A)
+    return sign * torch.exp(logabs), LU, pivots
+
+
+def _cholesky_inverse(L, upper=False):
+    """(L Lᵀ)⁻¹ (or (Uᵀ U)⁻¹) as :func:`_cholesky_solve` of the identity."""
+    return _cholesky_solve(_eye(L.shape[-1], L).expand(L.shape), L, upper)
+
+
+def _triangular_solve(B, A, upper=True, transpose=False, unitriangular=False):
+    """The deprecated (solution, cloned coefficient) API: X with op(A) X = B, op(A) = A or Aᵀ."""
+    T = A.mT if transpose else A
+    X = aten.linalg_solve_triangular(T, B, upper=upper != transpose, unitriangular=unitriangular)
+    return X, A.clone()
+
+
+# The factorizations route to single-output operators of hoad/rules/factorizations.py (looked up
+# at call time: that module defines them). Complex inputs, and the variants whose outputs are
+# not functions of A, are left to the table (unsupported, naming the ATen op).
+def _real(A) -> bool:
+    return not A.is_complex()
+
+
+def _eigh(A, UPLO="L", compute_v=True):
+    if not _real(A):
+        return NotImplemented
+    ops = torch.ops.hoad_linalg
+    lam = ops.eigvalsh(A, UPLO)
+    return lam, ops.eigvecsh(A, UPLO) if compute_v else A.new_empty(0)
+
+
+def _svd(A, full_matrices=False, compute_uv=True, driver=None):
+    """Reduced SVD parts. full_matrices=True on a non-square matrix asks for singular vectors
+    that A does not determine (any orthonormal completion will do): left unsupported."""
+    m, n = A.shape[-2], A.shape[-1]
+    if not _real(A) or (compute_uv and full_matrices and m != n):
+        return NotImplemented
+    ops = torch.ops.hoad_linalg
+    S = ops.svdvals(A)
+    if not compute_uv:
+        return A.new_empty(0), S, A.new_empty(0)
+    return ops.svd_u(A), S, ops.svd_vh(A)
+
+
+def _qr(A, mode="reduced"):
+    """mode 'complete' on a tall matrix asks for columns of Q that A does not determine: left unsupported."""
+    m, n = A.shape[-2], A.shape[-1]
+    if not _real(A) or (mode == "complete" and m > n):
+        return NotImplemented
+    ops = torch.ops.hoad_linalg
+    R = ops.qr_r(A)
+    return (A.new_empty(0) if mode == "r" else ops.qr_q(A)), R
+
+
+def _lu_factor_ex(A, pivot=True, check_errors=False):
+    if not _real(A) or not pivot:
+        return NotImplemented
+    ops = torch.ops.hoad_linalg
+    return ops.lu_packed(A), ops.lu_pivots(A.detach()), _no_info(A)
+
+
+def _unit_lower(LU, k: int):
+    """L of packed factors: the strict lower part of the first k columns, ones on the diagonal."""
+    m = LU.shape[-2]
+    mask = torch.ones(m, k, dtype=LU.dtype, device=LU.device).tril(-1)
+    return LU[..., :, :k] * mask + _eye(m, LU)[:, :k]
+
+
+def _upper(LU, k: int):
+    n = LU.shape[-1]
+    return LU[..., :k, :] * torch.ones(k, n, dtype=LU.dtype, device=LU.device).triu()
+
+
+def _lu_unpack(LU, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = LU.shape[-2], LU.shape[-1]
+    k = min(m, n)
+    P = torch.ops.hoad_linalg.lu_permutation(pivots, LU.detach()) if unpack_pivots else LU.new_empty(0)
+    if not unpack_data:
+        return P, LU.new_empty(0), LU.new_empty(0)
+    return P, _unit_lower(LU, k), _upper(LU, k)
+
+
+def _lu(A, pivot=True):
+    if not _real(A) or not pivot:
+        return NotImplemented
+    ops = torch.ops.hoad_linalg
+    return _lu_unpack(ops.lu_packed(A), ops.lu_pivots(A.detach()))
+
+
+def _lu_solve(LU, pivots, B, left=True, adjoint=False):
+    """A = P L U from packed factors: two triangular solves reading the triangles of LU, and the
+    permutation (constant)."""
+    P = torch.ops.hoad_linalg.lu_permutation(pivots, LU.detach())
+    if left and not adjoint:      # X = U⁻¹ L⁻¹ Pᵀ B
+        Y = aten.linalg_solve_triangular(LU, P.mT @ B, upper=False, unitriangular=True)
+        return aten.linalg_solve_triangular(LU, Y, upper=True)
+    if left:                      # Aᵀ X = B: X = P L⁻ᵀ U⁻ᵀ B
+        Y = aten.linalg_solve_triangular(LU.mT, B, upper=False)
+        return P @ aten.linalg_solve_triangular(LU.mT, Y, upper=True, unitriangular=True)
+    if not adjoint:               # X A = B: X = B U⁻¹ L⁻¹ Pᵀ
+        Y = aten.linalg_solve_triangular(LU, B, upper=True, left=False)
+        return aten.linalg_solve_triangular(LU, Y, upper=False, unitriangular=True, left=False) @ P.mT
+    # X Aᵀ = B: X = B P L⁻ᵀ U⁻ᵀ
+    Y = aten.linalg_solve_triangular(LU.mT, B @ P, upper=True, unitriangular=True, left=False)
+    return aten.linalg_solve_triangular(LU.mT, Y, upper=False, left=False)
+
+
+def _pinv(A, atol=None, rtol=None, hermitian=False):
+    if not _real(A):
+        return NotImplemented
+    return torch.ops.hoad_linalg.pinv(A, atol, rtol, hermitian)
+
+
+def _reflectors(A, tau):
+    """H_1 ⋯ H_k (m x m), H_i = I − τ_i v_i v_iᵀ, v_i the i-th column of A below the diagonal with
+    a unit on it (LAPACK's geqrf storage): products and sums only."""
+    m = A.shape[-2]
+    k = tau.shape[-1]
+    mask = torch.ones(m, k, dtype=A.dtype, device=A.device).tril(-1)
+    V = A[..., :, :k] * mask + _eye(m, A)[:, :k]
+    batch = torch.broadcast_shapes(A.shape[:-2], tau.shape[:-1])
+    Q = _eye(m, A).expand(*batch, m, m)
+    for i in range(k):
+        v = V[..., :, i:i + 1]
+        Q = Q - (Q @ v) @ (v.mT * tau[..., i, None, None])
+    return Q
+
+
+def _householder_product(A, tau):
+    return _reflectors(A, tau)[..., :, :A.shape[-1]]
+
+
+def _ormqr(A, tau, C, left=True, transpose=False):
+    Q = _reflectors(A, tau)
+    Q = Q.mT if transpose else Q
+    return Q @ C if left else C @ Q
+
+
 CAPTURE_DECOMPOSITIONS = {
+    aten.linalg_householder_product.default: _householder_product,
+    aten.ormqr.default: _ormqr,
     aten.linalg_inv_ex.default: _inv_ex,
     aten._linalg_solve_ex.default: _solve_ex,
     aten._linalg_slogdet.default: _slogdet,
     aten.linalg_cholesky_ex.default: _cholesky_ex,
     aten.cholesky_solve.default: _cholesky_solve,
+    aten._linalg_det.default: _det,
+    aten.cholesky_inverse.default: _cholesky_inverse,
+    aten.triangular_solve.default: _triangular_solve,
+    aten._linalg_eigh.default: _eigh,
+    aten._linalg_svd.default: _svd,
+    aten.linalg_qr.default: _qr,
+    aten.linalg_lu_factor_ex.default: _lu_factor_ex,
+    aten.linalg_lu.default: _lu,
+    aten.lu_unpack.default: _lu_unpack,
+    aten.linalg_lu_solve.default: _lu_solve,
+    aten.linalg_pinv.atol_rtol_tensor: _pinv,
+    aten.linalg_matrix_exp.default: lambda A: torch.ops.hoad_linalg.matrix_exp(A),
 }
 
 

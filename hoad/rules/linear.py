@@ -203,6 +203,13 @@ def remainder_rule(ctx: Ctx, a, b):
     return _combine(ctx, _modulo_terms(a, b, "floor"))
 
 
+@RULES.register(aten.nextafter.default)
+def nextafter_rule(ctx: Ctx, a, b):
+    """nextafter(a, b) is a moved by one ulp towards b: a plus a piecewise-constant step, so its
+    derivative is a's (b's is zero almost everywhere), as torch's derivatives have it."""
+    return _combine(ctx, [(a, 1.0)])
+
+
 def _branches(cond, a, b) -> list[tuple[object, torch.Tensor]]:
     """The arguments of ``where(cond, a, b)`` with the mask of the entries each one supplies."""
     mask = cond.primal if isinstance(cond, Jet) else cond
@@ -569,6 +576,11 @@ def fmod_vjp(v, g: Block, a, b):
 @VJPS.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 def remainder_vjp(v, g: Block, a, b):
     return _spread(v, g, _modulo_terms(a, b, "floor"))
+
+
+@VJPS.register(aten.nextafter.default)
+def nextafter_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, 1.0)])
 
 
 @VJPS.register(aten.where.self)

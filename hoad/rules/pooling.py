@@ -72,6 +72,38 @@ def adaptive_avg_pool3d_rule(ctx: Ctx, x: Jet, output_size):
     return _pooled(ctx, x, 3, lambda u: aten._adaptive_avg_pool3d.default(u, output_size))
 
 
+def _on_images(op):
+    """An op of (N, C, *spatial) images as a map of (B, *spatial) stacks (one channel each)."""
+    return lambda u: op(u.unsqueeze(1)).squeeze(1)
+
+
+def _resize(op, backward, k: int):
+    """Rule and VJP of a resizing op (bilinear, bicubic, trilinear, antialiased): linear in the
+    image, so each block is resized alike; the transpose is the op's backward."""
+
+    def rule(ctx: Ctx, x: Jet, output_size, align_corners: bool, *scales):
+        return _pooled(ctx, x, k, _on_images(lambda u: op(u, output_size, align_corners, *scales)))
+
+    def vjp(v, g: Block, x: Jet, output_size, align_corners: bool, *scales):
+        def transpose(u, like):
+            size = [u.shape[0], 1] + list(like.shape[1:])
+            return _on_images(lambda w: backward(w, output_size, size, align_corners, *scales))(u)
+
+        return _unpooled(v, g, x, k, transpose)
+
+    name = op.__name__.split(".")[0].lstrip("_")
+    rule.__name__, vjp.__name__ = f"{name}_rule", f"{name}_vjp"
+    return rule, vjp
+
+
+RESIZES = {
+    aten.upsample_bilinear2d.default: (aten.upsample_bilinear2d_backward.default, 2),
+    aten.upsample_bicubic2d.default: (aten.upsample_bicubic2d_backward.default, 2),
+    aten._upsample_bilinear2d_aa.default: (aten._upsample_bilinear2d_aa_backward.default, 2),
+    aten.upsample_trilinear3d.default: (aten.upsample_trilinear3d_backward.default, 3),
+}
+
+
 def _flat_index(indices: torch.Tensor, r: int, k: int, rest: list) -> torch.Tensor:
     """Indices into the flattened spatial axes, over (lead..., positions, *rest)."""
     idx = indices.reshape(list(indices.shape[:r - k]) + [-1])
@@ -226,6 +258,12 @@ def unfold_vjp(v, g: Block, x: Jet, dimension: int, size: int, step: int):
         return t.new_zeros(list(x.shape) + list(t.shape[r:])).index_add(d, idx, t)
 
     return [(x, map_out(g, r + 1, fn, x.shape, along(r, [d])))]
+
+
+for _op, (_backward, _k) in RESIZES.items():
+    _rule, _vjp = _resize(_op, _backward, _k)
+    RULES.register(_op)(_rule)
+    VJPS.register(_op)(_vjp)
 
 
 def _regathered(g: Block, grad: Jet, indices, k: int) -> list:

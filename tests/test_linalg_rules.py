@@ -1,0 +1,143 @@
+"""Variants of the factorization rules (hoad/rules/factorizations.py) and the linear-algebra
+routes of capture (hoad/rules/linalg.py) that the one-case-per-rule table does not reach:
+trapezoidal shapes, the LU and triangular-solve APIs, refusals, and the operators' autograd.
+The costlier variants run under -m slow (the OpInfo sweep covers those ops at order 3)."""
+
+import pytest
+import torch
+
+import hoad
+from helpers import check, rand
+
+aten = torch.ops.aten
+
+
+def _plain_det(a):
+    """± Π U_ii of the LU factors (torch.func's third derivative of det is wrong, lu_factor's right)."""
+    lu, pivots = torch.linalg.lu_factor(a)
+    n = a.shape[-1]
+    swaps = (pivots != torch.arange(1, n + 1, dtype=pivots.dtype)).sum(-1)
+    return lu.diagonal(dim1=-2, dim2=-1).prod(-1) * (1 - 2 * (swaps % 2)).to(a.dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(3, 3), (2, 4)], ids=str)
+def test_svd_factors_together(shape):
+    """U S Vh of a square and a wide matrix (the wide one through Aᵀ, torch's signs kept)."""
+    w = rand(*shape, seed=41)
+
+    def f(a):
+        U, S, Vh = torch.linalg.svd(a, full_matrices=False)
+        return (U.sin().sum() + (S * S.cos()).sum() + (Vh * w[: Vh.shape[0]]).sum()).reshape(1)
+
+    check(f, (rand(*shape, seed=42),), order=2)
+
+
+def test_det_is_exact_where_torch_func_is_not():
+    check(lambda a: torch.linalg.det(a).sin(), (rand(2, 3, 3, seed=43),), order=3,
+          reference_fn=lambda a: _plain_det(a).sin())
+
+
+def test_cholesky_inverse_reads_one_triangle():
+    """(L Lᵀ)⁻¹ by two triangular solves: torch.func's second derivative of cholesky_inverse is
+    wrong (torch 2.13), that of inv(L Lᵀ) is right."""
+    def tri(a):
+        return a.tril() + 3 * torch.eye(3, dtype=a.dtype)
+
+    check(lambda a: torch.cholesky_inverse(tri(a)).sin().sum(0), (rand(3, 3, seed=44),), order=2,
+          reference_fn=lambda a: torch.linalg.inv(tri(a) @ tri(a).mT).sin().sum(0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left,adjoint", [(True, False), (True, True), (False, False), (False, True)])
+def test_lu_solve_every_side(left, adjoint):
+    a0 = rand(3, 3, seed=45) + 3 * torch.eye(3, dtype=torch.float64)
+    B = rand(3, 2, seed=46) if left else rand(2, 3, seed=46)
+
+    def f(a):
+        LU, piv = torch.linalg.lu_factor(a)
+        return torch.linalg.lu_solve(LU, piv, B, left=left, adjoint=adjoint).sin().sum(0)
+
+    def ref(a):
+        A = a.mT if adjoint else a
+        return (torch.linalg.inv(A) @ B if left else B @ torch.linalg.inv(A)).sin().sum(0)
+
+    check(f, (a0,), order=2, reference_fn=ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3)], ids=str)
+def test_linalg_lu_trapezoidal(shape):
+    check(lambda a: (lambda P, L, U: (P @ L).sin().sum() + U.exp().sum())(*torch.linalg.lu(a)),
+          (rand(*shape, seed=47),), order=2)
+
+
+def test_triangular_solve_transposed_unit():
+    A = rand(3, 3, seed=48) + 3 * torch.eye(3, dtype=torch.float64)
+    check(lambda a, b: torch.triangular_solve(b.sin(), a, upper=False, transpose=True, unitriangular=True)[0].sum(0),
+          (A, rand(3, 2, seed=49)), wrt=(0, 1), order=2,
+          reference_fn=lambda a, b: torch.linalg.solve_triangular(a.tril(-1).mT + torch.eye(3, dtype=a.dtype), b.sin(),
+                                                                  upper=True).sum(0))
+
+
+@pytest.mark.slow
+def test_householder_product_and_ormqr():
+    geqrf, tau = torch.geqrf(rand(4, 3, seed=50))
+    C = rand(4, 2, seed=51)
+    def full_q(a, t):  # (ormqr has no forward AD: the reference forms Q with a fourth, trivial reflector)
+        return torch.linalg.householder_product(torch.cat([a, 0 * a[:, :1]], 1), torch.cat([t, 0 * t[:1]]))
+
+    check(lambda a, t: torch.linalg.householder_product(a, t).sin().sum(0) + torch.ormqr(a, t, C, transpose=True).sum(),
+          (geqrf, tau), wrt=(0, 1), order=2,
+          reference_fn=lambda a, t: torch.linalg.householder_product(a, t).sin().sum(0) + (full_q(a, t).mT @ C).sum())
+
+
+@pytest.mark.slow
+def test_pinv_constant_rank():
+    """A = a bᵀ keeps rank 1 as a moves: A⁺ is differentiable there, with two zero singular values."""
+    b = torch.linalg.qr(rand(3, 1, seed=52)).Q
+    check(lambda a: torch.linalg.pinv(a @ b.mT).sin().sum(0), (rand(3, 1, seed=53),), order=3)
+
+
+def test_pinv_truncation_is_nan_not_wrong():
+    """Dropping a singular value that is not zero (rtol=0.5) makes pinv a truncated SVD, whose
+    derivatives the constant-rank formula does not give: NaN, never a wrong number."""
+    a = torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)) + 0.1 * rand(2, 2, seed=54)
+    res = hoad.compile(lambda a: torch.linalg.pinv(a, rtol=0.5).sum(), order=1)(a)
+    assert torch.equal(res.value, torch.linalg.pinv(a, rtol=0.5).sum())
+    assert res[0].isnan().all()
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a: torch.linalg.svd(a, full_matrices=True)[0].sum(),
+    lambda a: torch.linalg.qr(a, mode="complete")[0].sum(),
+], ids=["svd_full_matrices", "qr_complete"])
+def test_undetermined_factors_are_refused(fn):
+    """Singular vectors / columns of Q beyond min(m, n) are any orthonormal completion."""
+    with pytest.raises(hoad.UnsupportedOperatorError, match="no derivative rule"):
+        hoad.compile(fn, order=1)(rand(3, 2, seed=55))
+
+
+def test_operators_autograd():
+    """The hoad_linalg operators train: their autograd formulas against torch.linalg's."""
+    ops = torch.ops.hoad_linalg
+    a = rand(3, 2, seed=56)
+    s = rand(3, 3, seed=57)
+    s = s + s.mT
+    cases = [
+        (ops.svd_u, lambda x: torch.linalg.svd(x, full_matrices=False)[0], a),
+        (ops.svd_vh, lambda x: torch.linalg.svd(x, full_matrices=False)[2], a.mT.contiguous()),
+        (ops.svdvals, torch.linalg.svdvals, a),
+        (ops.qr_q, lambda x: torch.linalg.qr(x)[0], a),
+        (ops.qr_r, lambda x: torch.linalg.qr(x)[1], a.mT.contiguous()),
+        (ops.lu_packed, lambda x: torch.linalg.lu_factor(x)[0], a),
+        (ops.eigvecsh, lambda x: torch.linalg.eigh(x)[1], s),
+        (ops.eigvalsh, lambda x: torch.linalg.eigh(x)[0], s),
+        (ops.pinv, torch.linalg.pinv, a),
+    ]
+    for op, ref, x in cases:
+        x = x.clone().requires_grad_()
+        g = rand(*op(x).shape, seed=58)
+        got = torch.autograd.grad(op(x), x, g)[0]
+        want = torch.autograd.grad(ref(x), x, g)[0]
+        torch.testing.assert_close(got, want, msg=lambda m, op=op: f"{op}: {m}")
