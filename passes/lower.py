@@ -25,13 +25,7 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     if not hasattr(lowering, "product"):
         return gm
     changed = False
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mm.default or node.kwargs:
-            continue
-        a, b = node.args
-        va, vb = a.meta.get("val"), b.meta.get("val")
-        if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-            continue
+    for node, (a, b), (va, vb) in _products(gm.graph):
         how = lowering.product(va, vb)
         if how == "mm":
             continue
@@ -134,13 +128,7 @@ class OrientProducts(CustomGraphPass):
 
 def _orient(graph: fx.Graph) -> bool:
     changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mm.default or node.kwargs:
-            continue
-        a, b = node.args
-        va, vb = a.meta.get("val"), b.meta.get("val")
-        if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
-            continue
+    for node, (a, b), (va, vb) in _products(graph):
         (m, k), n = va.shape, vb.shape[1]
         if not (isinstance(m, int) and isinstance(n, int) and m > 4 * n and m * k * n >= TALL_PRODUCT):
             continue
@@ -153,6 +141,17 @@ def _orient(graph: fx.Graph) -> bool:
         graph.erase_node(node)
         changed = True
     return changed
+
+
+def _products(graph: fx.Graph):
+    """Each ``aten.mm`` node of ``graph`` whose operands carry traced values: (node, operands, values)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mm.default or node.kwargs:
+            continue
+        a, b = node.args
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+            yield node, (a, b), (va, vb)
 
 
 def _merged(shape: list, target: list) -> list | None:
