@@ -6,9 +6,10 @@ only remove or merge nodes that compute the same values).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
-from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from hoad.rules import RANDOM
 
@@ -22,8 +23,9 @@ def _shape(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def fold_layout(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove identity views/permutes/expands and collapse chains of views and of permutes."""
+def fold_layout(gm: fx.GraphModule) -> bool:
+    """Remove identity views/permutes/expands and collapse chains of views and of permutes, in
+    place (the caller recompiles)."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or not node.args:
@@ -46,30 +48,45 @@ def fold_layout(gm: fx.GraphModule) -> fx.GraphModule:
             inner, outer = list(src.args[1]), list(node.args[1])
             node.args = (src.args[0], [inner[p] for p in outer])
             changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    return changed
 
 
-def cse(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge call_function nodes with the same op and the same arguments (torch.fx's CSEPass),
-    never random or mutating ops: its default ban list would merge two identical ``copy_``
-    write-backs, and the program must replay both."""
-    banned = {getattr(n.target, "overloadpacket", n.target) for n in gm.graph.nodes
-              if n.op == "call_function" and (n.target in RANDOM or not _pure(n))}
-    result = CSEPass(banned_ops=banned | get_CSE_banned_ops())(gm)
-    if not result.modified:
-        return gm
-    out = result.graph_module
-    out.meta.update(gm.meta)
-    return out
+def cse(gm: fx.GraphModule) -> bool:
+    """Merge call_function nodes with the same op and the same arguments, in place; never random
+    or mutating ops (two identical ``copy_`` write-backs must both replay). Scalars match by type
+    and value, so ``mul(x, 0.0)`` and ``mul(x, -0.0)`` or ``add(x, 1)`` and ``add(x, 1.0)`` stay apart."""
+    seen: dict[tuple, fx.Node] = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target in RANDOM or not _pure(node) \
+                or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            continue
+        try:
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+            kept = seen.setdefault(key, node)
+        except TypeError:  # an unhashable argument: leave the node alone
+            continue
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            gm.graph.erase_node(node)
+            changed = True
+    return changed
 
 
-def dce(gm: fx.GraphModule) -> fx.GraphModule:
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+def _frozen(a):
+    if isinstance(a, fx.Node):
+        return a
+    if isinstance(a, (list, tuple)):
+        return type(a), tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return dict, tuple((k, _frozen(v)) for k, v in a.items())
+    if isinstance(a, float):
+        return float, a, math.copysign(1.0, a)  # (nan != nan: never merged)
+    return type(a), a
+
+
+def dce(gm: fx.GraphModule) -> bool:
+    return gm.graph.eliminate_dead_code()
 
 
 # Constants larger than this stay computed at run time rather than stored with the program.
@@ -138,8 +155,7 @@ def _pure(node: fx.Node) -> bool:
 def clean(gm: fx.GraphModule) -> fx.GraphModule:
     """Fold constants and layout ops and merge duplicates until nothing changes."""
     gm = fold_constants(gm)
-    before = None
-    while before != len(gm.graph.nodes):
-        before = len(gm.graph.nodes)
-        gm = dce(cse(fold_layout(gm)))
+    while fold_layout(gm) | cse(gm) | dce(gm):
+        pass
+    gm.recompile()
     return gm
