@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hoad.binding import CallLayout, _identifier, _unique
-from hoad.errors import CaptureError, DataDependentControlFlowError, OutputError, RandomnessError
+from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.decompositions import STRIDED_READS, decomposition_table
 from hoad.rules import RANDOM
 from hoad.source import locate, user_frame
@@ -68,6 +68,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
     except CaptureError:
         raise
+    except HoadError as e:  # a refusal of hoad's own decompositions (svd full_matrices=True, ...): where
+        raise type(e)(f"{e}{_at(user_frame(e.__traceback__))}") from e
     except Exception as e:  # noqa: BLE001 - sorted into the errors a user can act on
         _raise_capture_error(e)
         raise CaptureError(f"tracing the function failed: {type(e).__name__}: {_first_line(e)}"

@@ -108,14 +108,16 @@ def test_pinv_truncation_is_nan_not_wrong():
     assert res[0].isnan().all()
 
 
-@pytest.mark.parametrize("fn", [
-    lambda a: torch.linalg.svd(a, full_matrices=True)[0].sum(),
-    lambda a: torch.linalg.qr(a, mode="complete")[0].sum(),
+@pytest.mark.parametrize("fn,fix", [
+    (lambda a: torch.linalg.svd(a, full_matrices=True)[0].sum(), "full_matrices=False"),
+    (lambda a: torch.linalg.qr(a, mode="complete")[0].sum(), "mode='reduced'"),
 ], ids=["svd_full_matrices", "qr_complete"])
-def test_undetermined_factors_are_refused(fn):
-    """Singular vectors / columns of Q beyond min(m, n) are any orthonormal completion."""
-    with pytest.raises(hoad.UnsupportedOperatorError, match="no derivative rule"):
+def test_undetermined_factors_are_refused(fn, fix):
+    """Singular vectors / columns of Q beyond min(m, n) are any orthonormal completion: the error
+    names the cause, the fix and the user's line."""
+    with pytest.raises(hoad.UnsupportedOperatorError, match="orthonormal completion") as info:
         hoad.compile(fn, order=1)(rand(3, 2, seed=55))
+    assert fix in str(info.value) and "test_linalg_rules.py" in str(info.value)
 
 
 def test_operators_autograd():

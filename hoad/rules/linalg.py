@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from hoad.errors import UnsupportedOperatorError
 from hoad.algebra import Block, add, contract, force
 from hoad.algebra.multiindex import closure
 from hoad.rules.base import Ctx, Jet, RuleTable
@@ -225,8 +226,13 @@ def _svd(A, full_matrices=False, compute_uv=True, driver=None):
     """Reduced SVD parts. full_matrices=True on a non-square matrix asks for singular vectors
     that A does not determine (any orthonormal completion will do): left unsupported."""
     m, n = A.shape[-2], A.shape[-1]
-    if not _real(A) or (compute_uv and full_matrices and m != n):
+    if not _real(A):
         return NotImplemented
+    if compute_uv and full_matrices and m != n:
+        raise UnsupportedOperatorError(
+            f"torch.linalg.svd(A, full_matrices=True) of a {m}x{n} matrix: the last {abs(m - n)} singular vectors "
+            f"are any orthonormal completion, which A does not determine, so they have no derivatives. Pass "
+            f"full_matrices=False (the reduced SVD determines every factor).")
     ops = torch.ops.hoad_linalg
     S = ops.svdvals(A)
     if not compute_uv:
@@ -237,8 +243,13 @@ def _svd(A, full_matrices=False, compute_uv=True, driver=None):
 def _qr(A, mode="reduced"):
     """mode 'complete' on a tall matrix asks for columns of Q that A does not determine: left unsupported."""
     m, n = A.shape[-2], A.shape[-1]
-    if not _real(A) or (mode == "complete" and m > n):
+    if not _real(A):
         return NotImplemented
+    if mode == "complete" and m > n:
+        raise UnsupportedOperatorError(
+            f"torch.linalg.qr(A, mode='complete') of a tall {m}x{n} matrix: the last {m - n} columns of Q are any "
+            f"orthonormal completion, which A does not determine, so they have no derivatives. Pass "
+            f"mode='reduced' (or 'r').")
     ops = torch.ops.hoad_linalg
     R = ops.qr_r(A)
     return (A.new_empty(0) if mode == "r" else ops.qr_q(A)), R
