@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -198,6 +199,7 @@ class Way:
     needs: tuple[str, ...] = ()  # distributions whose absence makes the column n/a
     worker: bool = False  # torch.compile: built and timed in a worker process of its own
     full_only: bool = False  # left out of --quick
+    bound: bool = False  # not a contender but a bound on every one (FLOOR): its answer is not checked
 
 
 def ways(p: OperatorProblem | TrainProblem) -> list[Way]:
@@ -286,7 +288,54 @@ def operator_ways(p: OperatorProblem) -> list[Way]:
     if p.operator == "biharmonic":  # torch-jet's own operator: 4-jets along D² directions
         out.append(Way("torch-jet bilaplacian", "vmap(jet.bilaplacian(u))",
                        lambda: _same(_jet_bilaplacian(p)), needs=("jet-for-pytorch",), full_only=True))
+    if p.key == "laplacian":
+        shapes = jet_products(p)
+        out.append(Way(FLOOR, "mm " + " + ".join(f"[{m},{k}]@[{k},{n}]" for m, k, n in shapes)
+                       + f", {sum(m * k * n for m, k, n in shapes) / 1e6:.1f} M multiply-adds",
+                       lambda: _products_alone(shapes, p.X), bound=True))
     return out
+
+
+# The column that bounds every forward-jet Laplacian (hoad's, folx's, torch-jet's): the matrix
+# products that carry the S first-order directions of each of the N points through the hidden
+# layers after the first, timed alone in the faster of the two orientations. The first layer's
+# jet is the constant W1ᵀV (computed once) and the last layer's is never needed: its second
+# derivative is zero and the collapsed sum Σ_s w_s (∂z_l)² is formed at each hidden layer. A
+# program cannot beat this column without fewer multiply-adds or a faster matrix product.
+FLOOR = "jet products alone"
+
+
+def jet_products(p: OperatorProblem) -> list[tuple[int, int, int]]:
+    """(m, k, n) of each product of the jets: the hidden layers' weights [n_l, n_{l-1}] times the
+    jets [n_{l-1}, S·N] of the previous hidden layer."""
+    S = p.V.shape[0] if p.V is not None else p.X.shape[1]
+    hidden = p.net.sizes[1:-1]
+    return [(n_l, n_prev, S * p.X.shape[0]) for n_prev, n_l in zip(hidden, hidden[1:])]
+
+
+def _products_alone(shapes: list[tuple[int, int, int]], like: torch.Tensor) -> tuple[Callable, Callable]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    draw = lambda *size: torch.randn(*size, generator=g, dtype=DT).to(like)  # noqa: E731
+    runs = []
+    for m, k, n in shapes:
+        wide = (draw(m, k), draw(k, n), like.new_empty(m, n))   # W [m,k] @ J [k, S·N]
+        tall = (draw(n, k), draw(k, m), like.new_empty(n, m))   # Jᵀ [S·N, k] @ Wᵀ [k, m]
+        runs.append(min(wide, tall, key=lambda abc: _seconds(lambda: torch.mm(abc[0], abc[1], out=abc[2])))
+                    if like.device.type == "cpu" else wide)
+
+    def timed():
+        for a, b, out in runs:
+            torch.mm(a, b, out=out)
+
+    return (lambda: {}), timed
+
+
+def _seconds(fn: Callable[[], object], calls: int = 5) -> float:
+    fn()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - begin
 
 
 def _hoad_call(p: OperatorProblem) -> str:

@@ -409,6 +409,8 @@ class Built:
             outcome.config = self.way.config
             return outcome
         seconds = time.perf_counter() - begin
+        if self.way.bound:  # computes no answer: nothing to check
+            return Outcome("ok", self.way.config, seconds)
         check = compare(got, ref)
         config = self.way.config + (f", {answer.chosen()}" if hasattr(answer, "chosen") else "")
         return Outcome("ok" if check.ok else "WRONG", config, seconds, error=check.error, note=check.note)

@@ -9,6 +9,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from benchmarks.env import REPO
+from benchmarks.operators import FLOOR
 from benchmarks.peers import COLUMNS
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -33,7 +34,10 @@ Operators and training steps (groups 6 and 7) have their own columns: `hoad` is 
 eager` the eager backend; folx is JAX's forward Laplacian (jit), torch-jet is collapsed Taylor mode
 (jet-for-pytorch), eager and under torch.compile; `hoad / best` compares hoad with the fastest
 column that is not hoad's. The stochastic operators use the same fixed directions V in every
-column."""
+column. `jet products alone` is not a contender but a floor under every forward-jet Laplacian
+(hoad's, folx's, torch-jet's): the matrix products that carry the S directions of every point
+through the hidden layers after the first (its config lists them), timed alone in the same rounds;
+it is left out of `hoad / best`."""
 
 TARGETS_LEGEND = """\
 The numbers the issues ask for (`python -m benchmarks --targets` runs only these), measured side
@@ -99,7 +103,7 @@ def steady_state_rows(records: list[dict], peers: list[str] | tuple[str, ...] = 
     for r in records:
         o = r["outcomes"]
         hoad_ms = _median_ms(o.get("hoad", {}))
-        others = [name for name in peers if not name.startswith("hoad")]
+        others = [name for name in peers if not name.startswith("hoad") and name != FLOOR]
         peer_ms = [m for m in (_median_ms(o[name]) for name in others if name in o) if m is not None]
         best = f"{hoad_ms / min(peer_ms):.2f}" if hoad_ms is not None and peer_ms else ""
         hoad_cell = _ms(hoad_ms) if hoad_ms is not None else _status(o.get("hoad"))
