@@ -129,7 +129,7 @@ CASES: dict = {
     aten.expm1.default: Case(lambda x: x.expm1().sum(), (rand(2, 3),), order=5),
     aten.log.default: Case(lambda x: x.log().sum(), (rand(2, 3, positive=True),), order=5),
     aten.log1p.default: Case(lambda x: x.log1p(), (rand(2, 3, positive=True),), order=5),
-    aten.sin.default: Case(lambda x: x.sin().prod(), (rand(2, 3),), order=5),
+    aten.sin.default: Case(lambda x: x.sin().prod(), (rand(2, 3),), order=4),  # (order 5 of a prod: 12 s a mode)
     aten.cos.default: Case(lambda x: x.cos().sum(), (rand(2, 3),), order=5),
     aten.sinh.default: Case(lambda x: x.sinh().sum(), (rand(2, 3),), order=5),
     aten.cosh.default: Case(lambda x: x.cosh().sum(), (rand(2, 3),), order=5),
