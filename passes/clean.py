@@ -76,6 +76,8 @@ def cse(gm: fx.GraphModule) -> bool:
 def _frozen(a):
     if isinstance(a, fx.Node):
         return a
+    if isinstance(a, torch.Tensor):  # by identity (== on tensors is elementwise)
+        return torch.Tensor, id(a)
     if isinstance(a, (list, tuple)):
         return type(a), tuple(_frozen(x) for x in a)
     if isinstance(a, dict):
