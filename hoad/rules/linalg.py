@@ -229,15 +229,19 @@ def _svd(A, full_matrices=False, compute_uv=True, driver=None):
     if not _real(A):
         return NotImplemented
     if compute_uv and full_matrices and m != n:
-        raise UnsupportedOperatorError(
-            f"torch.linalg.svd(A, full_matrices=True) of a {m}x{n} matrix: the last {abs(m - n)} singular vectors "
-            f"are any orthonormal completion, which A does not determine, so they have no derivatives. Pass "
-            f"full_matrices=False (the reduced SVD determines every factor).")
+        raise _undetermined(f"torch.linalg.svd(A, full_matrices=True) of a {m}x{n} matrix: the last {abs(m - n)} "
+                            "singular vectors", "full_matrices=False (the reduced SVD determines every factor)")
     ops = torch.ops.hoad_linalg
     S = ops.svdvals(A)
     if not compute_uv:
         return A.new_empty(0), S, A.new_empty(0)
     return ops.svd_u(A), S, ops.svd_vh(A)
+
+
+def _undetermined(what: str, fix: str) -> UnsupportedOperatorError:
+    """The refusal of factors beyond min(m, n): ``what`` they are, the argument that avoids them."""
+    return UnsupportedOperatorError(f"{what} are any orthonormal completion, which A does not determine, so they "
+                                    f"have no derivatives. Pass {fix}.")
 
 
 def _qr(A, mode="reduced"):
@@ -246,10 +250,8 @@ def _qr(A, mode="reduced"):
     if not _real(A):
         return NotImplemented
     if mode == "complete" and m > n:
-        raise UnsupportedOperatorError(
-            f"torch.linalg.qr(A, mode='complete') of a tall {m}x{n} matrix: the last {m - n} columns of Q are any "
-            f"orthonormal completion, which A does not determine, so they have no derivatives. Pass "
-            f"mode='reduced' (or 'r').")
+        raise _undetermined(f"torch.linalg.qr(A, mode='complete') of a tall {m}x{n} matrix: the last {m - n} "
+                            "columns of Q", "mode='reduced' (or 'r')")
     ops = torch.ops.hoad_linalg
     R = ops.qr_r(A)
     return (A.new_empty(0) if mode == "r" else ops.qr_q(A)), R
