@@ -83,7 +83,7 @@ def _frozen(a):
     if isinstance(a, dict):
         return dict, tuple((k, _frozen(v)) for k, v in a.items())
     if isinstance(a, float):
-        return float, a, math.copysign(1.0, a)  # (nan != nan: never merged)
+        return float, a, math.copysign(1.0, a)  # (a nan matches only the same float object)
     return type(a), a
 
 
