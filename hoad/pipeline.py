@@ -29,7 +29,7 @@ from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import generalize
 from hoad.passes.hoist import Prefix, hoist
-from hoad.passes.lower import lower_products, sink_permutes
+from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
 from hoad.passes.prune import prune
 
@@ -61,7 +61,8 @@ class Config:
         build never starts in the middle of a trace."""
         if self.target is not None:
             return self.target
-        lowering = InductorLowering(kernels=kernels.available()) if self.backend == "inductor" else EAGER
+        inductor = self.backend == "inductor"
+        lowering = InductorLowering(kernels=kernels.available(), jets=kernels.jets_available()) if inductor else EAGER
         return Target(lowering, sample_axes=self.nestable)
 
     @property
@@ -151,7 +152,8 @@ def _clean(b: Build) -> Build:
 def _lower(b: Build) -> Build:
     """Matrix products as the target's lowering prefers them (hoad::mm, fused reductions)."""
     for p in b.candidates.values():
-        p.gm = sink_permutes(lower_products(p.gm, b.target.lowering), b.target.lowering)
+        p.gm = sink_permutes(lower_products(fuse_jet_squares(p.gm, b.target.lowering), b.target.lowering),
+                             b.target.lowering)
     return b
 
 

@@ -46,6 +46,123 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     return gm
 
 
+def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
+    """The collapsed second-order term at a layer as one ``hoad::jet_sqnorm`` call.
+
+    A collapsed Laplacian forms, at each elementwise layer after a linear one, q[p,m] =
+    Σ_s u[s,m] X[p,m,s]² with X = W ᵀ(c ⊙ J): the jets J [P,K,S] of the layer before, scaled by
+    its derivative c [P,K,1], through the weight (an ``mm`` of W ᵀ [M,K] by the jets flattened to
+    [K, P·S], or of the jets [P·S, K] by W [K,M]: the algebra orients products by their shapes),
+    squared and summed over the directions, plainly (``sum``) or weighted (a ``bmm`` by weights
+    U [M,1,S]). The algebra writes exactly that chain; where it stands alone (each
+    intermediate used once), it becomes one kernel call that never writes c ⊙ J or X. Only for
+    lowerings that say ``jets`` (Inductor, float64 on a CPU with AVX2 where the kernel is built).
+    """
+    if not getattr(lowering, "jets", False):
+        return gm
+    changed = False
+    for sq in list(gm.graph.nodes):
+        match = _jet_square(sq)
+        if match is None:
+            continue
+        out, (J, c, W, transposed), weights, (P, K, S, M) = match
+        g = gm.graph
+        with g.inserting_before(out), sq.meta["val"].fake_mode:
+            c2 = _call(g, aten.view.default, (c, [P, K]))
+            J2 = _call(g, aten.permute.default, (J, [0, 2, 1]))  # [1 or P, S, K]
+            if J.meta["val"].shape[0] == 1:
+                J2 = _call(g, aten.select.int, (J2, 0, 0))
+            if transposed:
+                W = _call(g, aten.permute.default, (W, [1, 0]))
+            args = (J2, c2, W)
+            if weights is not None:
+                u = _call(g, aten.permute.default, (_call(g, aten.view.default, (weights, [M, S])), [1, 0]))
+                args += (u,)
+            q = _call(g, torch.ops.hoad.jet_sqnorm.default, args)
+            if weights is not None:  # the bmm's [M, 1, P]
+                q = _call(g, aten.permute.default, (_call(g, aten.view.default, (q, [P, M, 1])), [1, 2, 0]))
+        q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+        out.replace_all_uses_with(q)
+        _erase_chain(g, out)
+        changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _jet_square(sq: fx.Node):
+    """If ``sq`` is ``mul(X, X)`` ending the chain :func:`fuse_jet_squares` describes: (the node
+    whose value it computes, (J, c, W or W ᵀ, whether transposed), the bmm's weights or None,
+    (P, K, S, M)); else None."""
+    if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
+        return None
+    X = sq.args[0]
+    vx = X.meta.get("val")
+    if not (isinstance(vx, torch.Tensor) and vx.dtype == torch.float64 and vx.device.type == "cpu" and vx.ndim == 3):
+        return None
+    P, M, S = vx.shape
+    (user,) = sq.users
+    weights = None
+    if _is(user, aten.sum.dim_IntList) and list(user.args[1]) in ([2], [-1]) and len(user.args) == 2 and not user.kwargs:
+        out = user
+    elif _is(user, aten.permute.default) and list(user.args[1]) == [1, 2, 0] and len(user.users) == 1:
+        (out,) = user.users
+        operand = user
+        if _is(out, aten.clone.default) and len(out.users) == 1:  # the bmm's operand made dense
+            operand, (out,) = out, out.users
+        if not (_is(out, aten.bmm.default) and out.args[1] is operand
+                and tuple(out.args[0].meta["val"].shape) == (M, 1, S)):
+            return None
+        weights = out.args[0]
+    else:
+        return None
+    z, wide = _single(X, aten.permute.default, [1, 0, 2]), True  # X from [M, P·S] (wide) or [P·S, M] (tall)
+    if z is None:
+        z, wide = _single(X, aten.permute.default, [0, 2, 1]), False
+    z = _single(z, aten.view.default, [M, P, S] if wide else [P, S, M])
+    if z is None or not _is(z, aten.mm.default) or len(z.users) != 1:  # (before lower_products)
+        return None
+    W, flat = z.args if wide else z.args[::-1]  # W: [M, K] (Wᵀ) when wide, [K, M] when tall
+    K = W.meta["val"].shape[1 if wide else 0]
+    yp = _single(flat, aten.view.default, [K, P * S] if wide else [P * S, K])
+    if yp is not None and _is(yp, aten.clone.default) and len(yp.users) == 1:
+        yp = yp.args[0]
+    y = _single(yp, aten.permute.default, [1, 0, 2] if wide else [0, 2, 1])
+    if y is None or not _is(y, aten.mul.Tensor) or len(y.users) != 1 or y.kwargs:
+        return None
+    shapes = [a.meta["val"].shape if isinstance(a, fx.Node) else None for a in y.args]
+    if tuple(y.meta["val"].shape) != (P, K, S) or any(s is None for s in shapes):
+        return None
+    for c, J in (y.args, y.args[::-1]):
+        if tuple(c.meta["val"].shape) == (P, K, 1) and tuple(J.meta["val"].shape) in ((1, K, S), (P, K, S)) and S > 1:
+            return out, (J, c, W, wide), weights, (P, K, S, M)
+    return None
+
+
+def _single(node, target, shape_or_dims) -> fx.Node | None:
+    """``node``'s input if ``node`` is ``target(input, shape_or_dims)`` used once, else None."""
+    if (not isinstance(node, fx.Node) or not _is(node, target) or len(node.users) != 1
+            or list(node.args[1]) != list(shape_or_dims)):
+        return None
+    return node.args[0]
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _erase_chain(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, backwards, every input left without users (the matched chain)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function":
+            continue
+        inputs = [a for a in n.all_input_nodes]
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
 def sink_permutes(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     """Give a fusing compiler the layouts the traced program assumed, for the operands of products.
 

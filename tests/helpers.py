@@ -19,7 +19,7 @@ DT = torch.float64
 def inductor_layout() -> Target:
     """The target of Inductor programs (its contractions, fused reductions and kernels differ),
     for programs run eagerly here: Inductor compiles cost seconds."""
-    return Target(InductorLowering(kernels=kernels.available()))
+    return Target(InductorLowering(kernels=kernels.available(), jets=kernels.jets_available()))
 
 
 def compiled(f, order, wrt=0, target: Target | None = None, **options):

@@ -1,6 +1,7 @@
 """hoad::mm and hoad::gram, the float64 AVX-512 kernels Inductor programs use for products with
-short inner dimensions and for per-sample Gram matrices: equal to torch on every tail shape and
-layout, and used by the programs whose products suit them."""
+short inner dimensions and for per-sample Gram matrices, and hoad::jet_sqnorm (AVX2), a collapsed
+Laplacian's squared jets at a layer: equal to torch on every tail shape and layout, differentiable,
+and used by the programs whose products suit them."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hoad.passes.cost import node_cost
 from helpers import assert_close, compiled, inductor_layout, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
+needs_jets = pytest.mark.skipif(not kernels.jets_available(), reason="no AVX2 or no C++ compiler here")
 
 
 @needs_kernel
@@ -75,7 +77,7 @@ def test_eager_layout_programs_keep_aten_mm():
 def test_off_switch(monkeypatch):
     monkeypatch.setattr(kernels, "_state", None)
     monkeypatch.setenv("HOAD_DGEMM", "0")
-    assert not kernels.available()
+    assert not kernels.available() and not kernels.jets_available()
 
 
 @needs_kernel
@@ -106,7 +108,7 @@ def test_unwritable_cache_means_aten_mm(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_state", None)
     monkeypatch.setenv("HOAD_CACHE_DIR", str(tmp_path / "never-built"))
     monkeypatch.setattr(kernels.os, "makedirs", refuse)
-    assert not kernels.available()
+    assert not kernels.available() and not kernels.jets_available()
 
 
 def gram_reference(J, w):
@@ -219,3 +221,128 @@ def test_the_library_builds_from_its_source(tmp_path, monkeypatch):
     assert kernels.build()
     assert hasattr(torch.ops.hoad, "mm") and hasattr(torch.ops.hoad, "gram")
     assert any(p.suffix == ".so" for p in tmp_path.rglob("*"))
+
+
+# ------------------------------------------------------------------------------- hoad::jet_sqnorm
+def jet_sqnorm_reference(J, c, W, u=None):
+    """q[p,m] = Σ_s u[s,m] ((J[p,s] ⊙ c[p]) @ W)[m]², J shared by every point when it is 2-D."""
+    X = torch.einsum("sk,pk,km->psm" if J.dim() == 2 else "psk,pk,km->psm", J, c, W)
+    return (X * X if u is None else X * X * u).sum(1)
+
+
+@needs_jets
+@pytest.mark.parametrize("P,S,K,M", [(256, 16, 64, 64), (7, 5, 13, 11), (9, 1, 3, 20), (5, 7, 64, 3), (3, 6, 1, 8),
+                                     (2, 25, 130, 17)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_jet_sqnorm_equals_its_definition(P, S, K, M, shared):
+    """Rows past the last six-row panel, columns past the last strip of 8, a J per point or shared."""
+    J = rand(S, K, seed=P + K) if shared else rand(P, S, K, seed=P + K)
+    c, W = rand(P, K, seed=S), rand(K, M, seed=M)
+    for u in (None, rand(S, M, seed=3), rand(S, 1, seed=4), torch.tensor(0.5, dtype=torch.float64)):
+        args = (J, c, W) if u is None else (J, c, W, u)
+        torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(*args), jet_sqnorm_reference(*args), rtol=1e-12, atol=1e-12)
+
+
+@needs_jets
+def test_jet_sqnorm_strided_operands_empty_sizes_and_other_dtypes():
+    J, c, W = rand(64, 16, seed=1).t(), rand(256, 128, seed=2)[:, ::2], rand(64, 64, seed=3).t()
+    torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), jet_sqnorm_reference(J, c, W), rtol=1e-12, atol=1e-12)
+    for P, K in ((0, 4), (3, 0)):
+        J, c, W = rand(2, K, seed=5), rand(P, K, seed=6), rand(K, 4, seed=7)
+        torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), torch.zeros(P, 4, dtype=torch.float64))
+    J, c, W = (t.float() for t in (rand(3, 5, seed=8), rand(4, 5, seed=9), rand(5, 6, seed=10)))
+    torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), jet_sqnorm_reference(J, c, W))
+    with pytest.raises(RuntimeError, match="jet_sqnorm"):
+        torch.ops.hoad.jet_sqnorm(rand(3, 5, seed=1), rand(4, 6, seed=2), rand(5, 6, seed=3))
+
+
+@needs_jets
+@pytest.mark.parametrize("shared", [True, False])
+def test_jet_sqnorm_gradients(shared):
+    """Its autograd formula (aten ops, so differentiable again): first and second derivatives."""
+    J = rand(3, 5, seed=1) if shared else rand(4, 3, 5, seed=1)
+    inputs = [t.requires_grad_(True) for t in (J, rand(4, 5, seed=2), rand(5, 6, seed=3), rand(3, 6, seed=4))]
+    torch.autograd.gradcheck(torch.ops.hoad.jet_sqnorm, inputs)
+    torch.autograd.gradgradcheck(torch.ops.hoad.jet_sqnorm, inputs)
+    torch.autograd.gradcheck(torch.ops.hoad.jet_sqnorm, inputs[:3])
+    torch.autograd.gradcheck(torch.ops.hoad.jet_sqnorm, inputs[:3] + [rand(3, 1, seed=5).requires_grad_(True)])
+
+
+def tanh_net(sizes: tuple[int, ...], seed: int):
+    """A tanh MLP u: (..., sizes[0]) -> (...), and its weights."""
+    Ws = [rand(a, b, seed=seed + i) / a ** 0.5 for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
+    bs = [rand(b, seed=seed + 50 + i) / 10 for i, b in enumerate(sizes[1:])]
+
+    def u(x):
+        for W, b in zip(Ws[:-1], bs[:-1]):
+            x = torch.tanh(x @ W + b)
+        return (x @ Ws[-1] + bs[-1]).squeeze(-1)
+
+    return u, Ws
+
+
+@pytest.fixture
+def inductor_layout_run_eagerly(monkeypatch):
+    """Operators built for Inductor (its layouts, hoad's kernels) but run eagerly: no compile."""
+    from hoad import pipeline
+    from hoad.lowering.inductor import InductorLowering
+
+    monkeypatch.setattr(pipeline, "EAGER", InductorLowering(kernels=kernels.available(), jets=True))
+
+
+def operator_case(kind: str, D: int):
+    """(keyword arguments of hoad.laplacian, the contraction of per-point Hessians H [P,D,D])."""
+    if kind == "weighted":
+        B = rand(D, D, seed=40)
+        C = B + B.T  # indefinite
+        return {"weights": C}, lambda H: (H * C).sum((1, 2))
+    if kind == "stochastic":
+        V = rand(3, D, seed=41)
+        return {"directions": V}, lambda H: torch.einsum("sd,pde,se->p", V, H, V) / 3
+    return {}, lambda H: H.diagonal(dim1=1, dim2=2).sum(-1)
+
+
+@needs_jets
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("kind", ["plain", "weighted", "stochastic"])
+@pytest.mark.parametrize("sizes", [(3, 8, 7, 1), (4, 6, 5, 7, 1)])
+def test_laplacians_square_their_jets_in_the_kernel(sizes, kind, mode, inductor_layout_run_eagerly):
+    """In the adjoint program, the last hidden layer's squared jets become one hoad::jet_sqnorm:
+    with the first layer's jets shared by every point (one hidden-to-hidden layer), or per point
+    (two). The forward program also carries those jets on to the output, so it keeps them."""
+    u, _ = tanh_net(sizes, seed=10 * len(sizes))
+    X = rand(9, sizes[0], seed=1)
+    kwargs, contract = operator_case(kind, sizes[0])
+    op = hoad.laplacian(u, batch_dim=0, backend="eager", mode=mode, **kwargs)
+    res = op(X)
+    assert ("hoad.jet_sqnorm(" in str(op.graph)) == (mode == "reverse")
+    assert_close(res.laplacian, contract(vmap(hessian(u))(X)), f"{kind} laplacian")
+    assert_close(res.value, u(X), "value")
+
+
+@needs_jets
+def test_training_through_the_kernel(inductor_layout_run_eagerly):
+    """A PINN-style loss on the Laplacian, differentiated through hoad::jet_sqnorm's formula."""
+    u, Ws = tanh_net((3, 8, 7, 1), seed=60)
+    for W in Ws:
+        W.requires_grad_(True)
+    X = rand(6, 3, seed=2)
+    op = hoad.laplacian(u, batch_dim=0, backend="eager")
+    loss = (op(X).laplacian ** 2).sum()
+    assert "hoad.jet_sqnorm(" in str(op.graph)
+    got = torch.autograd.grad(loss, Ws)
+    H = vmap(hessian(u))(X)
+    ref = torch.autograd.grad((H.diagonal(dim1=1, dim2=2).sum(-1) ** 2).sum(), Ws)
+    for g, r in zip(got, ref):
+        assert_close(g, r, "dL/dW")
+
+
+@needs_jets
+def test_compiled_laplacian_with_the_kernel_matches_torch_func():
+    """One Inductor compile: hoad::jet_sqnorm as an extern call of the compiled program."""
+    u, _ = tanh_net((3, 8, 7, 1), seed=70)
+    X = rand(9, 3, seed=3)
+    op = hoad.laplacian(u, batch_dim=0, backend="inductor")
+    res = op(X)
+    assert "hoad.jet_sqnorm(" in str(op.graph)
+    assert_close(res.laplacian, vmap(hessian(u))(X).diagonal(dim1=1, dim2=2).sum(-1), "laplacian")

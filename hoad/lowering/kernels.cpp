@@ -1,4 +1,5 @@
-// hoad's float64 kernels for CPUs with AVX-512: the operators hoad::mm and hoad::gram.
+// hoad's float64 kernels: hoad::mm and hoad::gram for CPUs with AVX-512, hoad::jet_sqnorm for
+// CPUs with AVX2 and FMA.
 // Built once per machine by hoad/lowering/kernels.py (torch.utils.cpp_extension), loaded as a
 // torch library; programs lowered for Inductor call them (see hoad/lowering/inductor.py).
 
@@ -10,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -192,11 +194,134 @@ static at::Tensor gram_cpu(const at::Tensor& J, const at::Tensor& w) {
   return out;
 }
 
+
+// ---------------------------------------------------------------------------- hoad::jet_sqnorm
+// q[p, m] = sum_s u[s, m] (sum_k J[p, s, k] c[p, k] W[k, m])^2: the collapsed second-order term of
+// a Laplacian at a layer, its jets (J scaled by the previous layer's derivative c, times W)
+// formed in registers and squared there, never stored. One GEMM over rows r = p*S + s of the
+// virtual operand A[r, k] = J[p, s, k] c[p, k]: six rows at a time are formed (A6, row-major),
+// times strips of 8 columns of W packed [K][8]; each row's square, weighted, is added to its
+// point's row of q.
+struct JetRows {
+  double* q[6];        // q row of each of the six rows; nullptr for padding rows
+  const double* u[6];  // weight row of each
+};
+
+// The six rows' jets against one strip (columns 8t..8t+7) of W, squared, weighted and added to q.
+__attribute__((target("avx2,fma")))
+static inline void jet_block(int64_t K, const double* A6, const double* Bp, const JetRows& rows, int64_t col) {
+  __m256d c[6][2];  // the loops over r are unrolled, so these stay in registers
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm256_setzero_pd();
+  for (int64_t k = 0; k < K; k++) {
+    const __m256d b0 = _mm256_loadu_pd(Bp + 8 * k), b1 = _mm256_loadu_pd(Bp + 8 * k + 4);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+      const __m256d a = _mm256_broadcast_sd(A6 + r * K + k);
+      c[r][0] = _mm256_fmadd_pd(a, b0, c[r][0]);
+      c[r][1] = _mm256_fmadd_pd(a, b1, c[r][1]);
+    }
+  }
+  // rows of one point are consecutive: their weighted squares are summed here, then added to q
+  // once (adding each row to q would chain every row's load on the previous row's store)
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+#pragma GCC unroll 6
+  for (int r = 0; r < 6; r++) {
+    if (!rows.q[r]) break;  // padding rows come last
+    const double* u = rows.u[r] + col;
+    s0 = _mm256_fmadd_pd(_mm256_mul_pd(c[r][0], c[r][0]), _mm256_loadu_pd(u), s0);
+    s1 = _mm256_fmadd_pd(_mm256_mul_pd(c[r][1], c[r][1]), _mm256_loadu_pd(u + 4), s1);
+    if (r == 5 || rows.q[r + 1] != rows.q[r]) {
+      double* q = rows.q[r] + col;
+      _mm256_storeu_pd(q, _mm256_add_pd(s0, _mm256_loadu_pd(q)));
+      _mm256_storeu_pd(q + 4, _mm256_add_pd(s1, _mm256_loadu_pd(q + 4)));
+      s0 = s1 = _mm256_setzero_pd();
+    }
+  }
+}
+
+// a[k] = j[k] * c[k]: one row of the virtual operand
+__attribute__((target("avx2,fma")))
+static void jet_row(int64_t K, const double* j, const double* c, double* a) {
+  for (int64_t k = 0; k < K; k++) a[k] = j[k] * c[k];
+}
+
+static at::Tensor jet_sqnorm_aten(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                                  const std::optional<at::Tensor>& u) {
+  at::Tensor jets = at::matmul(J * c.unsqueeze(1), W);  // [P, S, M]
+  at::Tensor squares = jets * jets;
+  return (u ? squares * *u : squares).sum(1);
+}
+
+// J [S, K] (the same for every point) or [P, S, K]; c [P, K]; W [K, M]; u (weights) broadcastable
+// to [S, M], or none (ones).
+static at::Tensor jet_sqnorm_cpu(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                                 const std::optional<at::Tensor>& u) {
+  TORCH_CHECK((J.dim() == 2 || J.dim() == 3) && c.dim() == 2 && W.dim() == 2 && J.size(-1) == c.size(1) &&
+              W.size(0) == c.size(1) && (J.dim() == 2 || J.size(0) == c.size(0)) && (!u || u->dim() <= 2),
+              "hoad::jet_sqnorm: J [S,K] or [P,S,K], c [P,K], W [K,M] and u [S,M] expected, got ", J.sizes(), ", ",
+              c.sizes(), " and ", W.sizes());
+  const int64_t P = c.size(0), K = c.size(1), S = J.size(-2), M = W.size(1);
+  const at::Tensor ue = u ? u->expand({S, M}) : at::ones({S, M}, c.options());
+  bool fast = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  for (const at::Tensor* t : {&J, &c, &W, &ue}) fast = fast && t->scalar_type() == at::kDouble && t->device().is_cpu();
+  if (!fast || K == 0) return jet_sqnorm_aten(J, c, W, u);
+  const int64_t NT = (M + 7) / 8, MP = 8 * NT;
+  at::Tensor q = at::zeros({P, MP}, c.options());
+  if (P == 0 || S == 0) return q.narrow(1, 0, M).contiguous();
+  std::vector<double> Bp(NT * K * 8, 0.0), up(S * MP, 0.0);
+  {
+    auto w = W.accessor<double, 2>();
+    for (int64_t t = 0; t < NT; t++)
+      for (int64_t k = 0; k < K; k++)
+        for (int64_t v = 0; v < 8 && 8 * t + v < M; v++) Bp[(t * K + k) * 8 + v] = w[k][8 * t + v];
+    auto uu = ue.accessor<double, 2>();
+    for (int64_t s = 0; s < S; s++)
+      for (int64_t m = 0; m < M; m++) up[s * MP + m] = uu[s][m];
+  }
+  const at::Tensor cc = c.contiguous();
+  const double* cp = cc.const_data_ptr<double>();
+  // rows of J are read once per point: dense ones (a shared J is small; a per-point one is read once either way)
+  const at::Tensor Jd = J.stride(-1) == 1 ? J : J.contiguous();
+  const double* jp = Jd.const_data_ptr<double>();
+  const int64_t jsp = Jd.dim() == 3 ? Jd.stride(0) : 0, jss = Jd.stride(-2);
+  double* qp = q.mutable_data_ptr<double>();
+  const int64_t G = 4;  // six-row panels formed at once: a strip of W is reused by all of them
+  at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, S * K)), [&](int64_t p0, int64_t p1) {
+    std::vector<double> A(G * 6 * K);
+    std::vector<JetRows> rows(G);
+    int64_t p = p0, s = 0;  // the point and direction of row r0
+    for (int64_t r0 = p0 * S; r0 < p1 * S; r0 += G * 6) {
+      const int64_t r1 = std::min(r0 + G * 6, p1 * S);
+      for (int64_t i = 0; i < G * 6; i++) {
+        double* a = A.data() + i * K;
+        JetRows& rw = rows[i / 6];
+        if (r0 + i >= r1) {
+          std::fill(a, a + K, 0.0);
+          rw.q[i % 6] = nullptr;
+          rw.u[i % 6] = up.data();
+          continue;
+        }
+        jet_row(K, jp + p * jsp + s * jss, cp + p * K, a);
+        rw.q[i % 6] = qp + p * MP;
+        rw.u[i % 6] = up.data() + s * MP;
+        if (++s == S) s = 0, p++;
+      }
+      const int64_t panels = (r1 - r0 + 5) / 6;
+      for (int64_t t = 0; t < NT; t++)
+        for (int64_t g = 0; g < panels; g++) jet_block(K, A.data() + 6 * g * K, Bp.data() + t * K * 8, rows[g], 8 * t);
+    }
+  });
+  return MP == M ? q : q.narrow(1, 0, M).contiguous();
+}
+
 TORCH_LIBRARY(hoad, m) {
   m.def("mm(Tensor a, Tensor b) -> Tensor");
   m.def("gram(Tensor J, Tensor w) -> Tensor");
+  m.def("jet_sqnorm(Tensor J, Tensor c, Tensor W, Tensor? u=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hoad, CPU, m) {
   m.impl("mm", &mm_cpu);
   m.impl("gram", &gram_cpu);
+  m.impl("jet_sqnorm", &jet_sqnorm_cpu);
 }

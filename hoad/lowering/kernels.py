@@ -1,4 +1,5 @@
-"""Float64 kernels for CPUs with AVX-512: the operators ``hoad::mm`` and ``hoad::gram``.
+"""Float64 kernels: ``hoad::mm`` and ``hoad::gram`` for CPUs with AVX-512, ``hoad::jet_sqnorm``
+for CPUs with AVX2 and FMA.
 
 Derivative programs multiply many small float64 matrices with short inner dimensions: a
 Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
@@ -18,13 +19,22 @@ accumulate in registers and the lower triangle is mirrored. 256 of 16x16 over 64
 0.13-0.17 ms whatever J's layout (one thread), MKL's bmm 0.42-0.6, Inductor's fused reduction
 0.27-0.73 depending on J's layout; samples are split between threads when there are several.
 
+``hoad::jet_sqnorm`` computes q[p,m] = Σ_s u[s,m] ((J[p,s] ⊙ c[p]) @ W)[m]², the collapsed
+second-order term of a Laplacian at a layer (its jets J scaled by the previous layer's derivative
+c, through the layer's weight W, squared and summed over the directions s), as one register-blocked
+product whose result is squared in registers: the jets after the layer, and their scaled operand,
+are never written. Forward-jet Laplacians spend most of their time in that product and in writing
+and re-reading its operand and result (2 MB each at 256 points, 16 directions, 64 units), which is
+what peers that fuse the product with its neighbours (XLA through YNNPACK: folx) avoid.
+
 Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
 so differentiable again): compiled programs that autograd goes through may contain them. The
 library (``kernels.cpp`` beside this file) is built once per machine by
 ``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory,
 about 10 s, before a program that may use it is traced, never in the middle of a trace. Where it
-cannot be built or loaded (no AVX-512, no compiler or ninja, not Linux x86-64, an unwritable
-cache, ``HOAD_DGEMM=0``), :func:`available` is False and programs keep ``aten.mm``.
+cannot be built or loaded (no AVX2, no compiler or ninja, not Linux x86-64, an unwritable cache,
+``HOAD_DGEMM=0``), :func:`available` and :func:`jets_available` are False and programs keep aten
+ops; without AVX-512 only :func:`available` is.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ THREADED_MACS = 2**20  # with more than one thread, MKL takes the products large
 GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones waste the 16-wide tiles
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-_state: bool | None = None  # None: not tried yet
+_state: bool | None = None  # the library is built and loaded; None: not tried yet
 
 
 def _build_directory() -> str:
@@ -69,23 +79,39 @@ def build() -> bool:
          build_directory=where, is_python_module=False, verbose=False)
     torch.library.register_fake("hoad::mm")(_shape)
     torch.library.register_fake("hoad::gram")(_gram_shape)
+    torch.library.register_fake("hoad::jet_sqnorm")(_jet_sqnorm_shape)
     torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
     torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
+    torch.library.register_autograd("hoad::jet_sqnorm", jet_sqnorm_backward, setup_context=_save_jet)
     return True
 
 
 def available() -> bool:
-    """Whether ``torch.ops.hoad.mm`` and ``hoad.gram`` run the AVX-512 kernels here (built and
-    loaded on the first call; call it before tracing)."""
+    """Whether ``torch.ops.hoad.mm`` and ``hoad.gram`` run the AVX-512 kernels here (the library is
+    built and loaded on the first call; call it before tracing)."""
+    return _loaded() and _avx512()
+
+
+def jets_available() -> bool:
+    """Whether ``torch.ops.hoad.jet_sqnorm`` runs its AVX2 kernel here (as :func:`available`)."""
+    return _loaded()
+
+
+def _avx512() -> bool:
+    """The library is loaded (never builds) and this CPU runs its AVX-512 kernels."""
+    return bool(_state) and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def _loaded() -> bool:
     global _state
     if _state is None:
         _state = False
         if (os.environ.get("HOAD_DGEMM", "1") != "0" and platform.system() == "Linux"
-                and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+                and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
             try:
                 _state = build()
             except Exception as e:  # noqa: BLE001 - no compiler, no ninja, unwritable cache, a failed load
-                log.warning("hoad: the float64 kernels are not available (%s: %s); programs use aten.mm",
+                log.warning("hoad: the float64 kernels are not available (%s: %s); programs use aten ops",
                             type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
     return _state
 
@@ -99,13 +125,13 @@ def fits(like: torch.Tensor, m: int, k: int, n: int) -> bool:
     """Whether a product [m,k]@[k,n] of ``like``'s dtype and device runs faster as ``hoad::mm``
     (``available()`` must have been asked before: this never builds)."""
     return (like.dtype == torch.float64 and like.device.type == "cpu"
-            and 0 < k <= MAX_K and (n >= MIN_COLUMNS or n == 16) and m * k * n >= MIN_MACS and bool(_state))
+            and 0 < k <= MAX_K and (n >= MIN_COLUMNS or n == 16) and m * k * n >= MIN_MACS and _avx512())
 
 
 def gram_suits(j: torch.Tensor, k: int, n: int) -> bool:
     """Whether per-sample Gram matrices [n, n] over ``k`` terms of ``j`` run faster as ``hoad::gram``."""
     return (j.dtype == torch.float64 and j.device.type == "cpu" and k > 1
-            and GRAM_MIN_N <= n <= GRAM_MAX_N and bool(_state))
+            and GRAM_MIN_N <= n <= GRAM_MAX_N and _avx512())
 
 
 def _shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -114,6 +140,10 @@ def _shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _gram_shape(J: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return J.new_empty((J.shape[0], J.shape[2], J.shape[2]))
+
+
+def _jet_sqnorm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    return c.new_empty((c.shape[0], W.shape[1]))
 
 
 # Derivatives of the operators, in aten ops (so they are differentiable again): programs that
@@ -134,3 +164,26 @@ def gram_backward(ctx, g: torch.Tensor):
     dj = (j * w.unsqueeze(2)) @ (g + g.mT)
     dw = ((j @ g) * j).sum(2)
     return dj, dw
+
+
+def _save_jet(ctx, inputs, output) -> None:
+    J, c, W, *u = inputs
+    ctx.save_for_backward(J, c, W, u[0] if u else None)
+
+
+def jet_sqnorm_backward(ctx, g: torch.Tensor):
+    """q[p,m] = Σ_s u[s,m] X[p,s,m]², X = (J[p] ⊙ c[p]) @ W: with G = 2 u g X (per p, s, m),
+    dA = G Wᵀ for A = J ⊙ c, dJ = dA ⊙ c (summed over p when J is shared), dc = Σ_s dA ⊙ J,
+    dW = Σ_{p,s} Aᵀ G, du = Σ_p g X² (summed to u's shape)."""
+    J, c, W, u = ctx.saved_tensors  # u: None when the op was called without weights
+    A = J * c.unsqueeze(1)                      # [P, S, K]
+    X = A @ W                                    # [P, S, M]
+    G = 2 * g.unsqueeze(1) * X if u is None else 2 * g.unsqueeze(1) * u * X
+    dA = G @ W.mT
+    dJ = dA * c.unsqueeze(1)
+    if J.dim() == 2:
+        dJ = dJ.sum(0)
+    dc = (dA * J).sum(1)
+    dW = A.reshape(-1, A.shape[-1]).mT @ G.reshape(-1, G.shape[-1])
+    du = None if u is None else (g.unsqueeze(1) * X * X).sum(0).sum_to_size(u.shape)
+    return dJ, dc, dW, du
