@@ -199,7 +199,7 @@ class Way:
     needs: tuple[str, ...] = ()  # distributions whose absence makes the column n/a
     worker: bool = False  # torch.compile: built and timed in a worker process of its own
     full_only: bool = False  # left out of --quick
-    bound: bool = False  # not a contender but a bound on every one (FLOOR): its answer is not checked
+    bound: bool = False  # not a contender but a reference cost (FLOOR): its answer is not checked
 
 
 def ways(p: OperatorProblem | TrainProblem) -> list[Way]:
@@ -296,12 +296,14 @@ def operator_ways(p: OperatorProblem) -> list[Way]:
     return out
 
 
-# The column that bounds every forward-jet Laplacian (hoad's, folx's, torch-jet's): the matrix
-# products that carry the S first-order directions of each of the N points through the hidden
-# layers after the first, timed alone in the faster of the two orientations. The first layer's
-# jet is the constant W1ᵀV (computed once) and the last layer's is never needed: its second
-# derivative is zero and the collapsed sum Σ_s w_s (∂z_l)² is formed at each hidden layer. A
-# program cannot beat this column without fewer multiply-adds or a faster matrix product.
+# The column that prices, through torch's BLAS, what every forward-jet Laplacian (hoad's, folx's,
+# torch-jet's) computes: the matrix products that carry the S first-order directions of each of
+# the N points through the hidden layers after the first, timed alone in the faster of the two
+# orientations. The first layer's jet is the constant W1ᵀV (computed once) and the last layer's is
+# never needed: its second derivative is zero and the collapsed sum Σ_s w_s (∂z_l)² is formed at
+# each hidden layer. A program goes below this column only with fewer multiply-adds or a faster
+# product than MKL's: hoad's fused hoad::jet_sqnorm runs the last hidden layer's (40 GFLOP/s of
+# a 44 peak on one core of the AMD EPYC these were measured on; MKL 25-33).
 FLOOR = "jet products alone"
 
 

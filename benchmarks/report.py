@@ -34,10 +34,11 @@ Operators and training steps (groups 6 and 7) have their own columns: `hoad` is 
 eager` the eager backend; folx is JAX's forward Laplacian (jit), torch-jet is collapsed Taylor mode
 (jet-for-pytorch), eager and under torch.compile; `hoad / best` compares hoad with the fastest
 column that is not hoad's. The stochastic operators use the same fixed directions V in every
-column. `jet products alone` is not a contender but a floor under every forward-jet Laplacian
-(hoad's, folx's, torch-jet's): the matrix products that carry the S directions of every point
-through the hidden layers after the first (its config lists them), timed alone in the same rounds;
-it is left out of `hoad / best`."""
+column. `jet products alone` is not a contender but the cost, through torch's BLAS (MKL), of the
+matrix products every forward-jet Laplacian (hoad's, folx's, torch-jet's) runs: those that carry
+the S directions of every point through the hidden layers after the first (its config lists them),
+timed alone in the same rounds; it is left out of `hoad / best`. A program goes below it only with
+a faster product: hoad's last one is its own fused kernel (hoad::jet_sqnorm, where built)."""
 
 TARGETS_LEGEND = """\
 The numbers the issues ask for (`python -m benchmarks --targets` runs only these), measured side

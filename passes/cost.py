@@ -57,7 +57,8 @@ def node_cost(node: fx.Node) -> tuple[int, int]:
     elif node.target is not None and node.target is _custom("gram"):  # J [B,K,N] -> [B,N,N]
         j = node.args[0].meta["val"]
         flops = 2 * math.prod(j.shape) * j.shape[-1]
-    elif node.target is not None and node.target is _custom("jet_sqnorm"):  # J [(P,)S,K], c [P,K], W [K,M] -> [P,M]
+    elif node.target is not None and node.target in {_custom("jet_sqnorm"), _custom("jet_mm")} - {None}:
+        # J [(P,)S,K], c [P,K], W [K,M] -> q [P,M] (and jet_mm's X [P,S,M])
         j, c, w = (arg.meta["val"] for arg in node.args[:3])
         flops = 2 * c.shape[0] * j.shape[-2] * math.prod(w.shape)
     else:

@@ -9,6 +9,7 @@ over the inner dimension, which Inductor fuses. The primal layers' products are 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -47,27 +48,34 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
 
 
 def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
-    """The collapsed second-order term at a layer as one ``hoad::jet_sqnorm`` call.
+    """The collapsed second-order term at a layer as one ``hoad::jet_sqnorm`` or ``jet_mm`` call.
 
     A collapsed Laplacian forms, at each elementwise layer after a linear one, q[p,m] =
     Σ_s u[s,m] X[p,m,s]² with X = W ᵀ(c ⊙ J): the jets J [P,K,S] of the layer before, scaled by
     its derivative c [P,K,1], through the weight (an ``mm`` of W ᵀ [M,K] by the jets flattened to
     [K, P·S], or of the jets [P·S, K] by W [K,M]: the algebra orients products by their shapes),
     squared and summed over the directions, plainly (``sum``) or weighted (a ``bmm`` by weights
-    U [M,1,S]). The algebra writes exactly that chain; where it stands alone (each
-    intermediate used once), it becomes one kernel call that never writes c ⊙ J or X. Only for
-    lowerings that say ``jets`` (Inductor, float64 on a CPU with AVX2 where the kernel is built).
+    U [M,1,S], or a broadcast product by U [M,S,1] summed). The algebra writes exactly that chain. Where each intermediate is used once, it
+    becomes one ``jet_sqnorm`` call that never writes c ⊙ J or X (the last hidden layer); where X
+    is read on (by the next layer's jets), one ``jet_mm`` call that stores X once, densely, but
+    not c ⊙ J. Only for lowerings that say ``jets`` (Inductor, float64 on a CPU with AVX2 where
+    the kernels are built).
     """
     if not getattr(lowering, "jets", False):
         return gm
+    g = gm.graph
     changed = False
-    for sq in list(gm.graph.nodes):
+    for sq in list(g.nodes):
         match = _jet_square(sq)
         if match is None:
             continue
-        out, (J, c, W, transposed), weights, (P, K, S, M) = match
-        g = gm.graph
-        with g.inserting_before(out), sq.meta["val"].fake_mode:
+        out, X, z, (J, c, W, transposed), weights, (P, K, S, M) = match
+        others = [user for user in X.users if user is not sq]
+        order = {n: i for i, n in enumerate(g.nodes)}
+        anchor = min(others + [out], key=order.__getitem__)  # before every reader of X and of the result
+        if weights is not None and not _move_before(weights, anchor, order):
+            continue
+        with g.inserting_before(anchor), sq.meta["val"].fake_mode:
             c2 = _call(g, aten.view.default, (c, [P, K]))
             J2 = _call(g, aten.permute.default, (J, [0, 2, 1]))  # [1 or P, S, K]
             if J.meta["val"].shape[0] == 1:
@@ -78,12 +86,23 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
             if weights is not None:
                 u = _call(g, aten.permute.default, (_call(g, aten.view.default, (weights, [M, S])), [1, 0]))
                 args += (u,)
-            q = _call(g, torch.ops.hoad.jet_sqnorm.default, args)
-            if weights is not None:  # the bmm's [M, 1, P]
+            if others:
+                both = _call(g, torch.ops.hoad.jet_mm.default, args)
+                jets = _call(g, aten.permute.default, (_call(g, operator.getitem, (both, 0)), [0, 2, 1]))
+                q = _call(g, operator.getitem, (both, 1))
+            else:
+                q = _call(g, torch.ops.hoad.jet_sqnorm.default, args)
+            if weights is not None:  # the bmm's [M, 1, P], or the weighted sum's [M, P]
                 q = _call(g, aten.permute.default, (_call(g, aten.view.default, (q, [P, M, 1])), [1, 2, 0]))
+                if _shape(out) == (M, P):
+                    q = _call(g, aten.view.default, (q, [M, P]))
         q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
         out.replace_all_uses_with(q)
         _erase_chain(g, out)
+        if others:
+            jets.meta.update({k: v for k, v in X.meta.items() if k != "val"})
+            X.replace_all_uses_with(jets)
+            _erase_chain(g, X)
         changed = True
     if changed:
         gm.recompile()
@@ -92,8 +111,8 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
 
 def _jet_square(sq: fx.Node):
     """If ``sq`` is ``mul(X, X)`` ending the chain :func:`fuse_jet_squares` describes: (the node
-    whose value it computes, (J, c, W or W ᵀ, whether transposed), the bmm's weights or None,
-    (P, K, S, M)); else None."""
+    whose value it computes, X, the product, (J, c, W or W ᵀ, whether transposed), the bmm's
+    weights or None, (P, K, S, M)); else None."""
     if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
         return None
     X = sq.args[0]
@@ -106,20 +125,28 @@ def _jet_square(sq: fx.Node):
     if _is(user, aten.sum.dim_IntList) and list(user.args[1]) in ([2], [-1]) and len(user.args) == 2 and not user.kwargs:
         out = user
     elif _is(user, aten.permute.default) and list(user.args[1]) == [1, 2, 0] and len(user.users) == 1:
-        (out,) = user.users
+        (out,) = user.users  # the squares [M, S, P], weighted over S by a bmm or a broadcast product
         operand = user
         if _is(out, aten.clone.default) and len(out.users) == 1:  # the bmm's operand made dense
             operand, (out,) = out, out.users
-        if not (_is(out, aten.bmm.default) and out.args[1] is operand
-                and tuple(out.args[0].meta["val"].shape) == (M, 1, S)):
+        if _is(out, aten.bmm.default) and out.args[1] is operand and _shape(out.args[0]) == (M, 1, S):
+            weights = out.args[0]
+        elif (_is(out, aten.mul.Tensor) and operand is user and len(out.users) == 1 and user in out.args
+              and _shape(out.args[out.args.index(user) ^ 1]) == (M, S, 1)):
+            weights = out.args[out.args.index(user) ^ 1]
+            (out,) = out.users
+            if not (_is(out, aten.sum.dim_IntList) and list(out.args[1]) == [1] and len(out.args) == 2
+                    and not out.kwargs):
+                return None
+        else:
             return None
-        weights = out.args[0]
     else:
         return None
-    z, wide = _single(X, aten.permute.default, [1, 0, 2]), True  # X from [M, P·S] (wide) or [P·S, M] (tall)
-    if z is None:
-        z, wide = _single(X, aten.permute.default, [0, 2, 1]), False
-    z = _single(z, aten.view.default, [M, P, S] if wide else [P, S, M])
+    # X from [M, P·S] (wide) or [P·S, M] (tall); X itself may have other readers
+    wide = _is(X, aten.permute.default) and list(X.args[1]) == [1, 0, 2]
+    if not (wide or _is(X, aten.permute.default) and list(X.args[1]) == [0, 2, 1]):
+        return None
+    z = _single(X.args[0], aten.view.default, [M, P, S] if wide else [P, S, M])
     if z is None or not _is(z, aten.mm.default) or len(z.users) != 1:  # (before lower_products)
         return None
     W, flat = z.args if wide else z.args[::-1]  # W: [M, K] (Wᵀ) when wide, [K, M] when tall
@@ -135,8 +162,31 @@ def _jet_square(sq: fx.Node):
         return None
     for c, J in (y.args, y.args[::-1]):
         if tuple(c.meta["val"].shape) == (P, K, 1) and tuple(J.meta["val"].shape) in ((1, K, S), (P, K, S)) and S > 1:
-            return out, (J, c, W, wide), weights, (P, K, S, M)
+            return out, X, z, (J, c, W, wide), weights, (P, K, S, M)
     return None
+
+
+def _move_before(node: fx.Node, anchor: fx.Node, order: dict) -> bool:
+    """Move ``node`` and those of its inputs that come after ``anchor`` to just before it, if they
+    are plain ATen calls (no random or mutating ops); False, and nothing moved, where they are not."""
+    late, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if order[n] < order[anchor] or n in late:  # (anchor itself: refused below, as is a cycle through it)
+            continue
+        if (n is anchor or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+                or torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable):
+            return False
+        late.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        anchor.prepend(n)
+    return True
+
+
+def _shape(node) -> tuple | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _single(node, target, shape_or_dims) -> fx.Node | None:

@@ -307,16 +307,27 @@ def operator_case(kind: str, D: int):
 @pytest.mark.parametrize("kind", ["plain", "weighted", "stochastic"])
 @pytest.mark.parametrize("sizes", [(3, 8, 7, 1), (4, 6, 5, 7, 1)])
 def test_laplacians_square_their_jets_in_the_kernel(sizes, kind, mode, inductor_layout_run_eagerly):
-    """In the adjoint program, the last hidden layer's squared jets become one hoad::jet_sqnorm:
-    with the first layer's jets shared by every point (one hidden-to-hidden layer), or per point
-    (two). The forward program also carries those jets on to the output, so it keeps them."""
+    """Each hidden layer's squared jets are one kernel call: hoad::jet_sqnorm where nothing else
+    reads the jets (the last hidden layer of the adjoint program), hoad::jet_mm where they are
+    carried on (to the next layer, or to the output in the forward program); the first layer's
+    jets are shared by every point, later ones per point."""
     u, _ = tanh_net(sizes, seed=10 * len(sizes))
     X = rand(9, sizes[0], seed=1)
     kwargs, contract = operator_case(kind, sizes[0])
     op = hoad.laplacian(u, batch_dim=0, backend="eager", mode=mode, **kwargs)
     res = op(X)
-    assert ("hoad.jet_sqnorm(" in str(op.graph)) == (mode == "reverse")
+    program = str(op.graph)
+    calls = program.count("hoad.jet_sqnorm(") + program.count("hoad.jet_mm(")
+    # every hidden layer after the first; weighted ones whose squares meet a per-point factor
+    # before the weights (the forward program's) keep their contraction
+    assert calls == len(sizes) - 3 if kind == "plain" else calls >= 1, program
+    assert ("hoad.jet_sqnorm(" in program) == (mode == "reverse")
     assert_close(res.laplacian, contract(vmap(hessian(u))(X)), f"{kind} laplacian")
+    # the cost model (which direction a program runs in) counts them as the products they are
+    for n in op.compiled._last.program.gm.graph.nodes:
+        if n.target in (torch.ops.hoad.jet_sqnorm.default, torch.ops.hoad.jet_mm.default):
+            j, c, w = (a.meta["val"] for a in n.args[:3])
+            assert node_cost(n)[0] == 2 * c.shape[0] * j.shape[-2] * w.shape[0] * w.shape[1]
     assert_close(res.value, u(X), "value")
 
 
@@ -346,3 +357,30 @@ def test_compiled_laplacian_with_the_kernel_matches_torch_func():
     res = op(X)
     assert "hoad.jet_sqnorm(" in str(op.graph)
     assert_close(res.laplacian, vmap(hessian(u))(X).diagonal(dim1=1, dim2=2).sum(-1), "laplacian")
+
+
+@needs_jets
+@pytest.mark.parametrize("P,S,K,M", [(7, 5, 13, 11), (9, 1, 3, 20), (4, 16, 64, 64), (2, 25, 130, 17),
+                                     (64, 50, 20, 200), (64, 50, 20, 203)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_jet_mm_stores_the_jets_it_squares(P, S, K, M, shared):
+    """hoad::jet_mm: the jets X [P,S,M] (last strip's columns stored masked; past the caches when
+    X is over 4 MB) and jet_sqnorm's q."""
+    J = rand(S, K, seed=P + K) if shared else rand(P, S, K, seed=P + K)
+    c, W, u = rand(P, K, seed=S), rand(K, M, seed=M), rand(S, M, seed=3)
+    X, q = torch.ops.hoad.jet_mm(J, c, W, u)
+    torch.testing.assert_close(X, torch.einsum("sk,pk,km->psm" if shared else "psk,pk,km->psm", J, c, W),
+                               rtol=1e-12, atol=1e-12)
+    assert X.is_contiguous()
+    torch.testing.assert_close(q, jet_sqnorm_reference(J, c, W, u), rtol=1e-12, atol=1e-12)
+
+
+@needs_jets
+def test_jet_mm_gradients():
+    inputs = [t.requires_grad_(True) for t in (rand(4, 3, 5, seed=1), rand(4, 5, seed=2), rand(5, 6, seed=3),
+                                               rand(3, 6, seed=4))]
+    both = lambda *a: torch.ops.hoad.jet_mm(*a)  # noqa: E731
+    torch.autograd.gradcheck(both, inputs)
+    torch.autograd.gradgradcheck(both, inputs)
+    torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[0].sin().sum(), inputs[:3])  # X alone
+    torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[1], inputs[:3])  # q alone

@@ -80,9 +80,11 @@ def build() -> bool:
     torch.library.register_fake("hoad::mm")(_shape)
     torch.library.register_fake("hoad::gram")(_gram_shape)
     torch.library.register_fake("hoad::jet_sqnorm")(_jet_sqnorm_shape)
+    torch.library.register_fake("hoad::jet_mm")(_jet_mm_shape)
     torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
     torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
     torch.library.register_autograd("hoad::jet_sqnorm", jet_sqnorm_backward, setup_context=_save_jet)
+    torch.library.register_autograd("hoad::jet_mm", jet_mm_backward, setup_context=_save_jet)
     return True
 
 
@@ -146,6 +148,10 @@ def _jet_sqnorm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torc
     return c.new_empty((c.shape[0], W.shape[1]))
 
 
+def _jet_mm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None = None):
+    return c.new_empty((c.shape[0], J.shape[-2], W.shape[1])), c.new_empty((c.shape[0], W.shape[1]))
+
+
 # Derivatives of the operators, in aten ops (so they are differentiable again): programs that
 # autograd goes through (training under Inductor) may contain them.
 def _save_inputs(ctx, inputs, output) -> None:
@@ -168,22 +174,33 @@ def gram_backward(ctx, g: torch.Tensor):
 
 def _save_jet(ctx, inputs, output) -> None:
     J, c, W, *u = inputs
-    ctx.save_for_backward(J, c, W, u[0] if u else None)
+    X = output[0] if isinstance(output, tuple) else None  # jet_mm's jets: not computed again
+    ctx.save_for_backward(J, c, W, u[0] if u else None, X)
 
 
 def jet_sqnorm_backward(ctx, g: torch.Tensor):
-    """q[p,m] = Σ_s u[s,m] X[p,s,m]², X = (J[p] ⊙ c[p]) @ W: with G = 2 u g X (per p, s, m),
-    dA = G Wᵀ for A = J ⊙ c, dJ = dA ⊙ c (summed over p when J is shared), dc = Σ_s dA ⊙ J,
-    dW = Σ_{p,s} Aᵀ G, du = Σ_p g X² (summed to u's shape)."""
-    J, c, W, u = ctx.saved_tensors  # u: None when the op was called without weights
+    """q[p,m] = Σ_s u[s,m] X[p,s,m]², X = (J[p] ⊙ c[p]) @ W (see :func:`_jets_backward`)."""
+    return _jets_backward(*ctx.saved_tensors, None, g)
+
+
+def jet_mm_backward(ctx, gX: torch.Tensor | None, gq: torch.Tensor | None):
+    """(X, q) of :func:`jet_sqnorm_backward`'s definitions."""
+    return _jets_backward(*ctx.saved_tensors, gX, gq)
+
+
+def _jets_backward(J, c, W, u, X, gX, gq):
+    """With A = J ⊙ c and G = gX + 2 u gq X (per p, s, m): dA = G Wᵀ, dJ = dA ⊙ c (summed over p
+    when J is shared), dc = Σ_s dA ⊙ J, dW = Σ_{p,s} Aᵀ G, du = Σ_p gq X² (summed to u's shape)."""
     A = J * c.unsqueeze(1)                      # [P, S, K]
-    X = A @ W                                    # [P, S, M]
-    G = 2 * g.unsqueeze(1) * X if u is None else 2 * g.unsqueeze(1) * u * X
+    X = A @ W if X is None else X               # [P, S, M]
+    G = torch.zeros_like(X) if gX is None else gX.expand_as(X)
+    if gq is not None:
+        G = G + (2 * gq.unsqueeze(1) * X if u is None else 2 * gq.unsqueeze(1) * u * X)
     dA = G @ W.mT
     dJ = dA * c.unsqueeze(1)
     if J.dim() == 2:
         dJ = dJ.sum(0)
     dc = (dA * J).sum(1)
     dW = A.reshape(-1, A.shape[-1]).mT @ G.reshape(-1, G.shape[-1])
-    du = None if u is None else (g.unsqueeze(1) * X * X).sum(0).sum_to_size(u.shape)
+    du = None if u is None or gq is None else (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.shape)
     return dJ, dc, dW, du
