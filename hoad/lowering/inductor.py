@@ -18,11 +18,11 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
   reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us);
   not matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
 - ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster.
-- ``hoad::jet_sqnorm`` for a collapsed Laplacian's squared jets at a layer: the product, its
-  scaled operand and the squares in one kernel (D=16 Laplacian's 256 points: 1.47 ms for all
-  three, MKL's product alone 1.66 ms in the same run).
+- ``hoad::jet_sqnorm`` and ``hoad::jet_mm`` for a collapsed Laplacian's squared jets at a layer:
+  the product, its scaled operand and the squares in one kernel (D=16 Laplacian's 256 points:
+  0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
 
-The custom kernels are chosen by the ``lower_products`` and ``fuse_jet_squares`` passes
+The custom kernels are chosen by the ``fuse_jet_squares`` and ``lower_products`` passes
 (``hoad/passes/lower.py``) after clean, and by :meth:`InductorLowering.einsum` for Gram matrices;
 everything else here is layout.
 """
