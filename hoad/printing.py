@@ -31,6 +31,8 @@ def _shape(node: fx.Node) -> str:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return "[" + ", ".join(str(s) for s in val.shape) + "]"
+    if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):  # an op's outputs
+        return "(" + ", ".join("[" + ", ".join(str(s) for s in v.shape) + "]" for v in val) + ")"
     return ""
 
 

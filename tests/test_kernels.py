@@ -384,3 +384,29 @@ def test_jet_mm_gradients():
     torch.autograd.gradgradcheck(both, inputs)
     torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[0].sin().sum(), inputs[:3])  # X alone
     torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[1], inputs[:3])  # q alone
+
+
+@needs_jets
+def test_jet_kernels_only_for_float64_programs_laid_out_for_inductor(inductor_layout_run_eagerly, monkeypatch):
+    u, Ws = tanh_net((3, 8, 7, 1), seed=80)
+    X = rand(9, 3, seed=4)
+    expected = vmap(hessian(u))(X).diagonal(dim1=1, dim2=2).sum(-1)
+    single = [W.float() for W in Ws]
+
+    def u32(x):
+        for W in single[:-1]:
+            x = torch.tanh(x @ W)
+        return (x @ single[-1]).squeeze(-1)
+
+    op = hoad.laplacian(u32, batch_dim=0, backend="eager")
+    res = op(X.float())
+    assert "hoad.jet_" not in str(op.graph)
+    ref32 = vmap(hessian(u32))(X.float()).diagonal(dim1=1, dim2=2).sum(-1)
+    torch.testing.assert_close(res.laplacian, ref32, rtol=1e-4, atol=1e-4)
+    from hoad import pipeline
+    from hoad.algebra.target import EAGER
+
+    monkeypatch.setattr(pipeline, "EAGER", EAGER)  # the eager layout again
+    op = hoad.laplacian(u, batch_dim=0, backend="eager")
+    assert_close(op(X).laplacian, expected, "laplacian")
+    assert "hoad.jet_" not in str(op.graph)
