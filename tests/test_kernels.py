@@ -350,13 +350,15 @@ def test_training_through_the_kernel(inductor_layout_run_eagerly):
 
 @needs_jets
 def test_compiled_laplacian_with_the_kernel_matches_torch_func():
-    """One Inductor compile: hoad::jet_sqnorm as an extern call of the compiled program."""
+    """Inductor compiles: hoad::jet_sqnorm as an extern call of the compiled program, at one number
+    of points and then at any (the second count builds the program dynamic in it)."""
     u, _ = tanh_net((3, 8, 7, 1), seed=70)
-    X = rand(9, 3, seed=3)
     op = hoad.laplacian(u, batch_dim=0, backend="inductor")
-    res = op(X)
-    assert "hoad.jet_sqnorm(" in str(op.graph)
-    assert_close(res.laplacian, vmap(hessian(u))(X).diagonal(dim1=1, dim2=2).sum(-1), "laplacian")
+    for n in (9, 5, 40):
+        X = rand(n, 3, seed=n)
+        res = op(X)
+        assert "hoad.jet_sqnorm(" in str(op.graph)
+        assert_close(res.laplacian, vmap(hessian(u))(X).diagonal(dim1=1, dim2=2).sum(-1), f"laplacian, {n} points")
 
 
 @needs_jets
