@@ -55,11 +55,11 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     its derivative c [P,K,1], through the weight (an ``mm`` of W ᵀ [M,K] by the jets flattened to
     [K, P·S], or of the jets [P·S, K] by W [K,M]: the algebra orients products by their shapes),
     squared and summed over the directions, plainly (``sum``) or weighted (a ``bmm`` by weights
-    U [M,1,S], or a broadcast product by U [M,S,1] summed). The algebra writes exactly that chain. Where each intermediate is used once, it
-    becomes one ``jet_sqnorm`` call that never writes c ⊙ J or X (the last hidden layer); where X
-    is read on (by the next layer's jets), one ``jet_mm`` call that stores X once, densely, but
-    not c ⊙ J. Only for lowerings that say ``jets`` (Inductor, float64 on a CPU with AVX2 where
-    the kernels are built).
+    U [M,1,S], or a broadcast product by U [M,S,1] summed). The algebra writes exactly that
+    chain. Where each intermediate is used once, it becomes one ``jet_sqnorm`` call that never
+    writes c ⊙ J or X (the last hidden layer); where X is read on (by the next layer's jets), one
+    ``jet_mm`` call that stores X once, densely, but not c ⊙ J. Only for lowerings that say
+    ``jets`` (Inductor, float64 on a CPU with AVX2 where the kernels are built).
     """
     if not getattr(lowering, "jets", False):
         return gm
@@ -140,6 +140,8 @@ def _jet_square(sq: fx.Node):
                 return None
         else:
             return None
+        if not _viewable(weights, [M, S]):
+            return None
     else:
         return None
     # X from [M, P·S] (wide) or [P·S, M] (tall); X itself may have other readers
@@ -172,8 +174,9 @@ def _move_before(node: fx.Node, anchor: fx.Node, order: dict) -> bool:
     late, stack = [], [node]
     while stack:
         n = stack.pop()
-        if order[n] < order[anchor] or n in late:  # (anchor itself: refused below, as is a cycle through it)
+        if order[n] < order[anchor] or n in late:
             continue
+        # the anchor itself among the inputs would be a cycle
         if (n is anchor or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
                 or torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable):
             return False
@@ -181,6 +184,14 @@ def _move_before(node: fx.Node, anchor: fx.Node, order: dict) -> bool:
         stack.extend(n.all_input_nodes)
     for n in sorted(late, key=order.__getitem__):
         anchor.prepend(n)
+    return True
+
+
+def _viewable(node: fx.Node, shape: list) -> bool:
+    try:
+        node.meta["val"].view(shape)
+    except RuntimeError:
+        return False
     return True
 
 
