@@ -289,23 +289,30 @@ static bool jets_fast(std::initializer_list<const at::Tensor*> ts) {
   return fast;
 }
 
-// J [S, K] (the same for every point) or [P, S, K]; c [P, K]; W [K, M]; u (weights) broadcastable
-// to [S, M], or none (ones). X: where to store the jets [P, S, M] (dense), or undefined.
-static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W, const at::Tensor& ue,
-                              at::Tensor X) {
+// J [S, K] (the same for every point) or [P, S, K]; c [P, K]; W [K, M]; ue (weights) [S, M], or
+// none (ones). X: where to store the jets [P, S, M] (dense), or undefined.
+static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                              const std::optional<at::Tensor>& ue, at::Tensor X) {
   const int64_t P = c.size(0), K = c.size(1), S = J.size(-2), M = W.size(1);
   const int64_t NT = (M + 7) / 8, MP = 8 * NT;
   at::Tensor q = at::zeros({P, MP}, c.options());
   if (P == 0 || S == 0) return q.narrow(1, 0, M).contiguous();
-  std::vector<double> Bp(NT * K * 8, 0.0), up(S * MP, 0.0);
+  // W in strips of 8 columns, [K][8] each (the last one's missing columns zero); u [S, MP]
+  std::vector<double> Bp(NT * K * 8), up(S * MP, ue ? 0.0 : 1.0);
   {
-    auto w = W.accessor<double, 2>();
+    const double* w = W.const_data_ptr<double>();
+    const int64_t wk = W.stride(0), wm = W.stride(1);
     for (int64_t t = 0; t < NT; t++)
-      for (int64_t k = 0; k < K; k++)
-        for (int64_t v = 0; v < 8 && 8 * t + v < M; v++) Bp[(t * K + k) * 8 + v] = w[k][8 * t + v];
-    auto uu = ue.accessor<double, 2>();
-    for (int64_t s = 0; s < S; s++)
-      for (int64_t m = 0; m < M; m++) up[s * MP + m] = uu[s][m];
+      for (int64_t k = 0; k < K; k++) {
+        double* dst = Bp.data() + (t * K + k) * 8;
+        const double* src = w + k * wk + 8 * t * wm;
+        for (int64_t v = 0; v < 8; v++) dst[v] = 8 * t + v < M ? src[v * wm] : 0.0;
+      }
+    if (ue) {
+      auto uu = ue->accessor<double, 2>();
+      for (int64_t s = 0; s < S; s++)
+        for (int64_t m = 0; m < M; m++) up[s * MP + m] = uu[s][m];
+    }
   }
   int64_t tail[8];  // the lanes of the last strip's columns, where M is not a multiple of 8
   for (int v = 0; v < 8; v++) tail[v] = 8 * (NT - 1) + v < M ? -1 : 0;
@@ -352,12 +359,17 @@ static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at
   return MP == M ? q : q.narrow(1, 0, M).contiguous();
 }
 
+// u expanded to [S, M], or none (ones)
+static std::optional<at::Tensor> expanded(const std::optional<at::Tensor>& u, int64_t S, int64_t M) {
+  return u ? std::optional<at::Tensor>(u->expand({S, M})) : std::nullopt;
+}
+
 static at::Tensor jet_sqnorm_cpu(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                                  const std::optional<at::Tensor>& u) {
   check_jets("jet_sqnorm", J, c, W, u);
   const int64_t K = c.size(1), S = J.size(-2), M = W.size(1);
-  const at::Tensor ue = u ? u->expand({S, M}) : at::ones({S, M}, c.options());
-  if (!jets_fast({&J, &c, &W, &ue}) || K == 0) return std::get<1>(jets_aten(J, c, W, u));
+  const auto ue = expanded(u, S, M);
+  if (!jets_fast({&J, &c, &W, ue ? &*ue : &c}) || K == 0) return std::get<1>(jets_aten(J, c, W, u));
   return jets_kernel(J, c, W, ue, at::Tensor());
 }
 
@@ -365,8 +377,8 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
                                                      const std::optional<at::Tensor>& u) {
   check_jets("jet_mm", J, c, W, u);
   const int64_t P = c.size(0), K = c.size(1), S = J.size(-2), M = W.size(1);
-  const at::Tensor ue = u ? u->expand({S, M}) : at::ones({S, M}, c.options());
-  if (!jets_fast({&J, &c, &W, &ue}) || K == 0) {
+  const auto ue = expanded(u, S, M);
+  if (!jets_fast({&J, &c, &W, ue ? &*ue : &c}) || K == 0) {
     auto [X, q] = jets_aten(J, c, W, u);
     return {X.expand({P, S, M}).contiguous(), q};
   }
