@@ -58,8 +58,7 @@ def cse(gm: fx.GraphModule) -> bool:
     seen: dict[tuple, fx.Node] = {}
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target in RANDOM or not _pure(node) \
-                or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        if not pure(node):
             continue
         try:
             key = (node.target, _frozen(node.args), _frozen(node.kwargs))
@@ -108,7 +107,7 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "get_attr":
             values[node] = getattr(gm, node.target)
             continue
-        if node.op != "call_function" or node.target in RANDOM or not _pure(node):
+        if not pure(node):
             continue
         if not all(a in values for a in node.all_input_nodes) or _nbytes(node.meta.get("val")) > FOLD_LIMIT_BYTES:
             continue  # (a value too large to store is not computed here either)
@@ -149,9 +148,13 @@ def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:
     return out.copy_(value)
 
 
-def _pure(node: fx.Node) -> bool:
+def pure(node: fx.Node) -> bool:
+    """A call that neither writes into a tensor nor draws random numbers: one that may be merged
+    with its twin, folded, hoisted or moved (hoad's RANDOM list and ATen's seeded tag both)."""
     schema = getattr(node.target, "_schema", None)
-    return schema is None or not schema.is_mutable
+    return (node.op == "call_function" and node.target not in RANDOM
+            and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+            and (schema is None or not schema.is_mutable))
 
 
 def clean(gm: fx.GraphModule) -> fx.GraphModule:

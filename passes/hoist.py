@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from hoad.rules import RANDOM
+from hoad.passes.clean import pure
 from hoad.passes.cost import is_view
 
 # Values larger than this are recomputed in the main program rather than kept between calls.
@@ -26,11 +26,6 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _pure(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.target not in RANDOM and (schema is None or not schema.is_mutable)
-
-
 def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node]) -> set[fx.Node]:
     """Nodes computed from ``free`` placeholders and constants alone, worth keeping between calls:
     layout-only ops (views) are left to the main program unless hoisted work reads them, and
@@ -40,8 +35,7 @@ def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node]) -> set[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             sources.add(node)
-        elif node.op == "call_function" and _pure(node) and all(a in sources or a in inside
-                                                                  for a in node.all_input_nodes):
+        elif pure(node) and all(a in sources or a in inside for a in node.all_input_nodes):
             if any(a in sources or a in inside for a in node.all_input_nodes):
                 inside.add(node)
     changed = True

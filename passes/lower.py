@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hoad.algebra.target import Lowering
+from hoad.passes.clean import pure
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
@@ -177,8 +178,7 @@ def _move_before(node: fx.Node, anchor: fx.Node, order: dict) -> bool:
         if order[n] < order[anchor] or n in late:
             continue
         # the anchor itself among the inputs would be a cycle
-        if (n is anchor or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
-                or torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable):
+        if n is anchor or not isinstance(n.target, torch._ops.OpOverload) or not pure(n):
             return False
         late.append(n)
         stack.extend(n.all_input_nodes)
