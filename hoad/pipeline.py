@@ -18,8 +18,7 @@ import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
 from hoad.binding import CallLayout, Keyword, Source, find_sources
-from hoad.lowering import kernels
-from hoad.lowering.inductor import InductorLowering
+from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
@@ -61,8 +60,7 @@ class Config:
         build never starts in the middle of a trace."""
         if self.target is not None:
             return self.target
-        inductor = self.backend == "inductor"
-        lowering = InductorLowering(kernels=kernels.available(), jets=kernels.jets_available()) if inductor else EAGER
+        lowering = this_machine() if self.backend == "inductor" else EAGER
         return Target(lowering, sample_axes=self.nestable)
 
     @property

@@ -10,8 +10,7 @@ from torch.func import jacfwd, jacrev
 import hoad
 from hoad.algebra import Target
 from hoad.api import Compiled
-from hoad.lowering import kernels
-from hoad.lowering.inductor import InductorLowering
+from hoad.lowering.inductor import this_machine
 
 DT = torch.float64
 
@@ -19,7 +18,7 @@ DT = torch.float64
 def inductor_layout() -> Target:
     """The target of Inductor programs (its contractions, fused reductions and kernels differ),
     for programs run eagerly here: Inductor compiles cost seconds."""
-    return Target(InductorLowering(kernels=kernels.available(), jets=kernels.jets_available()))
+    return Target(this_machine())
 
 
 def compiled(f, order, wrt=0, target: Target | None = None, **options):

@@ -289,9 +289,9 @@ def tanh_net(sizes: tuple[int, ...], seed: int):
 def inductor_layout_run_eagerly(monkeypatch):
     """Operators built for Inductor (its layouts, hoad's kernels) but run eagerly: no compile."""
     from hoad import pipeline
-    from hoad.lowering.inductor import InductorLowering
+    from hoad.lowering.inductor import this_machine
 
-    monkeypatch.setattr(pipeline, "EAGER", InductorLowering(kernels=kernels.available(), jets=True))
+    monkeypatch.setattr(pipeline, "EAGER", this_machine())  # (tests using it need the jet kernels)
 
 
 def operator_case(kind: str, D: int):

@@ -83,6 +83,12 @@ class InductorLowering(Lowering):
         return "mm"
 
 
+def this_machine() -> InductorLowering:
+    """The Inductor lowering with hoad's kernels where they run here (builds the library on the
+    first call: ask before tracing)."""
+    return InductorLowering(kernels=kernels.available(), jets=kernels.jets_available())
+
+
 def _dense_batches(t: torch.Tensor) -> torch.Tensor:
     """``t`` (batch, rows, cols) with each matrix stored densely (row- or column-major)."""
     b, r, c = t.shape
