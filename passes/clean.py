@@ -18,7 +18,8 @@ aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
-def _shape(node) -> tuple | None:
+def shape_of(node) -> tuple | None:
+    """The traced shape of ``node``'s value, or None where it is not a tensor (or not a node)."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
@@ -34,8 +35,8 @@ def fold_layout(gm: fx.GraphModule) -> bool:
         if not isinstance(src, fx.Node):
             continue
         target = node.target
-        if target in _VIEWS | {aten.expand.default, aten.alias.default} and _shape(node) == _shape(src) \
-                and _shape(node) is not None and not node.kwargs:
+        if target in _VIEWS | {aten.expand.default, aten.alias.default} and shape_of(node) == shape_of(src) \
+                and shape_of(node) is not None and not node.kwargs:
             node.replace_all_uses_with(src)
             changed = True
         elif target == aten.permute.default and list(node.args[1]) == list(range(len(node.args[1]))):

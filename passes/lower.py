@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hoad.algebra.target import Lowering
-from hoad.passes.clean import pure
+from hoad.passes.clean import pure, shape_of
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
@@ -95,7 +95,7 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
                 q = _call(g, torch.ops.hoad.jet_sqnorm.default, args)
             if weights is not None:  # the bmm's [M, 1, P], or the weighted sum's [M, P]
                 q = _call(g, aten.permute.default, (_call(g, aten.view.default, (q, [P, M, 1])), [1, 2, 0]))
-                if _shape(out) == (M, P):
+                if shape_of(out) == (M, P):
                     q = _call(g, aten.view.default, (q, [M, P]))
         q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
         out.replace_all_uses_with(q)
@@ -130,10 +130,10 @@ def _jet_square(sq: fx.Node):
         operand = user
         if _is(out, aten.clone.default) and len(out.users) == 1:  # the bmm's operand made dense
             operand, (out,) = out, out.users
-        if _is(out, aten.bmm.default) and out.args[1] is operand and _shape(out.args[0]) == (M, 1, S):
+        if _is(out, aten.bmm.default) and out.args[1] is operand and shape_of(out.args[0]) == (M, 1, S):
             weights = out.args[0]
         elif (_is(out, aten.mul.Tensor) and operand is user and len(out.users) == 1 and user in out.args
-              and _shape(out.args[out.args.index(user) ^ 1]) == (M, S, 1)):
+              and shape_of(out.args[out.args.index(user) ^ 1]) == (M, S, 1)):
             weights = out.args[out.args.index(user) ^ 1]
             (out,) = out.users
             if not (_is(out, aten.sum.dim_IntList) and list(out.args[1]) == [1] and len(out.args) == 2
@@ -160,11 +160,10 @@ def _jet_square(sq: fx.Node):
     y = _single(yp, aten.permute.default, [1, 0, 2] if wide else [0, 2, 1])
     if y is None or not _is(y, aten.mul.Tensor) or len(y.users) != 1 or y.kwargs:
         return None
-    shapes = [a.meta["val"].shape if isinstance(a, fx.Node) else None for a in y.args]
-    if tuple(y.meta["val"].shape) != (P, K, S) or any(s is None for s in shapes):
+    if shape_of(y) != (P, K, S) or any(shape_of(a) is None for a in y.args):
         return None
     for c, J in (y.args, y.args[::-1]):
-        if tuple(c.meta["val"].shape) == (P, K, 1) and tuple(J.meta["val"].shape) in ((1, K, S), (P, K, S)) and S > 1:
+        if shape_of(c) == (P, K, 1) and shape_of(J) in ((1, K, S), (P, K, S)) and S > 1:
             return out, X, z, (J, c, W, wide), weights, (P, K, S, M)
     return None
 
@@ -193,11 +192,6 @@ def _viewable(node: fx.Node, shape: list) -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def _shape(node) -> tuple | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _single(node, target, shape_or_dims) -> fx.Node | None:
