@@ -228,9 +228,14 @@ def test_the_library_builds_from_its_source(tmp_path):
 
 
 # ------------------------------------------------------------------------------- hoad::jet_sqnorm
+def jets_reference(J, c, W):
+    """X[p,s] = (J[p,s] ⊙ c[p]) @ W, J shared by every point when it is 2-D."""
+    return torch.einsum("sk,pk,km->psm" if J.dim() == 2 else "psk,pk,km->psm", J, c, W)
+
+
 def jet_sqnorm_reference(J, c, W, u=None):
-    """q[p,m] = Σ_s u[s,m] ((J[p,s] ⊙ c[p]) @ W)[m]², J shared by every point when it is 2-D."""
-    X = torch.einsum("sk,pk,km->psm" if J.dim() == 2 else "psk,pk,km->psm", J, c, W)
+    """q[p,m] = Σ_s u[s,m] X[p,s,m]²."""
+    X = jets_reference(J, c, W)
     return (X * X if u is None else X * X * u).sum(1)
 
 
@@ -375,8 +380,7 @@ def test_jet_mm_stores_the_jets_it_squares(P, S, K, M, shared):
     J = rand(S, K, seed=P + K) if shared else rand(P, S, K, seed=P + K)
     c, W, u = rand(P, K, seed=S), rand(K, M, seed=M), rand(S, M, seed=3)
     X, q = torch.ops.hoad.jet_mm(J, c, W, u)
-    torch.testing.assert_close(X, torch.einsum("sk,pk,km->psm" if shared else "psk,pk,km->psm", J, c, W),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(X, jets_reference(J, c, W), rtol=1e-12, atol=1e-12)
     assert X.is_contiguous()
     torch.testing.assert_close(q, jet_sqnorm_reference(J, c, W, u), rtol=1e-12, atol=1e-12)
 
