@@ -60,9 +60,9 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     chain. Where each intermediate is used once, it becomes one ``jet_sqnorm`` call that never
     writes c ⊙ J or X (the last hidden layer); where X is read on (by the next layer's jets), one
     ``jet_mm`` call that stores X once, densely, but not c ⊙ J. Only for lowerings that say
-    ``jets`` (Inductor, float64 on a CPU with AVX2 where the kernels are built).
+    ``avx2`` (Inductor, float64 on a CPU with AVX2 where the kernels are built).
     """
-    if not getattr(lowering, "jets", False):
+    if not getattr(lowering, "avx2", False):
         return gm
     g = gm.graph
     changed = False

@@ -1,7 +1,7 @@
 """hoad::mm and hoad::gram, the float64 AVX-512 kernels Inductor programs use for products with
-short inner dimensions and for per-sample Gram matrices, and hoad::jet_sqnorm (AVX2), a collapsed
-Laplacian's squared jets at a layer: equal to torch on every tail shape and layout, differentiable,
-and used by the programs whose products suit them."""
+short inner dimensions and for per-sample Gram matrices, and hoad::jet_sqnorm and jet_mm (AVX2), a
+collapsed Laplacian's squared jets at a layer: equal to torch on every tail shape and layout,
+differentiable (formulas registered in C++), and used by the programs whose products suit them."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from hoad.passes.cost import node_cost
 from helpers import assert_close, compiled, inductor_layout, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
-needs_jets = pytest.mark.skipif(not kernels.jets_available(), reason="no AVX2 or no C++ compiler here")
+needs_jets = pytest.mark.skipif(not kernels.avx2_available(), reason="no AVX2 or no C++ compiler here")
 
 
 @needs_kernel
@@ -77,7 +77,7 @@ def test_eager_layout_programs_keep_aten_mm():
 def test_off_switch(monkeypatch):
     monkeypatch.setattr(kernels, "_state", None)
     monkeypatch.setenv("HOAD_DGEMM", "0")
-    assert not kernels.available() and not kernels.jets_available()
+    assert not kernels.available() and not kernels.avx2_available()
 
 
 @needs_kernel
@@ -108,7 +108,7 @@ def test_unwritable_cache_means_aten_mm(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_state", None)
     monkeypatch.setenv("HOAD_CACHE_DIR", str(tmp_path / "never-built"))
     monkeypatch.setattr(kernels.os, "makedirs", refuse)
-    assert not kernels.available() and not kernels.jets_available()
+    assert not kernels.available() and not kernels.avx2_available()
 
 
 def gram_reference(J, w):
@@ -134,6 +134,17 @@ def test_gram_equals_einsum_on_every_layout(B, K, N):
         torch.testing.assert_close(G, gram_reference(J, w), rtol=1e-12, atol=1e-12, msg=name)
         assert torch.equal(G, G.transpose(1, 2)), f"{name}: not exactly symmetric"
         assert G.is_contiguous()
+
+
+@needs_kernel
+def test_mm_and_gram_gradients():
+    """Their autograd formulas (C++, aten ops: differentiable again)."""
+    a, b = rand(5, 4, seed=1).requires_grad_(True), rand(4, 33, seed=2).requires_grad_(True)
+    torch.autograd.gradcheck(torch.ops.hoad.mm, [a, b])
+    torch.autograd.gradgradcheck(torch.ops.hoad.mm, [a, b])
+    J, w = rand(3, 4, 9, seed=3).requires_grad_(True), rand(3, 4, seed=4).requires_grad_(True)
+    torch.autograd.gradcheck(torch.ops.hoad.gram, [J, w])
+    torch.autograd.gradgradcheck(torch.ops.hoad.gram, [J, w])
 
 
 @needs_kernel
@@ -275,6 +286,24 @@ def test_jet_sqnorm_gradients(shared):
     torch.autograd.gradgradcheck(torch.ops.hoad.jet_sqnorm, inputs)
     torch.autograd.gradcheck(torch.ops.hoad.jet_sqnorm, inputs[:3])
     torch.autograd.gradcheck(torch.ops.hoad.jet_sqnorm, inputs[:3] + [rand(3, 1, seed=5).requires_grad_(True)])
+
+
+@needs_jets
+def test_autograd_formulas_are_cpp_and_record_only_what_needs_a_gradient():
+    """The formulas are registered in C++ (a Python autograd kernel is entered on every call,
+    ~7 us each, in compiled programs too); a call no input of which needs a gradient, or under
+    no_grad, records no node."""
+    for op in ("mm", "gram", "jet_sqnorm", "jet_mm"):
+        autograd = [line for line in torch._C._dispatch_dump(f"hoad::{op}").splitlines() if line.startswith("Autograd")]
+        assert autograd and "kernels.cpp" in autograd[0], autograd
+    J, c, W = rand(3, 5, seed=1), rand(4, 5, seed=2), rand(5, 6, seed=3)
+    assert torch.ops.hoad.jet_sqnorm(J, c, W).grad_fn is None
+    assert all(t.grad_fn is None for t in torch.ops.hoad.jet_mm(J, c, W))
+    W.requires_grad_(True)
+    assert torch.ops.hoad.jet_sqnorm(J, c, W).grad_fn is not None
+    assert all(t.grad_fn is not None for t in torch.ops.hoad.jet_mm(J, c, W))
+    with torch.no_grad():
+        assert torch.ops.hoad.jet_sqnorm(J, c, W).grad_fn is None
 
 
 def tanh_net(sizes: tuple[int, ...], seed: int):
@@ -420,3 +449,4 @@ def test_jet_kernels_only_for_float64_programs_laid_out_for_inductor(inductor_la
     op = hoad.laplacian(u, batch_dim=0, backend="eager")
     assert_close(op(X).laplacian, expected, "laplacian")
     assert "hoad.jet_" not in str(op.graph)
+

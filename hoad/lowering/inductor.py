@@ -48,15 +48,15 @@ INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 class InductorLowering(Lowering):
     """Layouts for Inductor programs; ``kernels``: whether hoad's AVX-512 kernels may be used,
-    ``jets``: whether its AVX2 ``hoad::jet_sqnorm`` may."""
+    ``avx2``: whether its AVX2 kernels (``hoad::jet_sqnorm``, ``jet_mm``) may."""
 
     fused = True
 
-    def __init__(self, kernels: bool = False, jets: bool = False):
-        self.kernels, self.jets = kernels, jets
+    def __init__(self, kernels: bool = False, avx2: bool = False):
+        self.kernels, self.avx2 = kernels, avx2
 
     def __repr__(self) -> str:
-        return f"InductorLowering(kernels={self.kernels}, jets={self.jets})"
+        return f"InductorLowering(kernels={self.kernels}, avx2={self.avx2})"
 
     def orientation(self, moves, tall, batched, m, k, n, like) -> tuple:
         if self.kernels and not batched and n >= kernels.MIN_COLUMNS and kernels.fits(like, m, k, n):
@@ -86,7 +86,7 @@ class InductorLowering(Lowering):
 def this_machine() -> InductorLowering:
     """The Inductor lowering with hoad's kernels where they run here (builds the library on the
     first call: ask before tracing)."""
-    return InductorLowering(kernels=kernels.available(), jets=kernels.jets_available())
+    return InductorLowering(kernels=kernels.available(), avx2=kernels.avx2_available())
 
 
 def _dense_batches(t: torch.Tensor) -> torch.Tensor:

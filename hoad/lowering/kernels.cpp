@@ -8,6 +8,7 @@
 #endif
 
 #include <torch/library.h>
+#include <torch/autograd.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -387,6 +388,132 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
   return {X, q};
 }
 
+// ------------------------------------------------------------------ autograd
+// Derivatives of the operators in aten ops (so differentiable again): programs that autograd goes
+// through (training under Inductor) may contain them. Registered in C++: a Python autograd kernel
+// (torch.library.register_autograd) is entered on every call, grad or not, ~7 us each.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// the operator below autograd: its CPU kernel, or a fake one while a program is traced
+template <class Sig>
+static const c10::TypedOperatorHandle<Sig>& handle(const char* name) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();
+  return op;
+}
+
+static bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+using MmSig = at::Tensor(const at::Tensor&, const at::Tensor&);
+struct MmFn : torch::autograd::Function<MmFn> {  // C = A B: dA = g B^T, dB = A^T g
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({a, b});
+    return handle<MmSig>("hoad::mm").call(a, b);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    return {at::matmul(g[0], s[1].mT()), at::matmul(s[0].mT(), g[0])};
+  }
+};
+
+// G[b] = J[b]^T diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]^T), dw[b,k] = (J[b] g[b] J[b]^T)_kk
+struct GramFn : torch::autograd::Function<GramFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& w) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({J, w});
+    return handle<MmSig>("hoad::gram").call(J, w);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &J = s[0], &w = s[1];
+    return {at::matmul(J * w.unsqueeze(2), g[0] + g[0].mT()), (at::matmul(J, g[0]) * J).sum(2)};
+  }
+};
+
+// With A = J c and G = gX + 2 u gq X (per p, s, m): dA = G W^T, dJ = dA c (summed over p when J is
+// shared), dc = sum_s dA J, dW = sum_{p,s} A^T G, du = sum_p gq X^2 (summed to u's shape).
+static variable_list jets_backward(const variable_list& s, const at::Tensor& gX, const at::Tensor& gq) {
+  const at::Tensor &J = s[0], &c = s[1], &W = s[2], &u = s[3];
+  const at::Tensor A = J * c.unsqueeze(1);  // [P, S, K]
+  const at::Tensor X = s[4].defined() ? s[4] : at::matmul(A, W);  // jet_mm's jets are not computed again
+  at::Tensor G = gX.defined() ? gX.expand_as(X) : at::zeros_like(X);
+  if (gq.defined()) G = G + (u.defined() ? 2 * gq.unsqueeze(1) * u * X : 2 * gq.unsqueeze(1) * X);
+  const at::Tensor dA = at::matmul(G, W.mT());
+  at::Tensor dJ = dA * c.unsqueeze(1);
+  if (J.dim() == 2) dJ = dJ.sum(0);
+  const at::Tensor dc = (dA * J).sum(1);
+  const at::Tensor dW = at::matmul(A.reshape({-1, A.size(-1)}).mT(), G.reshape({-1, G.size(-1)}));
+  const at::Tensor du = u.defined() && gq.defined() ? (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.sizes())
+                                                    : at::Tensor();
+  return {dJ, dc, dW, du};
+}
+
+using JetSqnormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+struct JetSqnormFn : torch::autograd::Function<JetSqnormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                            const std::optional<at::Tensor>& u) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), at::Tensor()});
+    return handle<JetSqnormSig>("hoad::jet_sqnorm").call(J, c, W, u);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return jets_backward(ctx->get_saved_variables(), at::Tensor(), g[0]);
+  }
+};
+
+using JetMmSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const std::optional<at::Tensor>&);
+struct JetMmFn : torch::autograd::Function<JetMmFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                               const std::optional<at::Tensor>& u) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [X, q] = handle<JetMmSig>("hoad::jet_mm").call(J, c, W, u);
+    ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), X});
+    return {X, q};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return jets_backward(ctx->get_saved_variables(), g[0], g[1]);
+  }
+};
+
+// Where no input needs a gradient, straight to the operator (no autograd node).
+static at::Tensor mm_autograd(const at::Tensor& a, const at::Tensor& b) {
+  if (needs_grad({&a, &b})) return MmFn::apply(a, b);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle<MmSig>("hoad::mm").call(a, b);
+}
+
+static at::Tensor gram_autograd(const at::Tensor& J, const at::Tensor& w) {
+  if (needs_grad({&J, &w})) return GramFn::apply(J, w);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle<MmSig>("hoad::gram").call(J, w);
+}
+
+static at::Tensor jet_sqnorm_autograd(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                                      const std::optional<at::Tensor>& u) {
+  const at::Tensor none;
+  if (needs_grad({&J, &c, &W, u ? &*u : &none})) return JetSqnormFn::apply(J, c, W, u);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle<JetSqnormSig>("hoad::jet_sqnorm").call(J, c, W, u);
+}
+
+static std::tuple<at::Tensor, at::Tensor> jet_mm_autograd(const at::Tensor& J, const at::Tensor& c,
+                                                          const at::Tensor& W, const std::optional<at::Tensor>& u) {
+  const at::Tensor none;
+  if (needs_grad({&J, &c, &W, u ? &*u : &none})) {
+    const variable_list out = JetMmFn::apply(J, c, W, u);
+    return {out[0], out[1]};
+  }
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle<JetMmSig>("hoad::jet_mm").call(J, c, W, u);
+}
+
 TORCH_LIBRARY(hoad, m) {
   m.def("mm(Tensor a, Tensor b) -> Tensor");
   m.def("gram(Tensor J, Tensor w) -> Tensor");
@@ -398,4 +525,10 @@ TORCH_LIBRARY_IMPL(hoad, CPU, m) {
   m.impl("gram", &gram_cpu);
   m.impl("jet_sqnorm", &jet_sqnorm_cpu);
   m.impl("jet_mm", &jet_mm_cpu);
+}
+TORCH_LIBRARY_IMPL(hoad, Autograd, m) {
+  m.impl("mm", &mm_autograd);
+  m.impl("gram", &gram_autograd);
+  m.impl("jet_sqnorm", &jet_sqnorm_autograd);
+  m.impl("jet_mm", &jet_mm_autograd);
 }

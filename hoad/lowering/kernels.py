@@ -31,12 +31,13 @@ On one core of the AMD EPYC (AVX2) this was written on: 38-43 GFLOP/s of a 44 pe
 product alone runs at 22-39 on the same shapes.
 
 Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
-so differentiable again): compiled programs that autograd goes through may contain them. The
+so differentiable again; registered in C++, so a call that needs no gradient costs what an aten
+op's does): compiled programs that autograd goes through may contain them. The
 library (``kernels.cpp`` beside this file) is built once per machine by
 ``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory,
 about 10 s, before a program that may use it is traced, never in the middle of a trace. Where it
 cannot be built or loaded (no AVX2, no compiler or ninja, not Linux x86-64, an unwritable cache,
-``HOAD_DGEMM=0``), :func:`available` and :func:`jets_available` are False and programs keep aten
+``HOAD_DGEMM=0``), :func:`available` and :func:`avx2_available` are False and programs keep aten
 ops; without AVX-512 only :func:`available` is.
 """
 
@@ -84,10 +85,6 @@ def build() -> bool:
     torch.library.register_fake("hoad::gram")(_gram_shape)
     torch.library.register_fake("hoad::jet_sqnorm")(_jet_sqnorm_shape)
     torch.library.register_fake("hoad::jet_mm")(_jet_mm_shape)
-    torch.library.register_autograd("hoad::mm", mm_backward, setup_context=_save_inputs)
-    torch.library.register_autograd("hoad::gram", gram_backward, setup_context=_save_inputs)
-    torch.library.register_autograd("hoad::jet_sqnorm", jet_sqnorm_backward, setup_context=_save_jet)
-    torch.library.register_autograd("hoad::jet_mm", jet_mm_backward, setup_context=_save_jet)
     return True
 
 
@@ -97,7 +94,7 @@ def available() -> bool:
     return _loaded() and _avx512()
 
 
-def jets_available() -> bool:
+def avx2_available() -> bool:
     """Whether ``torch.ops.hoad.jet_sqnorm`` and ``jet_mm`` run their AVX2 kernel here (as
     :func:`available`)."""
     return _loaded()
@@ -154,57 +151,3 @@ def _jet_sqnorm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torc
 
 def _jet_mm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None = None):
     return c.new_empty((c.shape[0], J.shape[-2], W.shape[1])), c.new_empty((c.shape[0], W.shape[1]))
-
-
-# Derivatives of the operators, in aten ops (so they are differentiable again): programs that
-# autograd goes through (training under Inductor) may contain them.
-def _save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def mm_backward(ctx, g: torch.Tensor):
-    """C = A B: dA = g Bᵀ, dB = Aᵀ g."""
-    a, b = ctx.saved_tensors
-    return g @ b.mT, a.mT @ g
-
-
-def gram_backward(ctx, g: torch.Tensor):
-    """G[b] = J[b]ᵀ diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]ᵀ), dw[b,k] = (J[b] g[b] J[b]ᵀ)_kk."""
-    j, w = ctx.saved_tensors
-    dj = (j * w.unsqueeze(2)) @ (g + g.mT)
-    dw = ((j @ g) * j).sum(2)
-    return dj, dw
-
-
-def _save_jet(ctx, inputs, output) -> None:
-    J, c, W, *u = inputs
-    X = output[0] if isinstance(output, tuple) else None  # jet_mm's jets: not computed again
-    ctx.save_for_backward(J, c, W, u[0] if u else None, X)
-
-
-def jet_sqnorm_backward(ctx, g: torch.Tensor):
-    """q[p,m] = Σ_s u[s,m] X[p,s,m]², X = (J[p] ⊙ c[p]) @ W (see :func:`_jets_backward`)."""
-    return _jets_backward(*ctx.saved_tensors, None, g)
-
-
-def jet_mm_backward(ctx, gX: torch.Tensor | None, gq: torch.Tensor | None):
-    """(X, q) of :func:`jet_sqnorm_backward`'s definitions."""
-    return _jets_backward(*ctx.saved_tensors, gX, gq)
-
-
-def _jets_backward(J, c, W, u, X, gX, gq):
-    """With A = J ⊙ c and G = gX + 2 u gq X (per p, s, m): dA = G Wᵀ, dJ = dA ⊙ c (summed over p
-    when J is shared), dc = Σ_s dA ⊙ J, dW = Σ_{p,s} Aᵀ G, du = Σ_p gq X² (summed to u's shape)."""
-    A = J * c.unsqueeze(1)                      # [P, S, K]
-    X = A @ W if X is None else X               # [P, S, M]
-    G = torch.zeros_like(X) if gX is None else gX.expand_as(X)
-    if gq is not None:
-        G = G + (2 * gq.unsqueeze(1) * X if u is None else 2 * gq.unsqueeze(1) * u * X)
-    dA = G @ W.mT
-    dJ = dA * c.unsqueeze(1)
-    if J.dim() == 2:
-        dJ = dJ.sum(0)
-    dc = (dA * J).sum(1)
-    dW = A.reshape(-1, A.shape[-1]).mT @ G.reshape(-1, G.shape[-1])
-    du = None if u is None or gq is None else (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.shape)
-    return dJ, dc, dW, du
