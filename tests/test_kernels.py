@@ -15,9 +15,10 @@ from helpers import assert_close, compiled, inductor_layout, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
 needs_jets = pytest.mark.skipif(not kernels.avx2_available(), reason="no AVX2 or no C++ compiler here")
+needs_mm = needs_jets  # hoad::mm: its AVX-512 kernel, or its AVX2 one
 
 
-@needs_kernel
+@needs_mm
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 17])
 @pytest.mark.parametrize("n", [1, 8, 16, 31, 32, 33, 48, 70])
 @pytest.mark.parametrize("k", [1, 5, 64, 256])
@@ -26,7 +27,7 @@ def test_equals_torch_mm_on_tail_shapes(m, n, k):
     torch.testing.assert_close(torch.ops.hoad.mm(a, b), a @ b, rtol=1e-13, atol=1e-13)
 
 
-@needs_kernel
+@needs_mm
 def test_strided_operands_other_dtypes_and_threads():
     a, b = rand(40, 40, seed=1).t(), rand(80, 33, seed=2)[::2]  # transposed and row-strided
     torch.testing.assert_close(torch.ops.hoad.mm(a, b), a @ b, rtol=1e-13, atol=1e-13)
@@ -51,9 +52,10 @@ def mlp(x):
     return (torch.tanh(torch.tanh(x @ W1) @ W2) @ W3).squeeze(-1)
 
 
-@needs_kernel
+@needs_mm
 def test_inductor_layout_programs_use_it_and_stay_exact():
-    """The program laid out for Inductor, run eagerly: its [16,64]@[64,256] products are hoad::mm."""
+    """The program laid out for Inductor, run eagerly: its [16,64]@[64,256] products are hoad::mm
+    (AVX-512; with AVX2, the products of 8 or more columns in whichever orientation)."""
     x = rand(16, seed=8)
     cf = compiled(mlp, order=3, mode="reverse", target=inductor_layout())
     res = cf(x)
@@ -80,7 +82,7 @@ def test_off_switch(monkeypatch):
     assert not kernels.available() and not kernels.avx2_available()
 
 
-@needs_kernel
+@needs_mm
 def test_compiled_program_with_it_matches_torch_func():
     """One Inductor compile (seconds): hoad::mm as an extern call inside the compiled program."""
     x = rand(16, seed=9)
@@ -136,12 +138,16 @@ def test_gram_equals_einsum_on_every_layout(B, K, N):
         assert G.is_contiguous()
 
 
-@needs_kernel
-def test_mm_and_gram_gradients():
-    """Their autograd formulas (C++, aten ops: differentiable again)."""
+@needs_mm
+def test_mm_gradients():
+    """Its autograd formula (C++, aten ops: differentiable again)."""
     a, b = rand(5, 4, seed=1).requires_grad_(True), rand(4, 33, seed=2).requires_grad_(True)
     torch.autograd.gradcheck(torch.ops.hoad.mm, [a, b])
     torch.autograd.gradgradcheck(torch.ops.hoad.mm, [a, b])
+
+
+@needs_kernel
+def test_gram_gradients():
     J, w = rand(3, 4, 9, seed=3).requires_grad_(True), rand(3, 4, seed=4).requires_grad_(True)
     torch.autograd.gradcheck(torch.ops.hoad.gram, [J, w])
     torch.autograd.gradgradcheck(torch.ops.hoad.gram, [J, w])

@@ -17,7 +17,9 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
 - vector-matrix products (one row or one column) of at most TINY_PRODUCT multiply-adds as a fused
   reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us);
   not matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
-- ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster.
+- ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster; on CPUs
+  with AVX2 but not AVX-512, ``hoad::mm``'s AVX2 kernel for products of 8 or more columns (the
+  orientation stays MKL's: that kernel is measured on both).
 - ``hoad::jet_sqnorm`` and ``hoad::jet_mm`` for a collapsed Laplacian's squared jets at a layer:
   the product, its scaled operand and the squares in one kernel (D=16 Laplacian's 256 points:
   0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
@@ -76,7 +78,7 @@ class InductorLowering(Lowering):
         """How a 2-D product a @ b (shapes and strides of the traced values) runs: "kernel"
         (``hoad::mm``), "reduction" (a fused broadcast product and sum), or "mm"."""
         (m, k), n = a.shape, b.shape[1]
-        if self.kernels and kernels.suits(a, b):
+        if (self.kernels and kernels.suits(a, b)) or (self.avx2 and kernels.suits_avx2(a, b)):
             return "kernel"
         if min(m, n) == 1 and m * k * n <= TINY_PRODUCT:
             return "reduction"
