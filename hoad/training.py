@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from hoad.errors import CompileError
-from hoad.lowering.inductor import use_cache_dir
+from hoad.lowering.inductor import cephes_tanh, use_cache_dir
 from hoad.passes.compile import eager_program
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS
@@ -83,7 +83,8 @@ class Trainable:
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
         try:
-            run = compile_fx(gm, examples, config_patches={"post_grad_custom_post_pass": OrientProducts()})
+            with cephes_tanh():
+                run = compile_fx(gm, examples, config_patches={"post_grad_custom_post_pass": OrientProducts()})
         except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
             raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "
                                "backend='eager' trains through the same program without compiling it") from e

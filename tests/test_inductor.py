@@ -133,3 +133,24 @@ def test_backward_through_compiled_derivatives_matches_the_eager_program(fn, ord
     torch.testing.assert_close(compiled, w.grad, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         assert not compiled_program(x, w)[0, 1].requires_grad
+
+
+def test_float64_tanh_in_compiled_programs_is_within_an_ulp():
+    """Inductor's vectorized float64 tanh in hoad's programs is Cephes' formula (its SLEEF call
+    takes twice as long): within 1 ulp of tanh, so 2 of torch's; across the switch of formula at
+    |x| = 0.625, for tiny, huge and signed-zero inputs; its derivative from it. The override is
+    undone after the compile (other torch.compile users keep SLEEF's)."""
+    from torch._inductor.codegen.cpp import CppVecOverrides
+
+    stock = CppVecOverrides.__dict__["tanh"]
+    x = torch.cat([rand(1000, seed=1) * s for s in (1e-9, 1e-3, 0.3, 1, 4, 40)]
+                  + [torch.linspace(0.62, 0.63, 999, dtype=torch.float64),
+                     torch.tensor([0.0, -0.0, 0.625, -0.625, 400.0, -400.0, 1e-300, -1e-300], dtype=torch.float64)])
+    cf = hoad.compile(torch.tanh, order=1, batch_dim=0, backend="inductor")  # per sample: a scalar
+    res = cf(x)
+    assert CppVecOverrides.__dict__["tanh"] is stock
+    ref = torch.tanh(x)
+    eps = torch.finfo(torch.float64).eps
+    assert ((res.value - ref).abs() <= 2 * eps * ref.abs()).all()
+    assert torch.equal(res.value.signbit(), ref.signbit())
+    torch.testing.assert_close(res[0], 1 - ref * ref, rtol=1e-15, atol=1e-15)
