@@ -310,6 +310,21 @@ def test_autograd_formulas_are_cpp_and_record_only_what_needs_a_gradient():
     assert all(t.grad_fn is not None for t in torch.ops.hoad.jet_mm(J, c, W))
     with torch.no_grad():
         assert torch.ops.hoad.jet_sqnorm(J, c, W).grad_fn is None
+    # each operator reaches its own kernel below autograd (here the fake ones: no AVX-512 needed)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for grad in (False, True):
+        with FakeTensorMode():
+            a, b = torch.empty(5, 4, dtype=torch.float64), torch.empty(4, 33, dtype=torch.float64)
+            Jb, w = torch.empty(3, 4, 9, dtype=torch.float64), torch.empty(3, 4, dtype=torch.float64)
+            if grad:
+                a.requires_grad_(True), Jb.requires_grad_(True)
+            for _ in range(2):
+                assert torch.ops.hoad.mm(a, b).shape == (5, 33)
+                assert torch.ops.hoad.gram(Jb, w).shape == (3, 9, 9)
+                Jf, cf, Wf = (torch.empty(*t.shape, dtype=torch.float64) for t in (J, c, W))
+                assert torch.ops.hoad.jet_sqnorm(Jf, cf, Wf).shape == (4, 6)
+                assert [t.shape for t in torch.ops.hoad.jet_mm(Jf, cf, Wf)] == [(4, 3, 6), (4, 6)]
 
 
 def tanh_net(sizes: tuple[int, ...], seed: int):

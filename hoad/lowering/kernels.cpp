@@ -451,12 +451,13 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// the operator below autograd: its CPU kernel, or a fake one while a program is traced
-template <class Sig>
-static const c10::TypedOperatorHandle<Sig>& handle(const char* name) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();
-  return op;
-}
+// The operator below autograd (its CPU kernel, or a fake one while a program is traced), looked
+// up once: each use of the macro is its own lambda, so its own static handle.
+#define HOAD_OP(name, Sig)                                                                        \
+  ([]() -> const c10::TypedOperatorHandle<Sig>& {                                                \
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>(); \
+    return op;                                                                                   \
+  }())
 
 static bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
@@ -470,7 +471,7 @@ struct MmFn : torch::autograd::Function<MmFn> {  // C = A B: dA = g B^T, dB = A^
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({a, b});
-    return handle<MmSig>("hoad::mm").call(a, b);
+    return HOAD_OP("hoad::mm", MmSig).call(a, b);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
@@ -483,7 +484,7 @@ struct GramFn : torch::autograd::Function<GramFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& w) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({J, w});
-    return handle<MmSig>("hoad::gram").call(J, w);
+    return HOAD_OP("hoad::gram", MmSig).call(J, w);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
@@ -516,7 +517,7 @@ struct JetSqnormFn : torch::autograd::Function<JetSqnormFn> {
                             const std::optional<at::Tensor>& u) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), at::Tensor()});
-    return handle<JetSqnormSig>("hoad::jet_sqnorm").call(J, c, W, u);
+    return HOAD_OP("hoad::jet_sqnorm", JetSqnormSig).call(J, c, W, u);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     return jets_backward(ctx->get_saved_variables(), at::Tensor(), g[0]);
@@ -529,7 +530,7 @@ struct JetMmFn : torch::autograd::Function<JetMmFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                                const std::optional<at::Tensor>& u) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [X, q] = handle<JetMmSig>("hoad::jet_mm").call(J, c, W, u);
+    auto [X, q] = HOAD_OP("hoad::jet_mm", JetMmSig).call(J, c, W, u);
     ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), X});
     return {X, q};
   }
@@ -542,13 +543,13 @@ struct JetMmFn : torch::autograd::Function<JetMmFn> {
 static at::Tensor mm_autograd(const at::Tensor& a, const at::Tensor& b) {
   if (needs_grad({&a, &b})) return MmFn::apply(a, b);
   at::AutoDispatchBelowADInplaceOrView below;
-  return handle<MmSig>("hoad::mm").call(a, b);
+  return HOAD_OP("hoad::mm", MmSig).call(a, b);
 }
 
 static at::Tensor gram_autograd(const at::Tensor& J, const at::Tensor& w) {
   if (needs_grad({&J, &w})) return GramFn::apply(J, w);
   at::AutoDispatchBelowADInplaceOrView below;
-  return handle<MmSig>("hoad::gram").call(J, w);
+  return HOAD_OP("hoad::gram", MmSig).call(J, w);
 }
 
 static at::Tensor jet_sqnorm_autograd(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
@@ -556,7 +557,7 @@ static at::Tensor jet_sqnorm_autograd(const at::Tensor& J, const at::Tensor& c, 
   const at::Tensor none;
   if (needs_grad({&J, &c, &W, u ? &*u : &none})) return JetSqnormFn::apply(J, c, W, u);
   at::AutoDispatchBelowADInplaceOrView below;
-  return handle<JetSqnormSig>("hoad::jet_sqnorm").call(J, c, W, u);
+  return HOAD_OP("hoad::jet_sqnorm", JetSqnormSig).call(J, c, W, u);
 }
 
 static std::tuple<at::Tensor, at::Tensor> jet_mm_autograd(const at::Tensor& J, const at::Tensor& c,
@@ -567,7 +568,7 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_autograd(const at::Tensor& J, c
     return {out[0], out[1]};
   }
   at::AutoDispatchBelowADInplaceOrView below;
-  return handle<JetMmSig>("hoad::jet_mm").call(J, c, W, u);
+  return HOAD_OP("hoad::jet_mm", JetMmSig).call(J, c, W, u);
 }
 
 TORCH_LIBRARY(hoad, m) {
