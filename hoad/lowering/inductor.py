@@ -18,12 +18,11 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
   reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us);
   not matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
 - ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster; on CPUs
-  with AVX2 but not AVX-512, ``hoad::mm``'s AVX2 kernel for products of 8 or more columns (the
-  orientation stays MKL's: that kernel is measured on both).
+  with AVX2 but not AVX-512, ``hoad::mm``'s AVX2 kernel (:func:`kernels.suits_avx2`; the
+  orientation stays MKL's: that kernel is faster than MKL's in both).
 - ``hoad::jet_sqnorm`` and ``hoad::jet_mm`` for a collapsed Laplacian's squared jets at a layer:
   the product, its scaled operand and the squares in one kernel (D=16 Laplacian's 256 points:
   0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
-
 - float64 tanh in Inductor's vectorized C++ as Cephes computes it (:func:`tanh`), where
   Inductor calls SLEEF's, in half the time (:func:`cephes_tanh`, entered by hoad's compiles only).
 
@@ -54,7 +53,7 @@ INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 class InductorLowering(Lowering):
     """Layouts for Inductor programs; ``kernels``: whether hoad's AVX-512 kernels may be used,
-    ``avx2``: whether its AVX2 kernels (``hoad::jet_sqnorm``, ``jet_mm``) may."""
+    ``avx2``: whether its AVX2 kernels (``hoad::jet_sqnorm``, ``jet_mm``, ``mm`` without AVX-512) may."""
 
     fused = True
 
