@@ -451,13 +451,22 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The operator below autograd (its CPU kernel, or a fake one while a program is traced), looked
-// up once: each use of the macro is its own lambda, so its own static handle.
-#define HOAD_OP(name, Sig)                                                                        \
-  ([]() -> const c10::TypedOperatorHandle<Sig>& {                                                \
-    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>(); \
-    return op;                                                                                   \
-  }())
+// Each operator below autograd (its CPU kernel, or a fake one while a program is traced), its
+// handle looked up once: a static per operator name (one per signature sent gram to mm's kernel).
+using MmSig = at::Tensor(const at::Tensor&, const at::Tensor&);
+using JetSqnormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+using JetMmSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const std::optional<at::Tensor>&);
+
+static constexpr char MM[] = "hoad::mm", GRAM[] = "hoad::gram", JET_SQNORM[] = "hoad::jet_sqnorm",
+                      JET_MM[] = "hoad::jet_mm";
+
+template <class Sig, const char* Name, class... Args>
+static auto below(const Args&... args) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(Name, "").template typed<Sig>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(args...);
+}
 
 static bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
@@ -466,12 +475,10 @@ static bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
   return false;
 }
 
-using MmSig = at::Tensor(const at::Tensor&, const at::Tensor&);
 struct MmFn : torch::autograd::Function<MmFn> {  // C = A B: dA = g B^T, dB = A^T g
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
-    at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({a, b});
-    return HOAD_OP("hoad::mm", MmSig).call(a, b);
+    return below<MmSig, MM>(a, b);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
@@ -482,9 +489,8 @@ struct MmFn : torch::autograd::Function<MmFn> {  // C = A B: dA = g B^T, dB = A^
 // G[b] = J[b]^T diag(w[b]) J[b]: dJ[b] = diag(w[b]) J[b] (g[b] + g[b]^T), dw[b,k] = (J[b] g[b] J[b]^T)_kk
 struct GramFn : torch::autograd::Function<GramFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& w) {
-    at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({J, w});
-    return HOAD_OP("hoad::gram", MmSig).call(J, w);
+    return below<MmSig, GRAM>(J, w);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     const auto s = ctx->get_saved_variables();
@@ -511,26 +517,21 @@ static variable_list jets_backward(const variable_list& s, const at::Tensor& gX,
   return {dJ, dc, dW, du};
 }
 
-using JetSqnormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 struct JetSqnormFn : torch::autograd::Function<JetSqnormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                             const std::optional<at::Tensor>& u) {
-    at::AutoDispatchBelowADInplaceOrView below;
     ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), at::Tensor()});
-    return HOAD_OP("hoad::jet_sqnorm", JetSqnormSig).call(J, c, W, u);
+    return below<JetSqnormSig, JET_SQNORM>(J, c, W, u);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     return jets_backward(ctx->get_saved_variables(), at::Tensor(), g[0]);
   }
 };
 
-using JetMmSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const std::optional<at::Tensor>&);
 struct JetMmFn : torch::autograd::Function<JetMmFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                                const std::optional<at::Tensor>& u) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [X, q] = HOAD_OP("hoad::jet_mm", JetMmSig).call(J, c, W, u);
+    auto [X, q] = below<JetMmSig, JET_MM>(J, c, W, u);
     ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), X});
     return {X, q};
   }
@@ -541,34 +542,26 @@ struct JetMmFn : torch::autograd::Function<JetMmFn> {
 
 // Where no input needs a gradient, straight to the operator (no autograd node).
 static at::Tensor mm_autograd(const at::Tensor& a, const at::Tensor& b) {
-  if (needs_grad({&a, &b})) return MmFn::apply(a, b);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return HOAD_OP("hoad::mm", MmSig).call(a, b);
+  return needs_grad({&a, &b}) ? MmFn::apply(a, b) : below<MmSig, MM>(a, b);
 }
 
 static at::Tensor gram_autograd(const at::Tensor& J, const at::Tensor& w) {
-  if (needs_grad({&J, &w})) return GramFn::apply(J, w);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return HOAD_OP("hoad::gram", MmSig).call(J, w);
+  return needs_grad({&J, &w}) ? GramFn::apply(J, w) : below<MmSig, GRAM>(J, w);
 }
 
 static at::Tensor jet_sqnorm_autograd(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                                       const std::optional<at::Tensor>& u) {
   const at::Tensor none;
-  if (needs_grad({&J, &c, &W, u ? &*u : &none})) return JetSqnormFn::apply(J, c, W, u);
-  at::AutoDispatchBelowADInplaceOrView below;
-  return HOAD_OP("hoad::jet_sqnorm", JetSqnormSig).call(J, c, W, u);
+  if (!needs_grad({&J, &c, &W, u ? &*u : &none})) return below<JetSqnormSig, JET_SQNORM>(J, c, W, u);
+  return JetSqnormFn::apply(J, c, W, u);
 }
 
 static std::tuple<at::Tensor, at::Tensor> jet_mm_autograd(const at::Tensor& J, const at::Tensor& c,
                                                           const at::Tensor& W, const std::optional<at::Tensor>& u) {
   const at::Tensor none;
-  if (needs_grad({&J, &c, &W, u ? &*u : &none})) {
-    const variable_list out = JetMmFn::apply(J, c, W, u);
-    return {out[0], out[1]};
-  }
-  at::AutoDispatchBelowADInplaceOrView below;
-  return HOAD_OP("hoad::jet_mm", JetMmSig).call(J, c, W, u);
+  if (!needs_grad({&J, &c, &W, u ? &*u : &none})) return below<JetMmSig, JET_MM>(J, c, W, u);
+  const variable_list out = JetMmFn::apply(J, c, W, u);
+  return {out[0], out[1]};
 }
 
 TORCH_LIBRARY(hoad, m) {
