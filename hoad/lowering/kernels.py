@@ -131,8 +131,13 @@ def suits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def fits(like: torch.Tensor, m: int, k: int, n: int) -> bool:
     """Whether a product [m,k]@[k,n] of ``like``'s dtype and device runs faster as ``hoad::mm``
     (``available()`` must have been asked before: this never builds)."""
-    return (like.dtype == torch.float64 and like.device.type == "cpu"
-            and 0 < k <= MAX_K and (n >= MIN_COLUMNS or n == 16) and m * k * n >= MIN_MACS and _avx512())
+    return _short_product(like, m, k, n) and (n >= MIN_COLUMNS or n == 16) and _avx512()
+
+
+def _short_product(like: torch.Tensor, m: int, k: int, n: int) -> bool:
+    """A float64 CPU product with an inner dimension up to MAX_K, not too small to gain: what
+    either kernel of ``hoad::mm`` asks first."""
+    return like.dtype == torch.float64 and like.device.type == "cpu" and 0 < k <= MAX_K and m * k * n >= MIN_MACS
 
 
 def suits_avx2(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -145,9 +150,9 @@ def suits_avx2(a: torch.Tensor, b: torch.Tensor) -> bool:
     MKL reads a transposed one in place, and the copy of a [64,256] one takes 19 us, more than
     hoad's whole [16,64]@[64,256] (15 us; MKL's 20)."""
     (m, k), n = a.shape, b.shape[1]
-    return (a.dtype == b.dtype == torch.float64 and a.device.type == b.device.type == "cpu"
-            and 0 < k <= MAX_K and n >= MIN_COLUMNS_AVX2 and m > 1 and m * k * n >= MIN_MACS
-            and all(t.is_contiguous() or t.numel() <= MAX_COPIED for t in (a, b)) and _loaded() and not _avx512())
+    return (a.dtype == b.dtype and a.device.type == b.device.type and _short_product(a, m, k, n)
+            and n >= MIN_COLUMNS_AVX2 and m > 1 and all(t.is_contiguous() or t.numel() <= MAX_COPIED for t in (a, b))
+            and _loaded() and not _avx512())
 
 
 def gram_suits(j: torch.Tensor, k: int, n: int) -> bool:
