@@ -15,11 +15,16 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
 - batched operands packed densely: MKL's batched product is ~2.5x slower on batches that are not
   (the copy fuses into the kernel that produces the operand).
 - vector-matrix products (one row or one column) of at most TINY_PRODUCT multiply-adds as a fused
-  reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us);
-  not matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
+  reduction, about 1 us, where an extern call to MKL costs ~3 (order 3 at a point: 61 -> 59 us),
+  and fused with the kernel that computes the operand, which is then never written: a Laplacian's
+  output layer and its first layer's collapsed term ([256,64]@[64,1], [1,64]@[64,256]; Laplacians
+  2-4% faster). Not larger ones: [1,768]@[768,4096] as a reduction took 7.3 ms, MKL 1.3. Not
+  matrix-matrix ones ([40,10]@[10,10] chains as reductions took a seed-MLP gradient 29 -> 68 us).
 - ``hoad::mm`` and ``hoad::gram`` (:mod:`hoad.lowering.kernels`) where they run faster; on CPUs
   with AVX2 but not AVX-512, ``hoad::mm``'s AVX2 kernel (:func:`kernels.suits_avx2`; the
-  orientation stays MKL's: that kernel is faster than MKL's in both).
+  orientation stays MKL's: that kernel is faster than MKL's in both). A product whose right
+  operand is a transposed activation (a gradient through the first layer, [16,64]@[64,256]ᵀ) runs
+  transposed, ``(bᵀ @ aᵀ)ᵀ``, reading it in place, where its result is small (``lower_products``).
 - ``hoad::jet_sqnorm`` and ``hoad::jet_mm`` for a collapsed Laplacian's squared jets at a layer:
   the product, its scaled operand and the squares in one kernel (D=16 Laplacian's 256 points:
   0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
@@ -44,7 +49,7 @@ from hoad.algebra.target import Lowering
 from hoad.lowering import kernels
 
 SMALL_MATRIX = 64
-TINY_PRODUCT = 4096
+TINY_PRODUCT = 1 << 16
 
 # cpp_wrapper: the compiled program calls its kernels from C++ rather than Python, which cuts
 # ~30% off small programs (order-2 MLP Hessian at a point: 38 -> 27 µs per call here).
