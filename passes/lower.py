@@ -8,6 +8,7 @@ over the inner dimension, which Inductor fuses. The primal layers' products are 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
@@ -20,32 +21,80 @@ from hoad.passes.clean import pure, shape_of
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
+# entries of the largest product computed transposed: its consumers read it across rows, which
+# costs nothing while it is small ([16,256]: the stochastic Laplacian 9% faster) but more than the
+# kernel gains once it is not (a stochastic biharmonic's [64,512] jets: the program 15% slower;
+# a biharmonic's [64,16384]: 8% slower)
+TRANSPOSED_RESULT = 1 << 14
 
 
 def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
-    """Rewrite ``aten.mm`` nodes as ``lowering.product`` says; a no-op for the eager lowering."""
+    """Rewrite ``aten.mm`` nodes as ``lowering.product`` says; a no-op for the eager lowering.
+
+    A product the kernel takes transposed, as ``(bᵀ @ aᵀ)ᵀ``, with fewer entries copied dense first
+    (none where ``b`` is a transposed activation) runs so, if its result is small (TRANSPOSED_RESULT)."""
     if not hasattr(lowering, "product"):
         return gm
     changed = False
     for node, (a, b), (va, vb) in _products(gm.graph):
         how = lowering.product(va, vb)
-        if how == "mm":
+        transposed = (how != "reduction" and va.shape[0] * vb.shape[1] <= TRANSPOSED_RESULT
+                      and lowering.product(vb.t(), va.t()) == "kernel"
+                      and (how == "mm" or _copied(vb.t(), va.t()) < _copied(va, vb)))
+        if how == "mm" and not transposed:
             continue
         with gm.graph.inserting_before(node), va.fake_mode:
-            if how == "kernel":
+            if transposed:
+                at, bt = (_contiguous(gm, _call(gm.graph, aten.permute.default, (x, [1, 0]))) for x in (a, b))
+                new = _call(gm.graph, aten.permute.default, (_call(gm.graph, torch.ops.hoad.mm.default, (bt, at)), [1, 0]))
+            elif how == "kernel":
                 ca, cb = _contiguous(gm, a), _contiguous(gm, b)
                 new = _call(gm.graph, torch.ops.hoad.mm.default, (ca, cb))
             else:  # a vector-matrix product as a fused reduction: (a[:, :, None] * b[None]).sum(1)
                 left = _call(gm.graph, aten.unsqueeze.default, (a, 2))
                 right = _call(gm.graph, aten.unsqueeze.default, (b, 0))
                 new = _call(gm.graph, aten.sum.dim_IntList, (_call(gm.graph, aten.mul.Tensor, (left, right)), [1]))
-        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        _replace(gm.graph, node, new)
         changed = True
     if changed:
+        _restride(gm.graph)
         gm.recompile()
     return gm
+
+
+def _copied(*operands: torch.Tensor) -> int:
+    """Entries of ``operands`` the kernel copies dense first."""
+    return sum(t.numel() for t in operands if not t.is_contiguous())
+
+
+def _restride(graph: fx.Graph) -> None:
+    """Recompute every value's layout (a rewrite changed some: a product's result column-major);
+    a view that no longer is one becomes a reshape, which copies where it must. Inductor traces
+    the program again with the real layouts, and such a view would fail there."""
+    fake = None
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        fake = fake or next((v.fake_mode for v in _tensors((args, kwargs))), None)
+        with fake or contextlib.nullcontext():
+            try:
+                node.meta["val"] = node.target(*args, **kwargs)
+            except (RuntimeError, ValueError):  # fake tensors' view raises ValueError
+                if node.target not in (aten.view.default, aten._unsafe_view.default):
+                    raise
+                node.target = aten.reshape.default
+                node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _tensors(tree) -> list:
+    return [v for v in torch.utils._pytree.tree_leaves(tree) if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")]
+
+
+def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
+    new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
 
 
 def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:

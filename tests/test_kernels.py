@@ -77,6 +77,36 @@ def test_inductor_layout_programs_use_it_and_stay_exact():
         assert node_cost(n)[0] == 2 * m * k * cols
 
 
+@pytest.mark.skipif(not kernels.avx2_available() or kernels.available(),
+                    reason="the AVX2 kernel's choice (the AVX-512 one copies transposed operands)")
+def test_products_the_kernel_takes_transposed():
+    """a @ eᵀ with e a [256,64] activation: the kernel would copy eᵀ dense first, so the product runs
+    as (e @ aᵀ)ᵀ, its result column-major; a view of that result which no longer is one becomes a
+    reshape, and the lowered program computes what the traced one did. A large result stays MKL's
+    (its consumers would read it across rows)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hoad.lowering.inductor import InductorLowering
+    from hoad.passes.lower import TRANSPOSED_RESULT, lower_products
+
+    def f(a, e):
+        p = a @ e.t()
+        return p.view(-1) * 2, p + 1
+
+    a, e = rand(16, 64, seed=1), rand(256, 64, seed=2)
+    gm = lower_products(make_fx(f, tracing_mode="fake")(a, e), InductorLowering(avx2=True))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.hoad.mm.default in targets and torch.ops.aten.mm.default not in targets, gm.graph
+    assert torch.ops.aten.reshape.default in targets, gm.graph
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.hoad.mm.default]
+    assert [tuple(x.meta["val"].shape) for x in mm.args] == [(256, 64), (64, 16)]
+    for got, want in zip(gm(a, e), f(a, e)):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    big = rand(TRANSPOSED_RESULT // 16 + 64, 64, seed=3)
+    gm = lower_products(make_fx(f, tracing_mode="fake")(a, big), InductorLowering(avx2=True))
+    assert torch.ops.hoad.mm.default not in [n.target for n in gm.graph.nodes]
+
+
 def test_eager_layout_programs_keep_aten_mm():
     cf = hoad.compile(mlp, order=3, mode="reverse")
     cf(rand(16, seed=8))

@@ -148,7 +148,8 @@ def suits_avx2(a: torch.Tensor, b: torch.Tensor) -> bool:
     23, [1024,64]@[64,64] 236 against 327; the smallest ones tie. Not for one row (MKL's is as
     fast), nor where an operand would be copied dense first and is larger than a layer's weight:
     MKL reads a transposed one in place, and the copy of a [64,256] one takes 19 us, more than
-    hoad's whole [16,64]@[64,256] (15 us; MKL's 20)."""
+    hoad's whole [16,64]@[64,256] (15 us; MKL's 20). Such a product runs transposed instead where
+    that needs no copy (``hoad.passes.lower.lower_products``)."""
     (m, k), n = a.shape, b.shape[1]
     return (a.dtype == b.dtype and a.device.type == b.device.type and _short_product(a, m, k, n)
             and n >= MIN_COLUMNS_AVX2 and m > 1 and all(t.is_contiguous() or t.numel() <= MAX_COPIED for t in (a, b))
