@@ -107,6 +107,17 @@ def test_products_the_kernel_takes_transposed():
     assert torch.ops.hoad.mm.default not in [n.target for n in gm.graph.nodes]
 
 
+@pytest.mark.skipif(not kernels.avx2_available() or kernels.available(), reason="the AVX2 kernel's choice")
+def test_wide_products_stay_mkl_on_avx2():
+    """MKL runs large products with many columns faster than the AVX2 kernel (B read in strips a
+    row apart); small ones and ones of up to 256 columns stay the kernel's."""
+    assert not kernels.suits_avx2(rand(64, 64), rand(64, 4096))
+    assert not kernels.suits_avx2(rand(256, 64), rand(64, 512))
+    assert kernels.suits_avx2(rand(16, 64), rand(64, 1024))
+    assert kernels.suits_avx2(rand(256, 128), rand(128, 256))
+    assert kernels.suits_avx2(rand(4096, 64), rand(64, 64))
+
+
 def test_eager_layout_programs_keep_aten_mm():
     cf = hoad.compile(mlp, order=3, mode="reverse")
     cf(rand(16, seed=8))

@@ -59,6 +59,10 @@ MAX_K = 256  # longer inner dimensions: MKL's packed kernels win
 MIN_COLUMNS = 32  # narrower ones waste lanes ([64,64]@[64,20]: 8.3 vs MKL 7.9 us); exactly 16 is full 8x16 tiles
 MIN_COLUMNS_AVX2 = 8  # one strip of the AVX2 kernel ([256,64]@[64,8]: 9 us, MKL 31)
 MAX_COPIED = 64 * 64  # a non-contiguous operand the AVX2 kernel copies dense first: a weight's size
+# wider products than this, and larger than WIDE_MACS, run faster in MKL: the AVX2 kernel reads B in
+# strips of 8 columns a row apart ([64,64]@[64,2048] 0.49 vs 0.46 ms, @[64,4096] 1.22 vs 0.90,
+# [256,64]@[64,512] 0.49 vs 0.45; [256,128]@[128,256] ties, 128 columns or fewer win)
+MAX_COLUMNS_AVX2, WIDE_MACS = 256, 2**21
 MIN_MACS = 2**14  # smaller products take ~1.5 us either way
 THREADED_MACS = 2**20  # with more than one thread, MKL takes the products larger than this
 GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones waste the 16-wide tiles
@@ -143,17 +147,18 @@ def _short_product(like: torch.Tensor, m: int, k: int, n: int) -> bool:
 def suits_avx2(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a program's product ``a @ b`` (2-D) runs faster as ``hoad::mm`` through its AVX2
     kernel (6 rows by 8 columns in 12 accumulators), on a CPU without AVX-512. Every float64 shape
-    with 8 or more columns measured beat MKL's (which runs its AVX2 code here too), one core:
+    with 8 to 256 columns measured beat MKL's (which runs its AVX2 code here too), one core:
     [256,64]@[64,64] 56 us against 83, [256,64]@[64,16] 16 against 42, [16,64]@[64,256] 16 against
     23, [1024,64]@[64,64] 236 against 327; the smallest ones tie. Not for one row (MKL's is as
-    fast), nor where an operand would be copied dense first and is larger than a layer's weight:
-    MKL reads a transposed one in place, and the copy of a [64,256] one takes 19 us, more than
-    hoad's whole [16,64]@[64,256] (15 us; MKL's 20). Such a product runs transposed instead where
-    that needs no copy (``hoad.passes.lower.lower_products``)."""
+    fast), nor for large products wider than MAX_COLUMNS_AVX2 (MKL's are faster), nor where an
+    operand would be copied dense first and is larger than a layer's weight: MKL reads a
+    transposed one in place, and the copy of a [64,256] one takes 19 us, more than hoad's whole
+    [16,64]@[64,256] (15 us; MKL's 20). Such a product runs transposed instead where that needs
+    no copy (``hoad.passes.lower.lower_products``)."""
     (m, k), n = a.shape, b.shape[1]
     return (a.dtype == b.dtype and a.device.type == b.device.type and _short_product(a, m, k, n)
             and n >= MIN_COLUMNS_AVX2 and m > 1 and all(t.is_contiguous() or t.numel() <= MAX_COPIED for t in (a, b))
-            and _loaded() and not _avx512())
+            and (n <= MAX_COLUMNS_AVX2 or m * k * n <= WIDE_MACS) and _loaded() and not _avx512())
 
 
 def gram_suits(j: torch.Tensor, k: int, n: int) -> bool:
