@@ -22,9 +22,8 @@ from hoad.passes.clean import pure, shape_of
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
 # entries of the largest product computed transposed: its consumers read it across rows, which
-# costs nothing while it is small ([16,256]: the stochastic Laplacian 9% faster) but more than the
-# kernel gains once it is not (a stochastic biharmonic's [64,512] jets: the program 15% slower;
-# a biharmonic's [64,16384]: 8% slower)
+# costs nothing while it is small ([16,256]: the stochastic Laplacian 5% faster) but more than the
+# kernel gains once it is not (a stochastic biharmonic's [64,512] jets: the program 15% slower)
 TRANSPOSED_RESULT = 1 << 14
 
 
@@ -35,7 +34,7 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     (none where ``b`` is a transposed activation) runs so, if its result is small (TRANSPOSED_RESULT)."""
     if not hasattr(lowering, "product"):
         return gm
-    changed = False
+    changed = restride = False
     for node, (a, b), (va, vb) in _products(gm.graph):
         how = lowering.product(va, vb)
         transposed = (how != "reduction" and va.shape[0] * vb.shape[1] <= TRANSPOSED_RESULT
@@ -55,9 +54,10 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
                 right = _call(gm.graph, aten.unsqueeze.default, (b, 0))
                 new = _call(gm.graph, aten.sum.dim_IntList, (_call(gm.graph, aten.mul.Tensor, (left, right)), [1]))
         _replace(gm.graph, node, new)
-        changed = True
-    if changed:
+        changed, restride = True, restride or transposed
+    if restride:
         _restride(gm.graph)
+    if changed:
         gm.recompile()
     return gm
 
