@@ -8,7 +8,6 @@ over the inner dimension, which Inductor fuses. The primal layers' products are 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 
@@ -34,7 +33,7 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     (none where ``b`` is a transposed activation) runs so, if its result is small (TRANSPOSED_RESULT)."""
     if not hasattr(lowering, "product"):
         return gm
-    changed = restride = False
+    changed, restride = False, None  # restride: the fake mode, once a product ran transposed
     for node, (a, b), (va, vb) in _products(gm.graph):
         how = lowering.product(va, vb)
         transposed = (how != "reduction" and va.shape[0] * vb.shape[1] <= TRANSPOSED_RESULT
@@ -44,8 +43,7 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
             continue
         with gm.graph.inserting_before(node), va.fake_mode:
             if transposed:
-                at, bt = (_contiguous(gm, _call(gm.graph, aten.permute.default, (x, [1, 0]))) for x in (a, b))
-                new = _call(gm.graph, aten.permute.default, (_call(gm.graph, torch.ops.hoad.mm.default, (bt, at)), [1, 0]))
+                new = _transposed(gm.graph, a, b, torch.ops.hoad.mm.default, lambda x: _contiguous(gm, x))
             elif how == "kernel":
                 ca, cb = _contiguous(gm, a), _contiguous(gm, b)
                 new = _call(gm.graph, torch.ops.hoad.mm.default, (ca, cb))
@@ -54,9 +52,9 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
                 right = _call(gm.graph, aten.unsqueeze.default, (b, 0))
                 new = _call(gm.graph, aten.sum.dim_IntList, (_call(gm.graph, aten.mul.Tensor, (left, right)), [1]))
         _replace(gm.graph, node, new)
-        changed, restride = True, restride or transposed
+        changed, restride = True, va.fake_mode if transposed else restride
     if restride:
-        _restride(gm.graph)
+        _restride(gm.graph, restride)
     if changed:
         gm.recompile()
     return gm
@@ -67,17 +65,21 @@ def _copied(*operands: torch.Tensor) -> int:
     return sum(t.numel() for t in operands if not t.is_contiguous())
 
 
-def _restride(graph: fx.Graph) -> None:
+def _transposed(graph: fx.Graph, a: fx.Node, b: fx.Node, product=aten.mm.default, dense=lambda x: x) -> fx.Node:
+    """``a @ b`` as ``(bᵀ @ aᵀ)ᵀ`` by ``product``, its operands passed through ``dense``."""
+    bt, at = (dense(_call(graph, aten.permute.default, (x, [1, 0]))) for x in (b, a))
+    return _call(graph, aten.permute.default, (_call(graph, product, (bt, at)), [1, 0]))
+
+
+def _restride(graph: fx.Graph, fake) -> None:
     """Recompute every value's layout (a rewrite changed some: a product's result column-major);
     a view that no longer is one becomes a reshape, which copies where it must. Inductor traces
     the program again with the real layouts, and such a view would fail there."""
-    fake = None
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        fake = fake or next((v.fake_mode for v in _tensors((args, kwargs))), None)
-        with fake or contextlib.nullcontext():
+    with fake:
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             try:
                 node.meta["val"] = node.target(*args, **kwargs)
             except (RuntimeError, ValueError):  # fake tensors' view raises ValueError
@@ -85,10 +87,6 @@ def _restride(graph: fx.Graph) -> None:
                     raise
                 node.target = aten.reshape.default
                 node.meta["val"] = node.target(*args, **kwargs)
-
-
-def _tensors(tree) -> list:
-    return [v for v in torch.utils._pytree.tree_leaves(tree) if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")]
 
 
 def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
@@ -354,12 +352,8 @@ def _orient(graph: fx.Graph) -> bool:
         if not (isinstance(m, int) and isinstance(n, int) and m > 4 * n and m * k * n >= TALL_PRODUCT):
             continue
         with graph.inserting_before(node), va.fake_mode:
-            wide = _call(graph, aten.mm.default, (_call(graph, aten.permute.default, (b, [1, 0])),
-                                                   _call(graph, aten.permute.default, (a, [1, 0]))))
-            new = _call(graph, aten.permute.default, (wide, [1, 0]))
-        new.meta.update({key: v for key, v in node.meta.items() if key != "val"})
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+            new = _transposed(graph, a, b)
+        _replace(graph, node, new)
         changed = True
     return changed
 
