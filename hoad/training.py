@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from hoad.errors import CompileError
-from hoad.lowering.inductor import cephes_tanh, use_cache_dir
+from hoad.lowering.inductor import hoad_inductor, use_cache_dir
 from hoad.passes.compile import eager_program
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS
@@ -83,7 +83,7 @@ class Trainable:
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
         try:
-            with cephes_tanh():
+            with hoad_inductor():
                 run = compile_fx(gm, examples, config_patches={"post_grad_custom_post_pass": OrientProducts()})
         except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
             raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from hoad.errors import CompileError, HoadError
-from hoad.lowering.inductor import INDUCTOR_OPTIONS, cephes_tanh, use_cache_dir
+from hoad.lowering.inductor import INDUCTOR_OPTIONS, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
 
 aten = torch.ops.aten
@@ -80,7 +80,7 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     slow.daemon = True
     slow.start()
     try:
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS), cephes_tanh():
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS), hoad_inductor():
             if fake is None:
                 artifact = torch._inductor.standalone_compile(gm, list(example_inputs),
                                                               dynamic_shapes="from_example_inputs")

@@ -154,3 +154,43 @@ def test_float64_tanh_in_compiled_programs_is_within_an_ulp():
     assert ((res.value - ref).abs() <= 2 * eps * ref.abs()).all()
     assert torch.equal(res.value.signbit(), ref.signbit())
     torch.testing.assert_close(res[0], 1 - ref * ref, rtol=1e-15, atol=1e-15)
+
+
+def test_no_two_dimensional_tiling_over_a_reduction_nested_below_another_loop():
+    """torch 2.13 stores such a kernel's reduction a whole tile wide past the outer loop's tail
+    (hoad.lowering.inductor.safe_tiling): where loops lie between the tiled one and the
+    reduction, hoad's compiles tile the reduction's loop alone; elsewhere Inductor's choice stands."""
+    from torch._inductor.codegen.cpp import TilingSelect
+
+    from hoad.lowering.inductor import _select_tiling
+
+    stock = TilingSelect.__dict__["select_tiling"]
+    chosen = {}
+    safe = _select_tiling(lambda self, fns, sizes: chosen["tiling"])
+    three_loops = [((8, 512), (64,))]  # loops x0, x1 and the reduction x2
+    chosen["tiling"] = ([16, 16], [0, 2], "stats")
+    assert safe(None, [], three_loops) == ([16], [2], "stats")
+    chosen["tiling"] = ([16, 16], [1, 2], "stats")  # the reduction directly inside the tiled loop
+    assert safe(None, [], three_loops) == ([16, 16], [1, 2], "stats")
+    assert safe(None, [], [((8, 512, 64), ())]) == ([16, 16], [1, 2], "stats")  # no reduction
+    chosen["tiling"] = ([16], [0], "stats")
+    assert safe(None, [], three_loops) == ([16], [0], "stats")
+    assert TilingSelect.__dict__["select_tiling"] is stock  # only while hoad compiles
+
+
+def test_stochastic_biharmonic_with_half_a_tile_of_directions():
+    """The kernel that torch 2.13 mis-tiled: a stochastic biharmonic whose number of directions is
+    half Inductor's tile (8 with AVX-512, 4 with AVX2) stored its jets' reduction past the buffer,
+    a heap corruption that aborted the process. Compiled equals eager."""
+    from torch._inductor import cpu_vec_isa
+
+    S = max(1, cpu_vec_isa.pick_vec_isa().nelements(torch.float) // 2)
+    W1, b1, W2, b2, W3 = (rand(*s, seed=40 + i) / 3 for i, s in enumerate(((4, 16), (16,), (16, 16), (16,), (16, 1))))
+
+    def u(x):
+        return (torch.tanh(torch.tanh(x @ W1 + b1) @ W2 + b2) @ W3).squeeze(-1)
+
+    X, V = rand(8, 4, seed=46), rand(S, 4, seed=47)
+    compiled = hoad.biharmonic(u, batch_dim=0, directions=V, backend="inductor")(X).biharmonic
+    eager = hoad.biharmonic(u, batch_dim=0, directions=V, backend="eager")(X).biharmonic
+    torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)

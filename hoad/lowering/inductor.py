@@ -30,6 +30,10 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
   0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
 - float64 tanh in Inductor's vectorized C++ as Cephes computes it (:func:`tanh`), where
   Inductor calls SLEEF's, in half the time (:func:`cephes_tanh`, entered by hoad's compiles only).
+- no 2-D tiling over a reduction nested below another loop (:func:`safe_tiling`): torch 2.13's C++
+  code stores such a kernel's result a whole tile wide past a tail (an out-of-bounds write).
+
+:func:`hoad_inductor` enters both around every Inductor compile of hoad's.
 
 The custom kernels are chosen by the ``fuse_jet_squares`` and ``lower_products`` passes
 (``hoad/passes/lower.py``) after clean, and by :meth:`InductorLowering.einsum` for Gram matrices;
@@ -43,6 +47,7 @@ import math
 import os
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hoad.algebra.einsum import _arrange
 from hoad.algebra.target import Lowering
@@ -211,3 +216,64 @@ def cephes_tanh():
             yield
     finally:
         CppVecOverrides.tanh = stock
+
+
+# ------------------------------------------------------------------------------ tiling
+# torch 2.13's C++ codegen tiles a loop nest in two dimensions where an input is read transposed:
+# an outer non-reduction loop and the innermost one. When that innermost loop is a reduction and
+# other loops lie between the two, the reduction's result is stored by the main tile's suffix
+# alone (CppKernelProxy.aggregate_reduction_buffers: the tail's suffix is chosen only when the
+# reduction loop is directly inside the tiled one): a full tile wide (16 doubles with AVX-512)
+# also where the outer loop's tail has fewer entries. That writes past the buffer at its last
+# row (heap corruption: a stochastic biharmonic with 8 directions crashed the process), and over
+# the next row's finished entries where the outer loop also has a main part (silently wrong).
+
+
+def _select_tiling(stock):
+    def select_tiling(self, fn_list, var_sizes_list):
+        factors, indices, stats = stock(self, fn_list, var_sizes_list)
+        if len(indices) == 2:
+            group, reduction = max(var_sizes_list, key=lambda sizes: len(sizes[1]))
+            if reduction and indices[0] < len(group) - 1:  # loops between the tiled one and the reduction
+                return factors[1:], indices[1:], stats     # the reduction's loop alone: horizontal
+        return factors, indices, stats
+
+    select_tiling.hoad_safe = True
+    return select_tiling
+
+
+class SafeTiling(CustomGraphPass):
+    """Does nothing to the graph; its uuid enters Inductor's cache key (``post_grad_custom_pre_pass``),
+    so a program compiled before :func:`safe_tiling` existed, or without it, is never served."""
+
+    def __call__(self, graph) -> None:
+        pass
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+@contextlib.contextmanager
+def safe_tiling():
+    """Inductor's C++ codegen tiles a loop nest whose reduction lies below other loops in one
+    dimension only, the reduction's, while this is entered (see the comment above)."""
+    try:
+        from torch._inductor.codegen.cpp import TilingSelect
+    except ImportError:  # another torch
+        yield
+        return
+    stock = TilingSelect.__dict__["select_tiling"]
+    if not getattr(stock, "hoad_safe", False):
+        TilingSelect.select_tiling = _select_tiling(stock)
+    try:
+        with torch._inductor.config.patch({"post_grad_custom_pre_pass": SafeTiling()}):
+            yield
+    finally:
+        TilingSelect.select_tiling = stock
+
+
+@contextlib.contextmanager
+def hoad_inductor():
+    """Inductor as every compile of hoad's runs it: :func:`cephes_tanh` and :func:`safe_tiling`."""
+    with cephes_tanh(), safe_tiling():
+        yield
