@@ -251,24 +251,24 @@ def test_per_sample_programs_use_gram_and_stay_exact(mode):
 def test_gram_only_for_per_sample_jacobians():
     """The pattern: the same per-sample J twice and weights over its batch and contracted labels."""
     J, w, size = rand(5, 12, 16, seed=1), rand(5, 12, seed=2), {"b": 5, "k": 12, "i": 16, "j": 16}
-    gram = gram([(w, ["b", "k"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"], size)
-    torch.testing.assert_close(gram, gram_reference(J, w), rtol=1e-12, atol=1e-12)
+    G = gram([(w, ["b", "k"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"], size)
+    torch.testing.assert_close(G, gram_reference(J, w), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gram([(J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "j", "i"], size),
                                gram_reference(J, torch.ones(5, 12, dtype=J.dtype)), rtol=1e-12, atol=1e-12)
     other = J.clone()
     assert gram([(J, ["b", "k", "i"]), (other, ["b", "k", "j"])], ["b", "i", "j"], size) is None
     shared = rand(1, 12, 16, seed=3)  # the same for every sample: a matrix product does better
     assert gram([(w, ["b", "k"]), (shared, ["b", "k", "i"]), (shared, ["b", "k", "j"])], ["b", "i", "j"],
-                        size) is None
+                size) is None
     free_weight = rand(5, 16, seed=4)  # a weight over a free label is not a Gram weight
     assert gram([(free_weight, ["b", "i"]), (J, ["b", "k", "i"]), (J, ["b", "k", "j"])], ["b", "i", "j"],
-                        size) is None
+                size) is None
     unlabelled = rand(5, 12, 1, 16, seed=6)  # a size-1 axis without a label (None) is not the pattern
     assert gram([(unlabelled, ["b", "k", None, "i"]), (unlabelled, ["b", "k", None, "j"])], ["b", "i", "j"],
-                        size) is None
+                size) is None
     small = rand(5, 12, 4, seed=5)  # 4x4 Gram matrices: the fused reduction does better
     assert gram([(small, ["b", "k", "i"]), (small, ["b", "k", "j"])], ["b", "i", "j"],
-                        {**size, "i": 4, "j": 4}) is None
+                {**size, "i": 4, "j": 4}) is None
 
 
 @pytest.mark.slow
