@@ -107,7 +107,8 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     chain. Where each intermediate is used once, it becomes one ``jet_sqnorm`` call that never
     writes c ⊙ J or X (the last hidden layer); where X is read on (by the next layer's jets), one
     ``jet_mm`` call that stores X once, densely, but not c ⊙ J. Only for lowerings that say
-    ``avx2`` (Inductor, float64 on a CPU with AVX2 where the kernels are built).
+    ``avx2`` (Inductor, float64 on a CPU with AVX2 where the kernels are built), and for the
+    layers they say suit the kernels (``jets_suit``).
     """
     if not getattr(lowering, "avx2", False):
         return gm
@@ -118,6 +119,8 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
         if match is None:
             continue
         out, X, z, (J, c, W, transposed), weights, (P, K, S, M) = match
+        if not lowering.jets_suit(K):
+            continue
         others = [user for user in X.users if user is not sq]
         order = {n: i for i, n in enumerate(g.nodes)}
         anchor = min(others + [out], key=order.__getitem__)  # before every reader of X and of the result

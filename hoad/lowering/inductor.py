@@ -87,6 +87,11 @@ class InductorLowering(Lowering):
     def einsum(self, terms, out, size):
         return gram(terms, out, size) if self.kernels else None
 
+    def jets_suit(self, k: int) -> bool:
+        """Whether a collapsed Laplacian's jets through a layer of ``k`` inputs run as hoad's jet
+        kernels (``fuse_jet_squares``)."""
+        return self.avx2 and kernels.jets_suit(k)
+
     def product(self, a: torch.Tensor, b: torch.Tensor) -> str:
         """How a 2-D product a @ b (shapes and strides of the traced values) runs: "kernel"
         (``hoad::mm``), "reduction" (a fused broadcast product and sum), or "mm"."""
