@@ -1,7 +1,9 @@
 """hoad::mm and hoad::gram, the float64 AVX-512 kernels Inductor programs use for products with
-short inner dimensions and for per-sample Gram matrices, and hoad::jet_sqnorm and jet_mm (AVX2), a
+short inner dimensions and for per-sample Gram matrices, and hoad::jet_sqnorm and jet_mm (AVX2 or AVX-512), a
 collapsed Laplacian's squared jets at a layer: equal to torch on every tail shape and layout,
 differentiable (formulas registered in C++), and used by the programs whose products suit them."""
+
+import os
 
 import pytest
 import torch
@@ -528,7 +530,7 @@ def test_jet_kernels_only_for_float64_programs_laid_out_for_inductor(inductor_la
 
 def test_where_mkl_runs_avx512_products_stay_mkl_and_wide_layers_skip_the_jet_kernels(monkeypatch):
     """On an Intel CPU with AVX-512, MKL's products beat hoad::mm on every shape measured, and its
-    product through a wide layer beats the AVX2 jet kernels (768 inputs: 28.5 vs 53.7 ms)."""
+    product through a layer of more than 256 inputs beats the jet kernels (768: 40.8 vs 61.5 ms)."""
     from hoad.lowering.inductor import InductorLowering
 
     like = rand(2, 2, seed=1)
@@ -537,8 +539,40 @@ def test_where_mkl_runs_avx512_products_stay_mkl_and_wide_layers_skip_the_jet_ke
     monkeypatch.setattr(kernels, "_avx512", lambda: True)
     monkeypatch.setattr(kernels, "_mkl_avx512", True)
     assert not kernels.fits(like, 256, 64, 64) and not kernels.mm_used()
-    assert lowering.jets_suit(64) and not lowering.jets_suit(128)
+    assert lowering.jets_suit(256) and not lowering.jets_suit(384)
     monkeypatch.setattr(kernels, "_mkl_avx512", False)  # AMD: MKL takes its AVX2 code
     assert kernels.fits(like, 256, 64, 64) and kernels.mm_used()
     assert lowering.jets_suit(768)
     assert not InductorLowering(kernels=True, avx2=False).jets_suit(64)
+
+
+@needs_jets
+def test_jet_kernels_avx2_strips_where_avx512_ones_run_by_default():
+    """On Intel CPUs with AVX-512 the jet kernels run 16-column strips; HOAD_JETS_AVX2=1 (read once
+    per process) keeps the 8-column AVX2 ones, which AMD's CPUs run: those equal the definition
+    too, tail strips, streamed jets and shared J included."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from hoad.lowering import kernels
+        assert kernels.avx2_available()
+        g = torch.Generator().manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+        for P, S, K, M, shared in ((7, 5, 13, 11, False), (9, 1, 3, 20, True), (64, 50, 20, 203, False)):
+            J = r(S, K) if shared else r(P, S, K)
+            c, W, u = r(P, K), r(K, M), r(S, M)
+            X = torch.einsum("sk,pk,km->psm" if shared else "psk,pk,km->psm", J, c, W)
+            q = (X * X * u).sum(1)
+            Xk, qk = torch.ops.hoad.jet_mm(J, c, W, u)
+            torch.testing.assert_close(Xk, X, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(qk, q, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), (X * X).sum(1), rtol=1e-12, atol=1e-12)
+        print("ok")
+    """)
+    env = {**os.environ, "HOAD_JETS_AVX2": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's hoad
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Float64 kernels: ``hoad::mm`` and ``hoad::gram`` for CPUs with AVX-512, ``hoad::jet_sqnorm``,
-``hoad::jet_mm`` and ``hoad::mm``'s AVX2 twin for CPUs with AVX2 and FMA.
+``hoad::jet_mm`` and ``hoad::mm``'s AVX2 twin for CPUs with AVX2 and FMA (the jet kernels in
+AVX-512 on Intel's).
 
 Derivative programs multiply many small float64 matrices with short inner dimensions: a
 Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
@@ -30,7 +31,9 @@ in registers: the jets after the layer, and their scaled operand, are never writ
 one carries on. Forward-jet Laplacians spend most of their time in that product and, unfused, in
 writing and re-reading its operand and result (2 MB each at 256 points, 16 directions, 64 units).
 On one core of the AMD EPYC (AVX2) this was written on: 38-43 GFLOP/s of a 44 peak, where MKL's
-product alone runs at 22-39 on the same shapes.
+product alone runs at 22-39 on the same shapes. On Intel CPUs with AVX-512 both run strips of 16
+columns in 12 AVX-512 accumulators instead (78-92 GFLOP/s on a Xeon's core, the 8-column strips
+49-55, MKL's product alone 64), for layers of up to JET_MAX_K_MKL512 inputs (:func:`jets_suit`).
 
 Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
 so differentiable again; registered in C++, so a call that needs no gradient costs what an aten
@@ -66,7 +69,7 @@ MAX_COLUMNS_AVX2, WIDE_MACS = 256, 2**21
 MIN_MACS = 2**14  # smaller products take ~1.5 us either way
 THREADED_MACS = 2**20  # with more than one thread, MKL takes the products larger than this
 GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones waste the 16-wide tiles
-JET_MAX_K_MKL512 = 64  # layers the jet kernels take where MKL runs AVX-512 (jets_suit)
+JET_MAX_K_MKL512 = 256  # inputs of the layers the jet kernels take where MKL runs AVX-512 (jets_suit)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 _state: bool | None = None  # the library is built and loaded; None: not tried yet
@@ -166,11 +169,12 @@ def mkl_avx512() -> bool:
 
 def jets_suit(k: int) -> bool:
     """Whether a layer's jets with ``k`` inputs run faster through ``hoad::jet_sqnorm``/``jet_mm``
-    (AVX2 code) than through MKL's product and Inductor's kernels. Everywhere MKL takes AVX2; where
-    it runs AVX-512 (:func:`mkl_avx512`) only up to JET_MAX_K_MKL512 inputs, as measured on a Xeon,
-    one core: 256 points, 16 directions, 64 to 64 units 0.67 ms against 0.79 for the aten ops
-    (8 directions 0.32 vs 0.36), 50 directions 128 to 128 7.9 vs 7.4, 768 to 512 53.7 vs 28.5
-    (the product, at twice the AVX2 peak, dominates)."""
+    than through MKL's product and Inductor's kernels. Everywhere MKL takes AVX2; where it runs
+    AVX-512 (:func:`mkl_avx512`, where the jet kernels run their AVX-512 strips too) up to
+    JET_MAX_K_MKL512 inputs, as measured on a Xeon, one core, against the aten ops: 256 points,
+    16 directions, 64 to 64 units 0.45 vs 0.79 ms; 50 directions at 64 points, 128 units 4.8 vs
+    7.3, 256 units 4.5 vs 5.4, 384 units 13.0 vs 11.1, 768 units 61.5 vs 40.8 (MKL blocks the
+    long inner dimension for the caches, the kernel does not)."""
     return k <= JET_MAX_K_MKL512 or not mkl_avx512()
 
 
