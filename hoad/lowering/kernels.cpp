@@ -262,6 +262,7 @@ static at::Tensor gram_cpu(const at::Tensor& J, const at::Tensor& w) {
 // point in registers. jet_sqnorm never writes X (the last hidden layer: nothing else reads it);
 // jet_mm also stores it (a layer whose jets the next one carries on).
 #define STREAM_BYTES (4 << 20)  // jets larger than this are stored past the caches
+#define JET_CHUNK 128  // terms of the inner dimension per pass of the AVX-512 strips (16 KB of W's strip)
 
 struct JetRows {
   double* q[6];        // q row of each of the six rows; nullptr for padding rows
@@ -321,20 +322,33 @@ static inline void jet_block(int64_t K, const double* A6, const double* Bp, cons
 
 // The AVX-512 twin of jet_block: the six rows against a strip of 16 columns of W (packed [K][16]),
 // in 12 accumulators; `lanes`: the columns of this strip that exist (16 but for the last strip).
+// Over one chunk of the inner dimension: `kn` terms of rows `lda` apart, the partial sums carried in
+// `acc` (96 doubles) from the chunk before unless `first`; the squares are taken after the `last`.
 __attribute__((target("avx512f,fma")))
-static inline void jet_block16(int64_t K, const double* A6, const double* Bp, const JetRows& rows, int64_t col,
-                               int lanes) {
+static inline void jet_block16(int64_t kn, int64_t lda, const double* A6, const double* Bp, double* acc, bool first,
+                               bool last, const JetRows& rows, int64_t col, int lanes) {
   __m512d c[6][2];
 #pragma GCC unroll 6
-  for (int r = 0; r < 6; r++) c[r][0] = c[r][1] = _mm512_setzero_pd();
-  for (int64_t k = 0; k < K; k++) {
+  for (int r = 0; r < 6; r++) {
+    c[r][0] = first ? _mm512_setzero_pd() : _mm512_loadu_pd(acc + 16 * r);
+    c[r][1] = first ? _mm512_setzero_pd() : _mm512_loadu_pd(acc + 16 * r + 8);
+  }
+  for (int64_t k = 0; k < kn; k++) {
     const __m512d b0 = _mm512_loadu_pd(Bp + 16 * k), b1 = _mm512_loadu_pd(Bp + 16 * k + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < 6; r++) {
-      const __m512d a = _mm512_set1_pd(A6[r * K + k]);
+      const __m512d a = _mm512_set1_pd(A6[r * lda + k]);
       c[r][0] = _mm512_fmadd_pd(a, b0, c[r][0]);
       c[r][1] = _mm512_fmadd_pd(a, b1, c[r][1]);
     }
+  }
+  if (!last) {
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) {
+      _mm512_storeu_pd(acc + 16 * r, c[r][0]);
+      _mm512_storeu_pd(acc + 16 * r + 8, c[r][1]);
+    }
+    return;
   }
   const __mmask8 m0 = lanes >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << lanes) - 1);
   const __mmask8 m1 = lanes >= 16 ? (__mmask8)0xFF : lanes <= 8 ? (__mmask8)0 : (__mmask8)((1u << (lanes - 8)) - 1);
@@ -437,9 +451,11 @@ static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at
   double* qp = q.mutable_data_ptr<double>();
   double* xp = X.defined() ? X.mutable_data_ptr<double>() : nullptr;
   const bool stream = X.defined() && X.numel() * 8 > STREAM_BYTES;
-  const int64_t G = 4;  // six-row panels formed at once: a strip of W is reused by all of them
+  // six-row panels formed at once: a strip of W (a chunk of it, AVX-512) is reused by all of them;
+  // with long inner dimensions W outgrows the L2 cache, so more panels share each chunk
+  const int64_t G = NW == 16 && K > JET_CHUNK ? 32 : 4;
   at::parallel_for(0, P, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, S * K)), [&](int64_t p0, int64_t p1) {
-    std::vector<double> A(G * 6 * K);
+    std::vector<double> A(G * 6 * K), acc(NW == 16 ? G * 96 : 0);
     std::vector<JetRows> rows(G);
     for (JetRows& rw : rows) rw.stream = stream;
     int64_t p = p0, s = 0;  // the point and direction of row r0
@@ -461,15 +477,21 @@ static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at
         if (++s == S) s = 0, p++;
       }
       const int64_t panels = (r1 - r0 + 5) / 6;
-      for (int64_t t = 0; t < NT; t++)
-        for (int64_t g = 0; g < panels; g++) {
-          if constexpr (NW == 16)
-            jet_block16(K, A.data() + 6 * g * K, Bp.data() + t * K * 16, rows[g], 16 * t,
-                        (int)std::min<int64_t>(16, M - 16 * t));
-          else
+      for (int64_t t = 0; t < NT; t++) {
+        if constexpr (NW == 16) {
+          // chunks of the inner dimension: a chunk of the strip of W stays in L1 for all the panels
+          for (int64_t k0 = 0; k0 < K; k0 += JET_CHUNK) {
+            const int64_t kn = std::min<int64_t>(JET_CHUNK, K - k0);
+            for (int64_t g = 0; g < panels; g++)
+              jet_block16(kn, K, A.data() + 6 * g * K + k0, Bp.data() + (t * K + k0) * 16, acc.data() + 96 * g,
+                          k0 == 0, k0 + kn == K, rows[g], 16 * t, (int)std::min<int64_t>(16, M - 16 * t));
+          }
+        } else {
+          for (int64_t g = 0; g < panels; g++)
             jet_block(K, A.data() + 6 * g * K, Bp.data() + t * K * 8, rows[g], 8 * t,
                       8 * t + 8 > M ? tail : nullptr);
         }
+      }
     }
     if (stream) _mm_sfence();  // this thread's streamed stores are visible before X is read
   });

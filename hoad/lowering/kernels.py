@@ -173,8 +173,9 @@ def jets_suit(k: int) -> bool:
     AVX-512 (:func:`mkl_avx512`, where the jet kernels run their AVX-512 strips too) up to
     JET_MAX_K_MKL512 inputs, as measured on a Xeon, one core, against the aten ops: 256 points,
     16 directions, 64 to 64 units 0.45 vs 0.79 ms; 50 directions at 64 points, 128 units 4.8 vs
-    7.3, 256 units 4.5 vs 5.4, 384 units 13.0 vs 11.1, 768 units 61.5 vs 40.8 (MKL blocks the
-    long inner dimension for the caches, the kernel does not)."""
+    7.3, 256 units 4.4-4.9 vs 5.3. Wider layers gain nothing (384 units 11.2 vs 10.8-11.3, 512
+    18.7-21.0 vs 19.5-19.9, 768 42.7-43.1 vs 42.1-42.5, with the inner dimension in chunks of 128
+    shared by 192 rows; without the chunks 768 took 61.5)."""
     return k <= JET_MAX_K_MKL512 or not mkl_avx512()
 
 
