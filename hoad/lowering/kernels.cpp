@@ -17,6 +17,11 @@
 #include <cstring>
 #include <vector>
 
+// The first `lanes` of 8 (none for lanes <= 0): a mask for the columns of a strip that exist.
+static inline __mmask8 lane_mask(int64_t lanes) {
+  return lanes >= 8 ? (__mmask8)0xFF : lanes <= 0 ? (__mmask8)0 : (__mmask8)((1u << lanes) - 1);
+}
+
 // R rows x 8V columns of C in R*V accumulators (4x32 or 8x16: 16); MASKED handles the last
 // columns of a row.
 template <int R, int V, bool MASKED>
@@ -73,7 +78,7 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
     __mmask8 m[4];
     for (int v = 0; v < 4; v++) {
       int64_t lanes = N - j - 8 * v;
-      m[v] = lanes >= 8 ? (__mmask8)0xFF : lanes <= 0 ? (__mmask8)0 : (__mmask8)((1u << lanes) - 1);
+      m[v] = lane_mask(lanes);
     }
     if (N - j <= 16) columns<8, 2, true>(M, N, K, A, B + j, C + j, m);
     else columns<4, 4, true>(M, N, K, A, B + j, C + j, m);
@@ -170,8 +175,7 @@ static void gram_one(int64_t K, int64_t N, int64_t NP, const double* S, const do
         }
       }
       const int64_t cols = N - j0;
-      const __mmask8 m0 = cols >= 8 ? 0xFF : (__mmask8)((1u << cols) - 1);
-      const __mmask8 m1 = cols >= 16 ? 0xFF : cols <= 8 ? 0 : (__mmask8)((1u << (cols - 8)) - 1);
+      const __mmask8 m0 = lane_mask(cols), m1 = lane_mask(cols - 8);
       for (int r = 0; r < 8 && i0 + r < N; r++) {
         _mm512_mask_storeu_pd(G + (i0 + r) * N + j0, m0, c[r][0]);
         _mm512_mask_storeu_pd(G + (i0 + r) * N + j0 + 8, m1, c[r][1]);
@@ -350,8 +354,7 @@ static inline void jet_block16(int64_t kn, int64_t lda, const double* A6, const 
     }
     return;
   }
-  const __mmask8 m0 = lanes >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << lanes) - 1);
-  const __mmask8 m1 = lanes >= 16 ? (__mmask8)0xFF : lanes <= 8 ? (__mmask8)0 : (__mmask8)((1u << (lanes - 8)) - 1);
+  const __mmask8 m0 = lane_mask(lanes), m1 = lane_mask(lanes - 8);
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
 #pragma GCC unroll 6
   for (int r = 0; r < 6; r++) {
@@ -498,6 +501,12 @@ static at::Tensor jets_kernel(const at::Tensor& J, const at::Tensor& c, const at
   return MP == M ? q : q.narrow(1, 0, M).contiguous();
 }
 
+// jets_kernel in the strips this CPU runs (jets_avx512)
+static at::Tensor jets(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                       const std::optional<at::Tensor>& ue, at::Tensor X) {
+  return jets_avx512() ? jets_kernel<16>(J, c, W, ue, X) : jets_kernel<8>(J, c, W, ue, X);
+}
+
 // u expanded to [S, M], or none (ones)
 static std::optional<at::Tensor> expanded(const std::optional<at::Tensor>& u, int64_t S, int64_t M) {
   return u ? std::optional<at::Tensor>(u->expand({S, M})) : std::nullopt;
@@ -509,7 +518,7 @@ static at::Tensor jet_sqnorm_cpu(const at::Tensor& J, const at::Tensor& c, const
   const int64_t K = c.size(1), S = J.size(-2), M = W.size(1);
   const auto ue = expanded(u, S, M);
   if (!jets_fast({&J, &c, &W, ue ? &*ue : &c}) || K == 0) return std::get<1>(jets_aten(J, c, W, u));
-  return jets_avx512() ? jets_kernel<16>(J, c, W, ue, at::Tensor()) : jets_kernel<8>(J, c, W, ue, at::Tensor());
+  return jets(J, c, W, ue, at::Tensor());
 }
 
 static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
@@ -522,7 +531,7 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
     return {X.expand({P, S, M}).contiguous(), q};
   }
   at::Tensor X = at::empty({P, S, M}, c.options());
-  at::Tensor q = jets_avx512() ? jets_kernel<16>(J, c, W, ue, X) : jets_kernel<8>(J, c, W, ue, X);
+  at::Tensor q = jets(J, c, W, ue, X);
   return {X, q};
 }
 
