@@ -292,7 +292,7 @@ def test_the_library_builds_from_its_source(tmp_path):
     if platform.machine() != "x86_64" or shutil.which("c++") is None or shutil.which("ninja") is None:
         pytest.skip("needs x86-64, a C++ compiler and ninja")
     check = ("import torch; from hoad.lowering import kernels; assert kernels.build(); "
-             "assert all(hasattr(torch.ops.hoad, op) for op in ('mm', 'gram', 'jet_sqnorm', 'jet_mm'))")
+             "assert all(hasattr(torch.ops.hoad, op) for op in ('mm', 'gram', 'jet_sqnorm', 'jet_mm', 'jets_grad'))")
     done = subprocess.run([sys.executable, "-c", check], env={**os.environ, "HOAD_CACHE_DIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -354,7 +354,7 @@ def test_autograd_formulas_are_cpp_and_record_only_what_needs_a_gradient():
     """The formulas are registered in C++ (a Python autograd kernel is entered on every call,
     ~7 us each, in compiled programs too); a call no input of which needs a gradient, or under
     no_grad, records no node."""
-    for op in ("mm", "gram", "jet_sqnorm", "jet_mm"):
+    for op in ("mm", "gram", "jet_sqnorm", "jet_mm"):  # (jets_grad is their backward: none of its own)
         autograd = [line for line in torch._C._dispatch_dump(f"hoad::{op}").splitlines() if line.startswith("Autograd")]
         assert autograd and "kernels.cpp" in autograd[0], autograd
     J, c, W = rand(3, 5, seed=1), rand(4, 5, seed=2), rand(5, 6, seed=3)
@@ -499,6 +499,68 @@ def test_jet_mm_gradients():
     torch.autograd.gradgradcheck(both, inputs)
     torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[0].sin().sum(), inputs[:3])  # X alone
     torch.autograd.gradcheck(lambda *a: torch.ops.hoad.jet_mm(*a)[1], inputs[:3])  # q alone
+
+
+def jets_grad_reference(J, c, W, u, gX, gq):
+    """The gradients (dJ, dc, dW, du) of Σ gX·X + Σ gq·q at X = (J ⊙ c) W, q = Σ_s u X², by autograd
+    through the einsum definition (du: [0] without u)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (J, c, W) + (() if u is None else (u,))]
+    X = jets_reference(*leaves[:3])
+    total = 0
+    if gX is not None:
+        total = total + (gX * X).sum()
+    if gq is not None:
+        total = total + (gq * (X * X if u is None else X * X * leaves[3]).sum(1)).sum()
+    if not torch.is_tensor(total):
+        return [torch.zeros_like(t) for t in leaves] + ([] if u is not None else [torch.zeros(0, dtype=torch.float64)])
+    got = torch.autograd.grad(total, leaves, allow_unused=True)
+    got = [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves)]
+    return got + ([] if u is not None else [torch.zeros(0, dtype=torch.float64)])
+
+
+@needs_jets
+@pytest.mark.parametrize("P,S,K,M", [(7, 5, 13, 11), (1, 1, 1, 1), (40, 16, 64, 64), (300, 2, 32, 32),
+                                     (33, 50, 20, 17)])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_jets_grad_equals_autograd_of_the_definition(P, S, K, M, shared, threads):
+    """hoad::jets_grad, the gradients of jet_sqnorm and jet_mm in one call: rows in several chunks
+    (40x16 and 300x2 rows: more than 512) split between threads, the stored jets or none, every
+    weight shape, gradients of the jets, of their squares, of both or of neither."""
+    J = rand(S, K, seed=P + K) if shared else rand(P, S, K, seed=P + K)
+    c, W = rand(P, K, seed=S), rand(K, M, seed=M)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for u in (None, rand(S, M, seed=3), rand(M, seed=4), rand(S, 1, seed=5)):
+            for gX, gq in ((None, rand(P, M, seed=6)), (rand(P, S, M, seed=7), None),
+                           (rand(P, S, M, seed=7), rand(P, M, seed=6)), (None, None)):
+                for X in (None, jets_reference(J, c, W)):
+                    got = torch.ops.hoad.jets_grad(J, c, W, u, X, gX, gq)
+                    for g, r, name in zip(got, jets_grad_reference(J, c, W, u, gX, gq), ("dJ", "dc", "dW", "du")):
+                        torch.testing.assert_close(g, r, rtol=1e-11, atol=1e-11, msg=lambda m: f"{name}: {m}")
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_jets
+def test_a_compiled_training_step_backs_through_jets_grad():
+    """Training under Inductor: AOTAutograd traces the jet kernels' backward as hoad::jets_grad (one
+    call per layer), not the aten formula; the gradients match torch.func's."""
+    u, Ws = tanh_net((3, 8, 7, 1), seed=90)
+    for W in Ws:
+        W.requires_grad_(True)
+    X = rand(11, 3, seed=3)
+    op = hoad.laplacian(u, batch_dim=0, backend="inductor")
+    loss = (op(X).laplacian ** 2).sum()
+    assert "hoad.jet_sqnorm(" in str(op.graph) or "hoad.jet_mm(" in str(op.graph)
+    with torch.profiler.profile() as prof:
+        got = torch.autograd.grad(loss, Ws)
+    assert any(e.name == "hoad::jets_grad" for e in prof.events())
+    H = vmap(hessian(u))(X)
+    ref = torch.autograd.grad((H.diagonal(dim1=1, dim2=2).sum(-1) ** 2).sum(), Ws)
+    for g, r in zip(got, ref):
+        assert_close(g, r, "dL/dW")
 
 
 @needs_jets

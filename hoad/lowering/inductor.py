@@ -248,14 +248,19 @@ def _select_tiling(stock):
 
 
 class SafeTiling(CustomGraphPass):
-    """Does nothing to the graph; its uuid enters Inductor's cache key (``post_grad_custom_pre_pass``),
-    so a program compiled before :func:`safe_tiling` existed, or without it, is never served."""
+    """Does nothing to the graph; its uuid enters Inductor's and AOTAutograd's cache keys
+    (``post_grad_custom_pre_pass``), so a program compiled before :func:`safe_tiling` existed, or
+    without it, is never served. The uuid also hashes hoad's kernels (``kernels.cpp``): their C++
+    autograd formulas are traced into the backward programs of training compiles, which a changed
+    formula must not reuse."""
 
     def __call__(self, graph) -> None:
         pass
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        from hoad.lowering import kernels
+
+        return get_hash_for_files((__file__, str(kernels.SOURCE)))
 
 
 @contextlib.contextmanager

@@ -535,6 +535,154 @@ static std::tuple<at::Tensor, at::Tensor> jet_mm_cpu(const at::Tensor& J, const 
   return {X, q};
 }
 
+// ------------------------------------------------------------------ hoad::jets_grad
+// The gradients of jet_sqnorm and jet_mm (the maths of jets_backward below) for a backward that
+// is not differentiated again: with A = J c, X = A W and G = gX + 2 u gq X per row r = (p, s),
+// dA = G W^T, dJ = dA c (summed over p where J is shared), dc = sum_s dA J, dW = A^T G and
+// du = sum_p gq X^2. The rows run in chunks of about JETS_GRAD_ROWS (A, X, G and dA of a chunk stay
+// in the L2 cache): the three products are MKL's, over whole chunks, and the elementwise terms are
+// loops over the chunk's rows. Through aten ops, AOTAutograd's backward of a Laplacian
+// (16-64-64-1, 256 points) wrote and reread every [P,S,M] intermediate, some of them transposed
+// element by element: 3.5 ms against this op's ~1.1.
+#define JETS_GRAD_ROWS 512
+
+// One row r = (p, s) of G: g[m] = gx[m] + 2 gq[m] u[m] x[m] (gx, u absent: zeros, ones), and
+// du[m] += gq[m] x[m]^2 where du
+__attribute__((target("avx2,fma")))
+static void grad_row(int64_t M, const double* __restrict__ gx, const double* __restrict__ gq,
+                     const double* __restrict__ u, const double* __restrict__ x, double* __restrict__ g,
+                     double* __restrict__ du) {
+  if (u)
+    for (int64_t m = 0; m < M; m++) g[m] = 2.0 * gq[m] * u[m] * x[m];
+  else
+    for (int64_t m = 0; m < M; m++) g[m] = 2.0 * gq[m] * x[m];
+  if (gx)
+    for (int64_t m = 0; m < M; m++) g[m] += gx[m];
+  if (du)
+    for (int64_t m = 0; m < M; m++) du[m] += gq[m] * x[m] * x[m];
+}
+
+// One row of the chain back through A = J c: dj[k] = da[k] c[k] (added where J is shared) and
+// dc[k] += da[k] j[k]
+__attribute__((target("avx2,fma")))
+static void chain_row(int64_t K, const double* __restrict__ da, const double* __restrict__ j,
+                      const double* __restrict__ c, double* __restrict__ dj, bool shared, double* __restrict__ dc) {
+  if (shared)
+    for (int64_t k = 0; k < K; k++) dj[k] += da[k] * c[k];
+  else
+    for (int64_t k = 0; k < K; k++) dj[k] = da[k] * c[k];
+  for (int64_t k = 0; k < K; k++) dc[k] += da[k] * j[k];
+}
+
+using JetsGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The same maths in aten ops (differentiable again: a backward with create_graph uses it). du is
+// undefined where there is no u or no gq.
+static JetsGrads jets_grad_aten(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W, const at::Tensor& u,
+                                const at::Tensor& X0, const at::Tensor& gX, const at::Tensor& gq) {
+  const at::Tensor A = J * c.unsqueeze(1);  // [P, S, K]
+  const at::Tensor X = X0.defined() ? X0 : at::matmul(A, W);
+  at::Tensor G = gX.defined() ? gX.expand_as(X) : at::zeros_like(X);
+  if (gq.defined()) G = G + (u.defined() ? 2 * gq.unsqueeze(1) * u * X : 2 * gq.unsqueeze(1) * X);
+  const at::Tensor dA = at::matmul(G, W.mT());
+  at::Tensor dJ = dA * c.unsqueeze(1);
+  if (J.dim() == 2) dJ = dJ.sum(0);
+  const at::Tensor dc = (dA * J).sum(1);
+  const at::Tensor dW = at::matmul(A.reshape({-1, A.size(-1)}).mT(), G.reshape({-1, G.size(-1)}));
+  const at::Tensor du = u.defined() && gq.defined() ? (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.sizes())
+                                                    : at::Tensor();
+  return {dJ, dc, dW, du};
+}
+
+// J [S,K] or [P,S,K], c [P,K], W [K,M], u (weights, to [S,M]) or none, X the jets [P,S,M] where
+// jet_mm stored them (else computed again), gX and gq the gradients of X and q (either may be
+// absent). Returns dJ, dc, dW and du (u's shape; zeros [0] where there is no u).
+static JetsGrads jets_grad_cpu(const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
+                               const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& X,
+                               const std::optional<at::Tensor>& gX, const std::optional<at::Tensor>& gq) {
+  check_jets("jets_grad", J, c, W, u);
+  const int64_t P = c.size(0), K = c.size(1), S = J.size(-2), M = W.size(1);
+  TORCH_CHECK((!X || X->sizes() == at::IntArrayRef({P, S, M})) && (!gX || gX->sizes() == at::IntArrayRef({P, S, M})) &&
+                  (!gq || gq->sizes() == at::IntArrayRef({P, M})),
+              "hoad::jets_grad: X and gX [P,S,M] and gq [P,M] expected for J ", J.sizes(), ", c ", c.sizes(), ", W ",
+              W.sizes());
+  const auto opts = c.options();
+  const at::Tensor none;
+  const auto ue = expanded(u, S, M);
+  if (!jets_fast({&J, &c, &W, ue ? &*ue : &c, X ? &*X : &c, gX ? &*gX : &c, gq ? &*gq : &c}) || P * S * K * M == 0) {
+    auto [dJ, dc, dW, du] = jets_grad_aten(J, c, W, u.value_or(none), X.value_or(none), gX.value_or(none),
+                                           gq.value_or(none));
+    if (!du.defined()) du = u ? at::zeros_like(*u) : at::zeros({0}, opts);
+    return {dJ.contiguous(), dc.contiguous(), dW.contiguous(), du.contiguous()};
+  }
+  const bool shared = J.dim() == 2;
+  const at::Tensor Jd = J.contiguous(), cd = c.contiguous(), ud = ue ? ue->contiguous() : none;
+  const at::Tensor Xd = X ? X->contiguous() : none, gXd = gX ? gX->contiguous() : none;
+  const at::Tensor gqd = gq ? gq->contiguous() : none;
+  const double *jp = Jd.const_data_ptr<double>(), *cp = cd.const_data_ptr<double>();
+  const double* up = ue ? ud.const_data_ptr<double>() : nullptr;
+  const double* gxp = gX ? gXd.const_data_ptr<double>() : nullptr;
+  const double* gqp = gq ? gqd.const_data_ptr<double>() : nullptr;
+  at::Tensor dJ = shared ? at::zeros({S, K}, opts) : at::empty({P, S, K}, opts), dc = at::zeros({P, K}, opts);
+  double *djp = dJ.mutable_data_ptr<double>(), *dcp = dc.mutable_data_ptr<double>();
+  const int64_t CP = std::max<int64_t>(1, JETS_GRAD_ROWS / S);  // points per chunk
+  const int64_t chunks = (P + CP - 1) / CP;
+  // per thread: its sums of dW, of dJ where J is shared, and of du (added up at the end)
+  const int64_t T = at::get_num_threads();
+  std::vector<at::Tensor> dWs(T), dJs(T), dus(T);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    const int64_t t = at::get_thread_num();
+    if (!dWs[t].defined()) {
+      dWs[t] = at::zeros({K, M}, opts);
+      if (shared) dJs[t] = at::zeros({S, K}, opts);
+      if (ue && gq) dus[t] = at::zeros({S, M}, opts);
+    }
+    double* dj = shared ? dJs[t].mutable_data_ptr<double>() : djp;
+    double* du = ue && gq ? dus[t].mutable_data_ptr<double>() : nullptr;
+    // a chunk's rows: A, its jets X (computed again unless stored), G and dA
+    const int64_t R = CP * S;
+    at::Tensor A = at::empty({R, K}, opts), G = at::empty({R, M}, opts), dA = at::empty({R, K}, opts);
+    at::Tensor Xb = X ? none : at::empty({R, M}, opts);
+    for (int64_t ch = c0; ch < c1; ch++) {
+      const int64_t p0 = ch * CP, n = std::min(CP, P - p0), rows = n * S, r0 = p0 * S;
+      at::Tensor Ac = A.narrow(0, 0, rows), Gc = G.narrow(0, 0, rows), dAc = dA.narrow(0, 0, rows);
+      double *ap = Ac.mutable_data_ptr<double>(), *gp = Gc.mutable_data_ptr<double>();
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = p0 + r / S, s = r % S;
+        jet_row(K, jp + (shared ? 0 : p * S * K) + s * K, cp + p * K, ap + r * K);
+      }
+      at::Tensor Xc = X ? Xd.view({P * S, M}).narrow(0, r0, rows) : Xb.narrow(0, 0, rows);
+      if (!X) at::mm_out(Xc, Ac, W);
+      const double* xp = Xc.const_data_ptr<double>();
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = p0 + r / S, s = r % S;
+        if (gqp)
+          grad_row(M, gxp ? gxp + (r0 + r) * M : nullptr, gqp + p * M, up ? up + s * M : nullptr, xp + r * M,
+                   gp + r * M, du ? du + s * M : nullptr);
+        else if (gxp)
+          std::memcpy(gp + r * M, gxp + (r0 + r) * M, M * sizeof(double));
+      }
+      if (!gqp && !gxp) Gc.zero_();
+      at::mm_out(dAc, Gc, W.t());
+      dWs[t].addmm_(Ac.t(), Gc);
+      const double* dap = dAc.const_data_ptr<double>();
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = p0 + r / S, s = r % S, j = (shared ? 0 : p * S * K) + s * K;
+        chain_row(K, dap + r * K, jp + j, cp + p * K, dj + j, shared, dcp + p * K);
+      }
+    }
+  });
+  at::Tensor dW = at::zeros({K, M}, opts), du = ue ? at::zeros({S, M}, opts) : at::zeros({0}, opts);
+  for (int64_t t = 0; t < T; t++) {
+    if (!dWs[t].defined()) continue;
+    dW.add_(dWs[t]);
+    if (shared) dJ.add_(dJs[t]);
+    if (dus[t].defined()) du.add_(dus[t]);
+  }
+  if (u) du = du.sum_to_size(u->sizes()).contiguous();
+  return {dJ, dc, dW, du};
+}
+
 // ------------------------------------------------------------------ autograd
 // Derivatives of the operators in aten ops (so differentiable again): programs that autograd goes
 // through (training under Inductor) may contain them. Registered in C++: a Python autograd kernel
@@ -550,7 +698,7 @@ using JetMmSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at:
                                                     const std::optional<at::Tensor>&);
 
 static constexpr char MM[] = "hoad::mm", GRAM[] = "hoad::gram", JET_SQNORM[] = "hoad::jet_sqnorm",
-                      JET_MM[] = "hoad::jet_mm";
+                      JET_MM[] = "hoad::jet_mm", JETS_GRAD[] = "hoad::jets_grad";
 
 template <class Sig, const char* Name, class... Args>
 static auto below(const Args&... args) {
@@ -590,32 +738,37 @@ struct GramFn : torch::autograd::Function<GramFn> {
   }
 };
 
-// With A = J c and G = gX + 2 u gq X (per p, s, m): dA = G W^T, dJ = dA c (summed over p when J is
-// shared), dc = sum_s dA J, dW = sum_{p,s} A^T G, du = sum_p gq X^2 (summed to u's shape).
-static variable_list jets_backward(const variable_list& s, const at::Tensor& gX, const at::Tensor& gq) {
-  const at::Tensor &J = s[0], &c = s[1], &W = s[2], &u = s[3];
-  const at::Tensor A = J * c.unsqueeze(1);  // [P, S, K]
-  const at::Tensor X = s[4].defined() ? s[4] : at::matmul(A, W);  // jet_mm's jets are not computed again
-  at::Tensor G = gX.defined() ? gX.expand_as(X) : at::zeros_like(X);
-  if (gq.defined()) G = G + (u.defined() ? 2 * gq.unsqueeze(1) * u * X : 2 * gq.unsqueeze(1) * X);
-  const at::Tensor dA = at::matmul(G, W.mT());
-  at::Tensor dJ = dA * c.unsqueeze(1);
-  if (J.dim() == 2) dJ = dJ.sum(0);
-  const at::Tensor dc = (dA * J).sum(1);
-  const at::Tensor dW = at::matmul(A.reshape({-1, A.size(-1)}).mT(), G.reshape({-1, G.size(-1)}));
-  const at::Tensor du = u.defined() && gq.defined() ? (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.sizes())
-                                                    : at::Tensor();
-  return {dJ, dc, dW, du};
+using JetsGradSig = JetsGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              const std::optional<at::Tensor>&);
+
+// Saved: J, c, W, u, X. A backward that builds a graph (create_graph) differentiates the aten
+// formula, with the jets X where they are an output (jet_mm's: autograd connects them to J, c and
+// W), else computed again from those; a plain one (AOTAutograd traces a program's backward as one)
+// calls hoad::jets_grad.
+static variable_list jets_backward(const variable_list& s, const at::Tensor& gX, const at::Tensor& gq,
+                                   bool output_jets) {
+  const at::Tensor &J = s[0], &c = s[1], &W = s[2], &u = s[3], &X = s[4];
+  if (at::GradMode::is_enabled()) {
+    auto [dJ, dc, dW, du] = jets_grad_aten(J, c, W, u, output_jets ? X : at::Tensor(), gX, gq);
+    return {dJ, dc, dW, du};
+  }
+  const auto some = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  auto [dJ, dc, dW, du] = below<JetsGradSig, JETS_GRAD>(J, c, W, some(u), some(X), some(gX), some(gq));
+  return {dJ, dc, dW, u.defined() ? du : at::Tensor()};
 }
 
 struct JetSqnormFn : torch::autograd::Function<JetSqnormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& J, const at::Tensor& c, const at::Tensor& W,
                             const std::optional<at::Tensor>& u) {
-    ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), at::Tensor()});
-    return below<JetSqnormSig, JET_SQNORM>(J, c, W, u);
+    // the jets are stored for the backward (jet_mm): writing them costs ~5% of the kernel, computing
+    // them again a third of the backward (256 points, 16 directions, 64 units: 1.28 -> 1.03 ms)
+    auto [X, q] = below<JetMmSig, JET_MM>(J, c, W, u);
+    ctx->save_for_backward({J, c, W, u.value_or(at::Tensor()), X});
+    return q;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return jets_backward(ctx->get_saved_variables(), at::Tensor(), g[0]);
+    return jets_backward(ctx->get_saved_variables(), at::Tensor(), g[0], false);
   }
 };
 
@@ -627,7 +780,7 @@ struct JetMmFn : torch::autograd::Function<JetMmFn> {
     return {X, q};
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return jets_backward(ctx->get_saved_variables(), g[0], g[1]);
+    return jets_backward(ctx->get_saved_variables(), g[0], g[1], true);
   }
 };
 
@@ -660,12 +813,15 @@ TORCH_LIBRARY(hoad, m) {
   m.def("gram(Tensor J, Tensor w) -> Tensor");
   m.def("jet_sqnorm(Tensor J, Tensor c, Tensor W, Tensor? u=None) -> Tensor");
   m.def("jet_mm(Tensor J, Tensor c, Tensor W, Tensor? u=None) -> (Tensor, Tensor)");
+  m.def("jets_grad(Tensor J, Tensor c, Tensor W, Tensor? u, Tensor? X, Tensor? gX, Tensor? gq) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(hoad, CPU, m) {
   m.impl("mm", &mm_cpu);
   m.impl("gram", &gram_cpu);
   m.impl("jet_sqnorm", &jet_sqnorm_cpu);
   m.impl("jet_mm", &jet_mm_cpu);
+  m.impl("jets_grad", &jets_grad_cpu);
 }
 TORCH_LIBRARY_IMPL(hoad, Autograd, m) {
   m.impl("mm", &mm_autograd);

@@ -37,7 +37,12 @@ columns in 12 AVX-512 accumulators instead (78-92 GFLOP/s on a Xeon's core, the 
 
 Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
 so differentiable again; registered in C++, so a call that needs no gradient costs what an aten
-op's does): compiled programs that autograd goes through may contain them. The
+op's does): compiled programs that autograd goes through may contain them. Under autograd,
+``jet_sqnorm`` stores its jets (as ``jet_mm``) for the backward. A backward that is not itself
+differentiated (AOTAutograd traces a training compile's backward as one) runs both operators'
+formulas as ``hoad::jets_grad``: rows in chunks that stay in the L2 cache, MKL's products over
+whole chunks and the elementwise terms in loops. A Laplacian's training step (16-64-64-1, 256
+points, one thread) took 4.4 ms through the aten formula under Inductor and takes 2.9. The
 library (``kernels.cpp`` beside this file) is built once per machine by
 ``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory,
 about 10 s, before a program that may use it is traced, never in the middle of a trace. Where it
@@ -98,6 +103,7 @@ def build() -> bool:
     torch.library.register_fake("hoad::gram")(_gram_shape)
     torch.library.register_fake("hoad::jet_sqnorm")(_jet_sqnorm_shape)
     torch.library.register_fake("hoad::jet_mm")(_jet_mm_shape)
+    torch.library.register_fake("hoad::jets_grad")(_jets_grad_shape)
     return True
 
 
@@ -222,3 +228,8 @@ def _jet_sqnorm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torc
 
 def _jet_mm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None = None):
     return c.new_empty((c.shape[0], J.shape[-2], W.shape[1])), c.new_empty((c.shape[0], W.shape[1]))
+
+
+def _jets_grad_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None,
+                     X: torch.Tensor | None, gX: torch.Tensor | None, gq: torch.Tensor | None):
+    return J.new_empty(J.shape), c.new_empty(c.shape), W.new_empty(W.shape), c.new_empty(u.shape if u is not None else (0,))
