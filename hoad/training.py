@@ -84,7 +84,10 @@ class Trainable:
         start = time.perf_counter()
         try:
             with hoad_inductor():
-                run = compile_fx(gm, examples, config_patches={"post_grad_custom_post_pass": OrientProducts()})
+                # cpp_wrapper pinned off: a process that turned it on (torch._inductor.config) got a
+                # program whose outputs carried no autograd graph, so every gradient was silently zero
+                run = compile_fx(gm, examples, config_patches={"cpp_wrapper": False,
+                                                               "post_grad_custom_post_pass": OrientProducts()})
         except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
             raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "
                                "backend='eager' trains through the same program without compiling it") from e

@@ -252,3 +252,22 @@ def test_a_retained_graph_runs_backward_twice(backend):
     ref, = torch.autograd.grad(H.pow(2).sum(), W)
     assert_close(once, ref, "first backward")
     assert_close(W.grad, 2 * ref, "accumulated over two backwards")
+
+
+@pytest.mark.inductor
+def test_training_ignores_a_process_wide_cpp_wrapper():
+    """torch._inductor.config.cpp_wrapper turned on by the user: the training compile pins it off
+    (with it, the compiled program's outputs carried no autograd graph, and every gradient was
+    silently zero)."""
+    W = rand(3, 4, seed=11).requires_grad_(True)
+
+    def f(x):
+        return (x @ W).tanh().sum(-1)
+
+    x = rand(5, 3, seed=12)
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        L = hoad.compile(f, order=2, batch_dim=0, backend="inductor")(x)[0, 0].pow(2).sum()
+        got, = torch.autograd.grad(L, W)
+    H = vmap(hessian(lambda xb: f(xb[None])[0]))(x)
+    ref, = torch.autograd.grad(H.pow(2).sum(), W)
+    assert_close(got, ref, "gradient")
