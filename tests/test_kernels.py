@@ -544,6 +544,33 @@ def test_jets_grad_equals_autograd_of_the_definition(P, S, K, M, shared, threads
 
 
 @needs_jets
+def test_jets_grad_strided_broadcast_empty_and_float32_operands():
+    """Operands in any layout (transposed, sliced, an expanded gradient), empty sizes (the aten
+    formula, whose reshape once failed on an empty K or M), float32 (the aten formula) and a
+    0-d weight."""
+
+    def check(J, c, W, u, X, gX, gq, tol=1e-11):
+        got = torch.ops.hoad.jets_grad(J, c, W, u, X, gX, gq)
+        double = [None if t is None else t.double() for t in (J, c, W, u, gX, gq)]
+        for g, r in zip(got, jets_grad_reference(*double)):
+            assert g.shape == r.shape
+            torch.testing.assert_close(g.double(), r, rtol=tol, atol=tol)
+
+    for P, S, K, M in [(0, 3, 4, 5), (3, 0, 4, 5), (3, 2, 0, 5), (3, 2, 4, 0)]:
+        for J in (rand(S, K, seed=1), rand(P, S, K, seed=1)):
+            check(J, rand(P, K, seed=2), rand(K, M, seed=3), rand(S, M, seed=4), None, rand(P, S, M, seed=5),
+                  rand(P, M, seed=6))
+    P, S, K, M = 37, 5, 20, 24
+    J, c, W = rand(K, S, seed=1).t(), rand(P, 2 * K, seed=2)[:, ::2], rand(M, K, seed=3).t()
+    u, gX, gq = rand(M, S, seed=4).t(), rand(P, M, S, seed=5).transpose(1, 2), rand(M, P, seed=6).t()
+    check(J, c, W, u, jets_reference(J, c, W).transpose(1, 2).contiguous().transpose(1, 2), gX, gq)
+    check(J, c, W, u, None, rand(1, 1, M, seed=7).expand(P, S, M), gq)
+    check(rand(P, K, S, seed=8).transpose(1, 2), c, W, u, None, gX, gq)
+    check(J, c, W, torch.tensor(0.7, dtype=torch.float64), None, gX, gq)
+    check(*(t.float() for t in (J, c, W, u)), None, gX.float(), gq.float(), tol=1e-3)
+
+
+@needs_jets
 def test_a_compiled_training_step_backs_through_jets_grad():
     """Training under Inductor: AOTAutograd traces the jet kernels' backward as hoad::jets_grad (one
     call per layer), not the aten formula; the gradients match torch.func's."""

@@ -588,7 +588,8 @@ static JetsGrads jets_grad_aten(const at::Tensor& J, const at::Tensor& c, const 
   at::Tensor dJ = dA * c.unsqueeze(1);
   if (J.dim() == 2) dJ = dJ.sum(0);
   const at::Tensor dc = (dA * J).sum(1);
-  const at::Tensor dW = at::matmul(A.reshape({-1, A.size(-1)}).mT(), G.reshape({-1, G.size(-1)}));
+  const int64_t rows = A.size(0) * A.size(1);  // (spelled out: a -1 is ambiguous for empty K or M)
+  const at::Tensor dW = at::matmul(A.reshape({rows, A.size(2)}).mT(), G.reshape({rows, G.size(2)}));
   const at::Tensor du = u.defined() && gq.defined() ? (gq.unsqueeze(1) * X * X).sum(0).sum_to_size(u.sizes())
                                                     : at::Tensor();
   return {dJ, dc, dW, du};
