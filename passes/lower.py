@@ -115,6 +115,11 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     g = gm.graph
     changed = False
     for sq in list(g.nodes):
+        if sq.graph is not g:  # erased with an earlier match's chain
+            continue
+        if _fuse_pair_square(g, sq, lowering):
+            changed = True
+            continue
         match = _jet_square(sq)
         if match is None:
             continue
@@ -215,6 +220,110 @@ def _jet_square(sq: fx.Node):
     for c, J in (y.args, y.args[::-1]):
         if shape_of(c) == (P, K, 1) and shape_of(J) in ((1, K, S), (P, K, S)) and S > 1:
             return out, X, z, (J, c, W, wide), weights, (P, K, S, M)
+    return None
+
+
+def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
+    """The collapsed fourth-order term of a nested operator (a biharmonic: the Laplacian of a
+    Laplacian program) as one ``hoad::jet_sqnorm`` or ``jet_mm`` call; True where it rewrote.
+
+    There the jets carry a pair of directions: X[p,m,s,t] = Σ_k W[k,m] J[k,s] c[p,k,t], the outer
+    directions s of a factor J shared by every point, the inner ones t of a per-point factor c
+    (or the other way round): the product of y[p,k,s,t] = J c, and the term is Σ_{s,t} X². Each pair (p, t) is a point of the jet
+    kernel (its c row c[p,:,t]) whose S directions are J's: the kernel squares and sums X over s in
+    registers, and a small sum over t follows. At 64 points, 16 and 16 directions, 64 units, the
+    product wrote X (8 MB) and Inductor's reduction of its squares read it back across rows, the
+    two ~4.5 of the biharmonic's ~8 ms. Where X has other readers, ``jet_mm`` stores it once and
+    they read a permuted view of it."""
+    match = _pair_square(sq)
+    if match is None:
+        return False
+    out, X, (Jf, cf, W, wide, inner), (P, K, S1, S2, M) = match
+    if not lowering.jets_suit(K):
+        return False
+    S, T = (S2, S1) if inner == 1 else (S1, S2)  # J's directions, c's
+    others = [user for user in X.users if user is not sq]
+    order = {n: i for i, n in enumerate(g.nodes)}
+    anchor = min(others + [out], key=order.__getitem__)
+    with g.inserting_before(anchor), sq.meta["val"].fake_mode:
+        # J [1, K, S] and c [P, K, T] (their pair axes squeezed) as the kernel's [S, K] and [P·T, K]
+        J2 = _call(g, aten.permute.default, (_call(g, aten.reshape.default, (Jf, [K, S])), [1, 0]))
+        c2 = _call(g, aten.permute.default, (_call(g, aten.reshape.default, (cf, [P, K, T])), [0, 2, 1]))
+        c2 = _call(g, aten.reshape.default, (c2, [P * T, K]))
+        if wide:
+            W = _call(g, aten.permute.default, (W, [1, 0]))
+        if others:
+            both = _call(g, torch.ops.hoad.jet_mm.default, (J2, c2, W))
+            stored = _call(g, aten.view.default, (_call(g, operator.getitem, (both, 0)), [P, T, S, M]))
+            # [P, T, S, M] back to X's [P, M, S1, S2]: t is S2 unless c runs over the first pair axis
+            jets = _call(g, aten.permute.default, (stored, [0, 3, 1, 2] if inner == 1 else [0, 3, 2, 1]))
+            q = _call(g, operator.getitem, (both, 1))
+        else:
+            q = _call(g, torch.ops.hoad.jet_sqnorm.default, (J2, c2, W))
+        q = _call(g, aten.sum.dim_IntList, (_call(g, aten.view.default, (q, [P, T, M])), [1]))
+        q = _call(g, aten.view.default, (q, list(shape_of(out))))
+    q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+    out.replace_all_uses_with(q)
+    _erase_chain(g, out)
+    if others:
+        jets.meta.update({k: v for k, v in X.meta.items() if k != "val"})
+        X.replace_all_uses_with(jets)
+        _erase_chain(g, X)
+    return True
+
+
+def _pair_square(sq: fx.Node):
+    """If ``sq`` is ``mul(X, X)`` of the chain :func:`_fuse_pair_square` describes, summed over both
+    direction axes (in one ``sum`` or two, kept or not, then maybe viewed [P, M]): (the node whose
+    value is the sum, X, (J's factor, c's factor, W or Wᵀ, whether Wᵀ, the axis 1 or 2 of X that c
+    runs over), (P, K, S1, S2, M)); else None."""
+    if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
+        return None
+    X = sq.args[0]
+    vx = X.meta.get("val")
+    if not (isinstance(vx, torch.Tensor) and vx.dtype == torch.float64 and vx.device.type == "cpu" and vx.ndim == 4):
+        return None
+    P, M, S1, S2 = vx.shape
+    axes: list = [0, 1, 2, 3]  # the axes of X left in the current node (None: a kept, summed one)
+    out = sq
+    while {2, 3} & {a for a in axes if a is not None}:
+        if len(out.users) != 1:
+            return None
+        (user,) = out.users
+        if not (_is(user, aten.sum.dim_IntList) and not user.kwargs and len(user.args) in (2, 3)):
+            return None
+        keep = len(user.args) == 3 and bool(user.args[2])
+        dims = {d % len(axes) for d in user.args[1]}
+        if not {axes[d] for d in dims} <= {2, 3}:
+            return None
+        axes = [None if d in dims else a for d, a in enumerate(axes)] if keep else \
+            [a for d, a in enumerate(axes) if d not in dims]
+        out = user
+    if len(out.users) == 1 and _is(next(iter(out.users)), aten.view.default) and \
+            list(next(iter(out.users)).args[1]) == [P, M]:
+        (out,) = out.users
+    # X from the product of y [P,K,S1,S2]: wide, Wᵀ [M,K] @ [K, P·S1·S2]; tall, [P·S1·S2, K] @ W [K,M]
+    wide = _is(X, aten.permute.default) and list(X.args[1]) == [1, 0, 2, 3]
+    if not (wide or _is(X, aten.permute.default) and list(X.args[1]) == [0, 3, 1, 2]):
+        return None
+    z = _single(X.args[0], aten.view.default, [M, P, S1, S2] if wide else [P, S1, S2, M])
+    if z is None or not _is(z, aten.mm.default) or len(z.users) != 1:
+        return None
+    W, flat = z.args if wide else z.args[::-1]
+    K = W.meta["val"].shape[1 if wide else 0]
+    yp = _single(flat, aten.view.default, [K, P * S1 * S2] if wide else [P * S1 * S2, K])
+    if yp is not None and _is(yp, aten.clone.default) and len(yp.users) == 1:
+        yp = yp.args[0]
+    y = _single(yp, aten.permute.default, [1, 0, 2, 3] if wide else [0, 2, 3, 1])
+    if y is None or not _is(y, aten.mul.Tensor) or len(y.users) != 1 or y.kwargs or shape_of(y) != (P, K, S1, S2):
+        return None
+    for Jf, cf in (y.args, y.args[::-1]):
+        if not all(isinstance(f, fx.Node) for f in (Jf, cf)):
+            continue
+        for inner, (js, cs) in ((2, ((1, K, S1, 1), (P, K, 1, S2))), (1, ((1, K, 1, S2), (P, K, S1, 1)))):
+            S = S1 if inner == 2 else S2
+            if shape_of(Jf) == js and shape_of(cf) == cs and S > 1:
+                return out, X, (Jf, cf, W, wide, inner), (P, K, S1, S2, M)
     return None
 
 

@@ -446,6 +446,56 @@ def test_laplacians_square_their_jets_in_the_kernel(sizes, kind, mode, inductor_
 
 
 @needs_jets
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
+    """The biharmonic (an Inductor Laplacian of an eager Laplacian program): its fourth-order term
+    squares jets that carry a pair of directions, the outer ones through the first layer's shared
+    jets and the inner ones per point; each pair (point, inner direction) is a point of the jet
+    kernel, and the jets are stored for their other reader. Exact against nested Hessians."""
+    u, _ = tanh_net((5, 12, 10, 1), seed=21)
+    X = rand(6, 5, seed=2)
+    op = hoad.biharmonic(u, batch_dim=0, backend="inductor", mode=mode)
+    res = op(X)
+    assert "hoad.jet_mm(" in str(op.outer.compiled.graph)
+    lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
+    assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
+
+
+@needs_jets
+@pytest.mark.parametrize("inner", [1, 2])
+@pytest.mark.parametrize("tall", [False, True])
+def test_pair_squares_fuse_for_any_jets(inner, tall):
+    """The pass on a program of that form with jets that are not symmetric in their pair of
+    directions (S1 != S2, random factors; a biharmonic's are, which hides a transposed pair):
+    the shared factor over either pair axis, the product either way round, the jets' other reader
+    served from jet_mm's stored jets."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hoad.lowering.inductor import this_machine
+    from hoad.passes.lower import fuse_jet_squares
+
+    P, K, S1, S2, M = 3, 6, 4, 5, 7
+    shared, point = ((K, 1, S1, 1), (K, P, 1, S2)) if inner == 2 else ((K, 1, 1, S2), (K, P, S1, 1))
+
+    def f(W, Jt, ct, B):
+        y = Jt.permute(1, 0, 2, 3) * ct.permute(1, 0, 2, 3)  # [P,K,S1,S2], stored K-major
+        if tall:
+            flat = y.permute(0, 2, 3, 1).reshape(P * S1 * S2, K)
+            X = (flat @ W).view(P, S1, S2, M).permute(0, 3, 1, 2)
+        else:
+            X = (W.t() @ y.permute(1, 0, 2, 3).view(K, P * S1 * S2)).view(M, P, S1, S2).permute(1, 0, 2, 3)
+        return (X * X).sum([2, 3]), (X * B).sum(2)
+
+    args = (rand(K, M, seed=1), rand(*shared, seed=2), rand(*point, seed=3), rand(P, M, S1, 1, seed=4))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    gm = fuse_jet_squares(gm, this_machine())
+    assert [n.target for n in gm.graph.nodes if "hoad" in str(n.target)] == [torch.ops.hoad.jet_mm.default]
+    for got, want in zip(gm(*args), f(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@needs_jets
 def test_training_through_the_kernel(inductor_layout_run_eagerly):
     """A PINN-style loss on the Laplacian, differentiated through hoad::jet_sqnorm's formula."""
     u, Ws = tanh_net((3, 8, 7, 1), seed=60)
