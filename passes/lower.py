@@ -233,8 +233,9 @@ def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
     kernel (its c row c[p,:,t]) whose S directions are J's: the kernel squares and sums X over s in
     registers, and a small sum over t follows. At 64 points, 16 and 16 directions, 64 units, the
     product wrote X (8 MB) and Inductor's reduction of its squares read it back across rows, the
-    two ~4.5 of the biharmonic's ~8 ms. Where X has other readers, ``jet_mm`` stores it once and
-    they read a permuted view of it."""
+    two ~4.5 of the biharmonic's ~8 ms. Readers of X that contract it over s against factors
+    constant in t (:func:`_contractions`) get that contraction from two small products instead;
+    where X has other readers, ``jet_mm`` stores it once and they read a permuted view of it."""
     match = _pair_square(sq)
     if match is None:
         return False
@@ -242,17 +243,19 @@ def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
     if not lowering.jets_suit(K):
         return False
     S, T = (S2, S1) if inner == 1 else (S1, S2)  # J's directions, c's
+    s_axis, t_axis = (3, 2) if inner == 1 else (2, 3)  # their axes in X
     others = [user for user in X.users if user is not sq]
+    contractions = _contractions(X, others, s_axis, t_axis)
     order = {n: i for i, n in enumerate(g.nodes)}
     anchor = min(others + [out], key=order.__getitem__)
     with g.inserting_before(anchor), sq.meta["val"].fake_mode:
         # J [1, K, S] and c [P, K, T] (their pair axes squeezed) as the kernel's [S, K] and [P·T, K]
         J2 = _call(g, aten.permute.default, (_call(g, aten.reshape.default, (Jf, [K, S])), [1, 0]))
-        c2 = _call(g, aten.permute.default, (_call(g, aten.reshape.default, (cf, [P, K, T])), [0, 2, 1]))
-        c2 = _call(g, aten.reshape.default, (c2, [P * T, K]))
+        c3 = _call(g, aten.reshape.default, (cf, [P, K, T]))
+        c2 = _call(g, aten.reshape.default, (_call(g, aten.permute.default, (c3, [0, 2, 1])), [P * T, K]))
         if wide:
             W = _call(g, aten.permute.default, (W, [1, 0]))
-        if others:
+        if others and contractions is None:
             both = _call(g, torch.ops.hoad.jet_mm.default, (J2, c2, W))
             stored = _call(g, aten.view.default, (_call(g, operator.getitem, (both, 0)), [P, T, S, M]))
             # [P, T, S, M] back to X's [P, M, S1, S2]: t is S2 unless c runs over the first pair axis
@@ -265,11 +268,72 @@ def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
     q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
     out.replace_all_uses_with(q)
     _erase_chain(g, out)
-    if others:
+    if others and contractions is None:
         jets.meta.update({k: v for k, v in X.meta.items() if k != "val"})
         X.replace_all_uses_with(jets)
         _erase_chain(g, X)
+    for r, factors in contractions or ():
+        # Σ_s X[p,m,s,t] G[p,m,s] = Σ_k W[k,m] c[p,k,t] E[p,m,k], E = G Jᵀ: two small products
+        with g.inserting_before(r), sq.meta["val"].fake_mode:
+            G = factors[0]
+            for f in factors[1:]:
+                G = _call(g, aten.add.Tensor, (G, f))
+            G = _call(g, aten.expand.default, (_call(g, aten.squeeze.dim, (G, t_axis)), [P, M, S]))
+            E = _call(g, aten.mm.default, (_call(g, aten.reshape.default, (G, [P * M, S])), J2))
+            H = _call(g, aten.mul.Tensor, (_call(g, aten.view.default, (E, [P, M, K])),
+                                           _call(g, aten.permute.default, (W, [1, 0]))))
+            new = _call(g, aten.view.default, (_call(g, aten.bmm.default, (H, c3)), list(shape_of(r))))
+        new.meta.update({k: v for k, v in r.meta.items() if k != "val"})
+        r.replace_all_uses_with(new)
+        _erase_chain(g, r)
     return True
+
+
+def _contractions(X: fx.Node, readers: list, s_axis: int, t_axis: int) -> list | None:
+    """If every one of X's ``readers`` is a term X·F of a sum over the axis ``s_axis`` (terms
+    added, each F constant along ``t_axis``): [(the sum, its factors F)], one entry per sum;
+    else None. Such a reader needs X only contracted over s, which two small products give
+    without X (:func:`_fuse_pair_square`); a biharmonic's jets have one, Σ_s 2 X·B."""
+    sums: dict = {}
+    vx = X.meta["val"]
+    for reader in readers:
+        if not (_is(reader, aten.mul.Tensor) and len(reader.args) == 2 and not reader.kwargs):
+            return None
+        f = reader.args[1] if reader.args[0] is X else reader.args[0]
+        vf = f.meta.get("val") if isinstance(f, fx.Node) else None
+        if (f is X or not isinstance(vf, torch.Tensor) or vf.ndim != 4 or vf.shape[t_axis] != 1
+                or any(vf.shape[d] not in (1, vx.shape[d]) for d in range(4)) or vf.dtype != vx.dtype):
+            return None
+        node = reader  # up through single-use additions to the sum
+        while len(node.users) == 1 and _is(next(iter(node.users)), aten.add.Tensor):
+            node = next(iter(node.users))
+        if len(node.users) != 1:
+            return None
+        (r,) = node.users
+        if not (_is(r, aten.sum.dim_IntList) and not r.kwargs and [d % 4 for d in r.args[1]] == [s_axis]
+                and r.args[0] is node and shape_of(r) in (_without(vx.shape, s_axis), _kept(vx.shape, s_axis))):
+            return None
+        sums.setdefault(r, []).append((reader, f))
+    for r, terms in sums.items():  # the tree under each sum holds its terms and additions only
+        leaves = {t for t, _ in terms}
+        stack = [r.args[0]]
+        while stack:
+            n = stack.pop()
+            if n in leaves:
+                continue
+            if not (_is(n, aten.add.Tensor) and len(n.users) == 1 and not n.kwargs and len(n.args) == 2
+                    and all(isinstance(a, fx.Node) for a in n.args)):
+                return None
+            stack.extend(n.args)
+    return [(r, [f for _, f in terms]) for r, terms in sums.items()]
+
+
+def _without(shape, axis: int) -> tuple:
+    return tuple(n for d, n in enumerate(shape) if d != axis)
+
+
+def _kept(shape, axis: int) -> tuple:
+    return tuple(1 if d == axis else n for d, n in enumerate(shape))
 
 
 def _pair_square(sq: fx.Node):

@@ -452,24 +452,29 @@ def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
     """The biharmonic (an Inductor Laplacian of an eager Laplacian program): its fourth-order term
     squares jets that carry a pair of directions, the outer ones through the first layer's shared
     jets and the inner ones per point; each pair (point, inner direction) is a point of the jet
-    kernel, and the jets are stored for their other reader. Exact against nested Hessians."""
+    kernel. The jets' other reader contracts them over the outer directions: two small products,
+    so the kernel does not store them. Exact against nested Hessians."""
     u, _ = tanh_net((5, 12, 10, 1), seed=21)
     X = rand(6, 5, seed=2)
     op = hoad.biharmonic(u, batch_dim=0, backend="inductor", mode=mode)
     res = op(X)
-    assert "hoad.jet_mm(" in str(op.outer.compiled.graph)
+    program = str(op.outer.compiled.graph)
+    assert "hoad.jet_sqnorm(" in program and "hoad.jet_mm(" not in program
     lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
     assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
 
 
 @needs_jets
+@pytest.mark.parametrize("reader", ["contraction", "other", "both"])
 @pytest.mark.parametrize("inner", [1, 2])
 @pytest.mark.parametrize("tall", [False, True])
-def test_pair_squares_fuse_for_any_jets(inner, tall):
+def test_pair_squares_fuse_for_any_jets(reader, inner, tall):
     """The pass on a program of that form with jets that are not symmetric in their pair of
-    directions (S1 != S2, random factors; a biharmonic's are, which hides a transposed pair):
-    the shared factor over either pair axis, the product either way round, the jets' other reader
-    served from jet_mm's stored jets."""
+    directions (S1 != S2, random factors; a biharmonic's are, which hides a transposed pair): the
+    shared factor over either pair axis, the product either way round. The jets' other readers:
+    a contraction over the shared factor's axis (X·F + F·X summed, F constant in the other axis)
+    is computed from the factors by two small products, and the kernel never stores X; any other
+    reader (here one weighted along both axes) reads X stored by jet_mm."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from hoad.lowering.inductor import this_machine
@@ -477,20 +482,29 @@ def test_pair_squares_fuse_for_any_jets(inner, tall):
 
     P, K, S1, S2, M = 3, 6, 4, 5, 7
     shared, point = ((K, 1, S1, 1), (K, P, 1, S2)) if inner == 2 else ((K, 1, 1, S2), (K, P, S1, 1))
+    s_axis = 2 if inner == 2 else 3  # the shared factor's axis of X [P, M, S1, S2]
+    F_shape = (P, M, S1, 1) if inner == 2 else (P, M, 1, S2)
 
-    def f(W, Jt, ct, B):
+    def f(W, Jt, ct, F, B):
         y = Jt.permute(1, 0, 2, 3) * ct.permute(1, 0, 2, 3)  # [P,K,S1,S2], stored K-major
         if tall:
             flat = y.permute(0, 2, 3, 1).reshape(P * S1 * S2, K)
             X = (flat @ W).view(P, S1, S2, M).permute(0, 3, 1, 2)
         else:
             X = (W.t() @ y.permute(1, 0, 2, 3).view(K, P * S1 * S2)).view(M, P, S1, S2).permute(1, 0, 2, 3)
-        return (X * X).sum([2, 3]), (X * B).sum(2)
+        outs = [(X * X).sum([2, 3])]
+        if reader in ("contraction", "both"):
+            outs.append((X * F + F * X).sum(s_axis, keepdim=True))
+        if reader in ("other", "both"):
+            outs.append((X * B).sum(1))
+        return outs
 
-    args = (rand(K, M, seed=1), rand(*shared, seed=2), rand(*point, seed=3), rand(P, M, S1, 1, seed=4))
+    args = (rand(K, M, seed=1), rand(*shared, seed=2), rand(*point, seed=3), rand(*F_shape, seed=4),
+            rand(P, M, S1, S2, seed=5))
     gm = make_fx(f, tracing_mode="fake")(*args)
     gm = fuse_jet_squares(gm, this_machine())
-    assert [n.target for n in gm.graph.nodes if "hoad" in str(n.target)] == [torch.ops.hoad.jet_mm.default]
+    kernel = torch.ops.hoad.jet_sqnorm.default if reader == "contraction" else torch.ops.hoad.jet_mm.default
+    assert [n.target for n in gm.graph.nodes if "hoad" in str(n.target)] == [kernel]
     for got, want in zip(gm(*args), f(*args)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
