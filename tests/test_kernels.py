@@ -453,8 +453,9 @@ def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
     squares jets that carry a pair of directions, the outer ones through the first layer's shared
     jets and the inner ones per point; each pair (point, inner direction) is a point of the jet
     kernel. The jets' other reader contracts them over the outer directions: two small products,
-    so the kernel does not store them. Exact against nested Hessians."""
-    u, _ = tanh_net((5, 12, 10, 1), seed=21)
+    so the kernel does not store them. Exact against nested Hessians, and so are the gradients of
+    a loss on it (training through the fused program)."""
+    u, Ws = tanh_net((5, 12, 10, 1), seed=21)
     X = rand(6, 5, seed=2)
     op = hoad.biharmonic(u, batch_dim=0, backend="inductor", mode=mode)
     res = op(X)
@@ -462,6 +463,13 @@ def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
     assert "hoad.jet_sqnorm(" in program and "hoad.jet_mm(" not in program
     lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
     assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
+    if mode == "reverse":  # training through it: AOTAutograd's backward of the fused program
+        for W in Ws:
+            W.requires_grad_(True)
+        got = torch.autograd.grad((op(X).biharmonic ** 2).sum(), Ws)
+        ref = torch.autograd.grad((vmap(lap(lap(u)))(X) ** 2).sum(), Ws)
+        for g, r in zip(got, ref):
+            assert_close(g, r, "dL/dW")
 
 
 @needs_jets
