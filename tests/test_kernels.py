@@ -463,6 +463,10 @@ def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
     assert "hoad.jet_sqnorm(" in program and "hoad.jet_mm(" not in program
     lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
     assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
+    if mode == "forward":  # another number of points: the program built dynamic in it, fused again
+        X2 = rand(11, 5, seed=4)
+        assert_close(op(X2).biharmonic, vmap(lap(lap(u)))(X2), "biharmonic, 11 points")
+        assert "hoad.jet_sqnorm(" in str(op.outer.compiled.graph)
     if mode == "reverse":  # training through it: AOTAutograd's backward of the fused program
         for W in Ws:
             W.requires_grad_(True)
