@@ -232,4 +232,5 @@ def _jet_mm_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Te
 
 def _jets_grad_shape(J: torch.Tensor, c: torch.Tensor, W: torch.Tensor, u: torch.Tensor | None,
                      X: torch.Tensor | None, gX: torch.Tensor | None, gq: torch.Tensor | None):
-    return J.new_empty(J.shape), c.new_empty(c.shape), W.new_empty(W.shape), c.new_empty(u.shape if u is not None else (0,))
+    du = c.new_empty(u.shape if u is not None else (0,))
+    return J.new_empty(J.shape), c.new_empty(c.shape), W.new_empty(W.shape), du
