@@ -11,7 +11,8 @@ AOTAutograd's on-disk caches across processes.
 
 The AOTAutograd program runs inside :class:`_Guard` on detached aliases of the inputs, so its
 backward is reached only through the guard. Its backward cannot itself be differentiated, and it
-runs once (its buffers are donated). A plain backward flows into it; a backward with
+runs once (its buffers are donated). A plain backward calls it directly (its node's ``apply``,
+without a second run of the autograd engine; :func:`_compiled_backward`); a backward with
 ``create_graph=True`` (a gradient penalty, meta-learning) or a second backward after the caller's
 ``retain_graph=True`` runs the same derivative program eagerly under autograd instead, so double
 backward works as in the eager backend.
@@ -133,6 +134,9 @@ class _Guard(torch.autograd.Function):
                 outs = program.eager(*primals)
         else:  # a plain backward: the compiled one
             primals, outs, ctx.primals, ctx.outs = ctx.primals, ctx.outs, None, None
+            direct = _compiled_backward(outs, primals, cotangents)
+            if direct is not None:
+                return (None, *[g if i in needs else None for i, g in enumerate(direct)])
         pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
         if pairs and needs:
             got = torch.autograd.grad([o for o, _ in pairs], [primals[i] for i in needs], [c for _, c in pairs],
@@ -140,3 +144,42 @@ class _Guard(torch.autograd.Function):
             for i, g in zip(needs, got):
                 grads[i] = g
         return (None, *grads)
+
+
+def _compiled_backward(outs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor], cotangents) -> list | None:
+    """The gradients of ``primals`` from the AOTAutograd program's backward node, called directly
+    (``apply``), or None where its shape is not the plain one: every output of that node is one of
+    ``outs`` with a cotangent, and each of its inputs a primal's gradient accumulator. Saves the
+    autograd engine's second run (``torch.autograd.grad`` from inside this backward): ~0.06 of
+    1.1 ms per PINN step on a 2-32-32-1 MLP."""
+    node = outs[0].grad_fn if outs else None
+    if (node is None or type(node).__name__ != "CompiledFunctionBackward"
+            or any(o.grad_fn is not node for o in outs)
+            or sorted(o.output_nr for o in outs) != list(range(len(outs)))
+            or len(getattr(node, "_input_metadata", ())) != len(outs)
+            or any(c is None for c in cotangents)):
+        return None
+    # the caller's retain_graph: the program's donated buffers refuse a graph task that keeps its
+    # graph, which the engine's own run from here does not
+    keeps = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keeps is None or keeps():
+        return None
+    index = {id(t): i for i, t in enumerate(primals)}
+    targets = []
+    for fn, _ in node.next_functions:
+        if fn is None:
+            targets.append(None)
+        elif type(fn).__name__ == "AccumulateGrad" and id(fn.variable) in index:
+            targets.append(index[id(fn.variable)])
+        else:
+            return None
+    ordered = [None] * len(outs)
+    for o, c in zip(outs, cotangents):
+        ordered[o.output_nr] = c
+    got = node.apply(*ordered)
+    got = got if isinstance(got, tuple) else (got,)
+    grads: list = [None] * len(primals)
+    for i, g in zip(targets, got):
+        if i is not None and g is not None:
+            grads[i] = g if grads[i] is None else grads[i] + g
+    return grads

@@ -271,3 +271,31 @@ def test_training_ignores_a_process_wide_cpp_wrapper():
     H = vmap(hessian(lambda xb: f(xb[None])[0]))(x)
     ref, = torch.autograd.grad(H.pow(2).sum(), W)
     assert_close(got, ref, "gradient")
+
+
+@pytest.mark.inductor
+def test_a_plain_backward_calls_the_compiled_backward_directly(monkeypatch):
+    """A plain backward runs the AOTAutograd program's backward node itself (no second run of the
+    autograd engine); under the caller's retain_graph it goes through the engine, whose own run
+    keeps no graph (the program's donated buffers require that)."""
+    from hoad import training
+
+    calls = []
+    direct = training._compiled_backward
+    monkeypatch.setattr(training, "_compiled_backward", lambda *a: calls.append(direct(*a)) or calls[-1])
+    W = rand(3, 4, seed=13).requires_grad_(True)
+
+    def f(x):
+        return (x @ W).tanh().sum(-1)
+
+    x = rand(5, 3, seed=14)
+    H = vmap(hessian(lambda xb: f(xb[None])[0]))(x)
+    ref, = torch.autograd.grad(H.pow(2).sum(), W)
+    compiled = hoad.compile(f, order=2, batch_dim=0, backend="inductor")
+    compiled(x)[0, 0].pow(2).sum().backward()
+    assert calls and calls[-1] is not None
+    assert_close(W.grad, ref, "gradient, direct")
+    W.grad = None
+    compiled(x)[0, 0].pow(2).sum().backward(retain_graph=True)
+    assert calls[-1] is None
+    assert_close(W.grad, ref, "gradient under retain_graph")
