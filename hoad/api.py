@@ -25,7 +25,7 @@ from hoad.algebra import Target
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
-from hoad.training import Trainable
+from hoad.training import Trainable, with_prefix
 
 log = logging.getLogger(__name__)
 
@@ -536,7 +536,9 @@ class _Entry:
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
-        self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program") \
+        # (its hoisted part folded back in: under autograd it runs at every call anyway)
+        self.trainable = Trainable(with_prefix(p.gm, p.prefix, p.prefix_reads, len(b.tensors) - len(b.captured.free)),
+                                   f"the order-{p.order} {p.direction} program") \
             if b.config.backend == "inductor" else None
         self.n_user = len(b.tensors) - len(b.captured.free)
         free = b.captured.free
@@ -594,9 +596,7 @@ class _Entry:
             if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
                 outs = self._traced(tensors)
             elif self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                prefix = self.build.prefix
-                hoisted = prefix(tensors[self.n_user:]) if prefix is not None else ()
-                outs = self.trainable(*tensors, *hoisted)
+                outs = self.trainable(*tensors)
             else:
                 outs = self.run(*tensors)
         except HoadError:

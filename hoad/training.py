@@ -183,3 +183,27 @@ def _compiled_backward(outs: Sequence[torch.Tensor], primals: Sequence[torch.Ten
         if i is not None and g is not None:
             grads[i] = g if grads[i] is None else grads[i] + g
     return grads
+
+
+def with_prefix(main: fx.GraphModule, prefix: fx.GraphModule | None, reads: Sequence[int],
+                first_free: int) -> fx.GraphModule:
+    """``main`` computing its hoisted inputs itself, from ``prefix``'s program: one program of the
+    call's tensors alone, which AOTAutograd compiles and differentiates whole. Hoisting pays where
+    the prefix's outputs are reused between calls; a call that needs autograd computes them anyway,
+    and run eagerly they cost a PINN step on a 2-32-32-1 MLP ~0.05 of 1.1 ms (their ops and
+    their autograd nodes). ``prefix`` reads the free tensors at ``reads``, counted from
+    ``first_free`` among main's inputs; None: ``main`` itself."""
+    if prefix is None:
+        return main
+    placeholders = [n for n in main.graph.nodes if n.op == "placeholder"]
+    hoisted = placeholders[len(placeholders) - len(prefix.graph.output_node().args[0]):]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in placeholders[:len(placeholders) - len(hoisted)]:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    inputs = [n for n in prefix.graph.nodes if n.op == "placeholder"]
+    values = graph.graph_copy(prefix.graph, {p: env[placeholders[first_free + i]] for p, i in zip(inputs, reads)})
+    env.update(zip(hoisted, values))
+    graph.output(graph.graph_copy(main.graph, env))
+    return fx.GraphModule(main, graph)

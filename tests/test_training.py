@@ -299,3 +299,24 @@ def test_a_plain_backward_calls_the_compiled_backward_directly(monkeypatch):
     compiled(x)[0, 0].pow(2).sum().backward(retain_graph=True)
     assert calls[-1] is None
     assert_close(W.grad, ref, "gradient under retain_graph")
+
+
+@pytest.mark.inductor
+def test_the_training_program_computes_its_hoisted_part_itself():
+    """Under autograd the hoisted prefix runs at every call anyway: the program AOTAutograd
+    compiles takes the call's tensors alone and computes the prefix's values itself (no eager
+    prefix, no autograd nodes of its own), with the same gradients."""
+    net = _net(seed=5)
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    lap = hoad.compile(u, order=2, batch_dim=0, diagonal=True, backend="inductor")
+    X, f = rand(12, 2, seed=6), rand(12, seed=7)
+    params = list(net.parameters())
+    loss = ((lap(X)[0, 0].sum(-1) + f) ** 2).mean()
+    entry = lap._last
+    assert entry.build.prefix is not None  # the weights' transposes etc. are hoisted for inference
+    inputs = [n for n in entry.trainable.gm.graph.nodes if n.op == "placeholder"]
+    assert len(inputs) == len(entry.build.tensors) and not any(n.name.startswith("hoisted") for n in inputs)
+    got = torch.autograd.grad(loss, params)
+    expected = _reference_grads(lambda: ((_laplacian_by_autograd(u, X) + f) ** 2).mean(), params)
+    for g, r in zip(got, expected):
+        assert_close(g, r, "parameter gradient")
