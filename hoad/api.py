@@ -25,7 +25,7 @@ from hoad.algebra import Target
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
-from hoad.training import Trainable, with_prefix
+from hoad.training import Trainable
 
 log = logging.getLogger(__name__)
 
@@ -536,11 +536,10 @@ class _Entry:
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
-        # (its hoisted part folded back in: under autograd it runs at every call anyway)
-        self.trainable = Trainable(with_prefix(p.gm, p.prefix, p.prefix_reads, len(b.tensors) - len(b.captured.free)),
-                                   f"the order-{p.order} {p.direction} program") \
-            if b.config.backend == "inductor" else None
         self.n_user = len(b.tensors) - len(b.captured.free)
+        # (its hoisted part folded back in: under autograd it runs at every call anyway)
+        self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
+                                   self.n_user) if b.config.backend == "inductor" else None
         free = b.captured.free
         self.roots = roots
         self.sources = list(b.sources)

@@ -21,6 +21,7 @@ backward works as in the eager backend.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -41,17 +42,25 @@ class Trainable:
     """One program's differentiable runs: AOTAutograd compilations keyed by the inputs that
     require grad, and the eager twin for double backward."""
 
-    def __init__(self, gm: fx.GraphModule, label: str):
-        self.gm = gm
+    def __init__(self, main: fx.GraphModule, label: str, prefix: fx.GraphModule | None = None,
+                 reads: Sequence[int] = (), first_free: int = 0):
+        self.main, self.prefix = main, (prefix, tuple(reads), first_free)  # folded into gm on first use
         self.label = label
         self._eager: Callable | None = None
         self._compiled: dict[tuple[int, ...], Callable] = {}
         # inputs the program writes into (batch norm's running statistics): the eager
         # recomputation of a double backward works on copies, so the call stays the only write
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.written = {placeholders.index(n.args[0]) for n in gm.graph.nodes
+        # (main's inputs are the call's tensors then the hoisted values, which are never written)
+        placeholders = [n for n in main.graph.nodes if n.op == "placeholder"]
+        self.written = {placeholders.index(n.args[0]) for n in main.graph.nodes
                         if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
                         and n.args[0] in placeholders}
+
+    @functools.cached_property
+    def gm(self) -> fx.GraphModule:
+        """The program of the call's tensors alone (:func:`with_prefix`): built when a call first
+        needs autograd, not with every inference program."""
+        return with_prefix(self.main, *self.prefix)
 
     @property
     def eager(self) -> Callable:
@@ -150,8 +159,8 @@ def _compiled_backward(outs: Sequence[torch.Tensor], primals: Sequence[torch.Ten
     """The gradients of ``primals`` from the AOTAutograd program's backward node, called directly
     (``apply``), or None where its shape is not the plain one: every output of that node is one of
     ``outs`` with a cotangent, and each of its inputs a primal's gradient accumulator. Saves the
-    autograd engine's second run (``torch.autograd.grad`` from inside this backward): ~0.06 of
-    1.1 ms per PINN step on a 2-32-32-1 MLP."""
+    autograd engine's second run (``torch.autograd.grad`` from inside this backward): 1.128 -> 1.080
+    ms per PINN step on a 2-32-32-1 MLP (256 points, same process)."""
     node = outs[0].grad_fn if outs else None
     if (node is None or type(node).__name__ != "CompiledFunctionBackward"
             or any(o.grad_fn is not node for o in outs)
@@ -190,8 +199,8 @@ def with_prefix(main: fx.GraphModule, prefix: fx.GraphModule | None, reads: Sequ
     """``main`` computing its hoisted inputs itself, from ``prefix``'s program: one program of the
     call's tensors alone, which AOTAutograd compiles and differentiates whole. Hoisting pays where
     the prefix's outputs are reused between calls; a call that needs autograd computes them anyway,
-    and run eagerly they cost a PINN step on a 2-32-32-1 MLP ~0.05 of 1.1 ms (their ops and
-    their autograd nodes). ``prefix`` reads the free tensors at ``reads``, counted from
+    and run eagerly (their ops and their autograd nodes) they took a PINN step on a 2-32-32-1 MLP
+    (256 points) from 0.916 to 1.069 ms. ``prefix`` reads the free tensors at ``reads``, counted from
     ``first_free`` among main's inputs; None: ``main`` itself."""
     if prefix is None:
         return main
