@@ -165,17 +165,24 @@ def fuse_jet_squares(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
     return gm
 
 
+def _squared(sq: fx.Node, ndim: int) -> fx.Node | None:
+    """X where ``sq`` is ``mul(X, X)``, read once, of a float64 CPU X with ``ndim`` axes; else None."""
+    if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
+        return None
+    vx = sq.args[0].meta.get("val")
+    if not (isinstance(vx, torch.Tensor) and vx.dtype == torch.float64 and vx.device.type == "cpu" and vx.ndim == ndim):
+        return None
+    return sq.args[0]
+
+
 def _jet_square(sq: fx.Node):
     """If ``sq`` is ``mul(X, X)`` ending the chain :func:`fuse_jet_squares` describes: (the node
     whose value it computes, X, the product, (J, c, W or W ᵀ, whether transposed), the bmm's
     weights or None, (P, K, S, M)); else None."""
-    if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
+    X = _squared(sq, 3)
+    if X is None:
         return None
-    X = sq.args[0]
-    vx = X.meta.get("val")
-    if not (isinstance(vx, torch.Tensor) and vx.dtype == torch.float64 and vx.device.type == "cpu" and vx.ndim == 3):
-        return None
-    P, M, S = vx.shape
+    P, M, S = X.meta["val"].shape
     (user,) = sq.users
     weights = None
     if _is(user, aten.sum.dim_IntList) and list(user.args[1]) in ([2], [-1]) and len(user.args) == 2 and not user.kwargs:
@@ -343,13 +350,10 @@ def _pair_square(sq: fx.Node):
     direction axes (in one ``sum`` or two, kept or not, then maybe viewed [P, M]): (the node whose
     value is the sum, X, (J's factor, c's factor, W or Wᵀ, whether Wᵀ, c's pair axis of X: 2 or
     3), (P, K, M)); else None."""
-    if not (_is(sq, aten.mul.Tensor) and len(sq.args) == 2 and sq.args[0] is sq.args[1] and len(sq.users) == 1):
+    X = _squared(sq, 4)
+    if X is None:
         return None
-    X = sq.args[0]
-    vx = X.meta.get("val")
-    if not (isinstance(vx, torch.Tensor) and vx.dtype == torch.float64 and vx.device.type == "cpu" and vx.ndim == 4):
-        return None
-    P, M, S1, S2 = vx.shape
+    P, M, S1, S2 = X.meta["val"].shape
     axes: list = [0, 1, 2, 3]  # the axes of X left in the current node (None: a kept, summed one)
     out = sq
     while {2, 3} & {a for a in axes if a is not None}:
