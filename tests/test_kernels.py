@@ -382,9 +382,10 @@ def test_autograd_formulas_are_cpp_and_record_only_what_needs_a_gradient():
                 assert [t.shape for t in torch.ops.hoad.jet_mm(Jf, cf, Wf)] == [(4, 3, 6), (4, 6)]
 
 
-def tanh_net(sizes: tuple[int, ...], seed: int):
-    """A tanh MLP u: (..., sizes[0]) -> (...), and its weights."""
-    Ws = [rand(a, b, seed=seed + i) / a ** 0.5 for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
+def tanh_net(sizes: tuple[int, ...], seed: int, trainable: bool = False):
+    """A tanh MLP u: (..., sizes[0]) -> (...), and its weights (requiring grad if ``trainable``)."""
+    Ws = [(rand(a, b, seed=seed + i) / a ** 0.5).requires_grad_(trainable)
+          for i, (a, b) in enumerate(zip(sizes, sizes[1:]))]
     bs = [rand(b, seed=seed + 50 + i) / 10 for i, b in enumerate(sizes[1:])]
 
     def u(x):
@@ -393,6 +394,14 @@ def tanh_net(sizes: tuple[int, ...], seed: int):
         return (x @ Ws[-1] + bs[-1]).squeeze(-1)
 
     return u, Ws
+
+
+def assert_laplacian_loss_gradients(got, u, Ws, X) -> None:
+    """``got``, the gradients of Σ (Δu)² over the points X with respect to Ws, against nested Hessians."""
+    H = vmap(hessian(u))(X)
+    ref = torch.autograd.grad((H.diagonal(dim1=1, dim2=2).sum(-1) ** 2).sum(), Ws)
+    for g, r in zip(got, ref):
+        assert_close(g, r, "dL/dW")
 
 
 @pytest.fixture
@@ -524,18 +533,12 @@ def test_pair_squares_fuse_for_any_jets(reader, inner, tall):
 @needs_jets
 def test_training_through_the_kernel(inductor_layout_run_eagerly):
     """A PINN-style loss on the Laplacian, differentiated through hoad::jet_sqnorm's formula."""
-    u, Ws = tanh_net((3, 8, 7, 1), seed=60)
-    for W in Ws:
-        W.requires_grad_(True)
+    u, Ws = tanh_net((3, 8, 7, 1), seed=60, trainable=True)
     X = rand(6, 3, seed=2)
     op = hoad.laplacian(u, batch_dim=0, backend="eager")
     loss = (op(X).laplacian ** 2).sum()
     assert "hoad.jet_sqnorm(" in str(op.graph)
-    got = torch.autograd.grad(loss, Ws)
-    H = vmap(hessian(u))(X)
-    ref = torch.autograd.grad((H.diagonal(dim1=1, dim2=2).sum(-1) ** 2).sum(), Ws)
-    for g, r in zip(got, ref):
-        assert_close(g, r, "dL/dW")
+    assert_laplacian_loss_gradients(torch.autograd.grad(loss, Ws), u, Ws, X)
 
 
 @needs_jets
@@ -650,9 +653,7 @@ def test_jets_grad_strided_broadcast_empty_and_float32_operands():
 def test_a_compiled_training_step_backs_through_jets_grad():
     """Training under Inductor: AOTAutograd traces the jet kernels' backward as hoad::jets_grad (one
     call per layer), not the aten formula; the gradients match torch.func's."""
-    u, Ws = tanh_net((3, 8, 7, 1), seed=90)
-    for W in Ws:
-        W.requires_grad_(True)
+    u, Ws = tanh_net((3, 8, 7, 1), seed=90, trainable=True)
     X = rand(11, 3, seed=3)
     op = hoad.laplacian(u, batch_dim=0, backend="inductor")
     loss = (op(X).laplacian ** 2).sum()
@@ -660,10 +661,7 @@ def test_a_compiled_training_step_backs_through_jets_grad():
     with torch.profiler.profile() as prof:
         got = torch.autograd.grad(loss, Ws)
     assert any(e.name == "hoad::jets_grad" for e in prof.events())
-    H = vmap(hessian(u))(X)
-    ref = torch.autograd.grad((H.diagonal(dim1=1, dim2=2).sum(-1) ** 2).sum(), Ws)
-    for g, r in zip(got, ref):
-        assert_close(g, r, "dL/dW")
+    assert_laplacian_loss_gradients(got, u, Ws, X)
 
 
 @needs_jets
