@@ -31,6 +31,7 @@ from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
 from hoad.passes.prune import prune
+from hoad.passes.samples import keep_samples_apart
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class Build:
     prefix: Prefix | None = None         # the hoisted part, run before main when its inputs changed
     main: Callable | None = None         # the compiled program (after the prefix)
     run: Callable | None = None          # prefix and main together: run(*tensors) -> outputs
+    samples: list[int] = field(default_factory=list)   # inputs whose dim 0 is a symbol in the compiled main
     stats: dict = field(default_factory=dict)
 
 
@@ -122,6 +124,7 @@ def _capture(b: Build) -> Build:
                 raise InvalidArgumentError(
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
                     "samples along dim 0; every wrt input must have the same number of samples in dim 0")
+        keep_samples_apart(b.captured.gm, b.captured.wrt_leaves)
     return b
 
 
@@ -211,12 +214,13 @@ def _compile(b: Build) -> Build:
         b.prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
         with torch.no_grad():
             hoisted = b.prefix(b.tensors[n_user:])
-    samples: list[int] = []
+    samples = b.samples = []
     if b.config.sized is not None:
         other, count = b.config.sized
         general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0])
         if general is not None:
-            p.gm, samples = general, list(b.wrt_leaves)
+            p.gm = general
+            samples += b.wrt_leaves
         b.stats["any_samples"] = general is not None
     b.main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.func import jacfwd, jacrev
+from torch.func import jacfwd, jacrev, vmap
 
 import hoad
 from hoad.algebra import Target
@@ -56,27 +56,38 @@ def assert_close(got, ref, what=""):
 
 def check(f, args, wrt=(0,), order=3, reference_fn=None, **options):
     """Compile ``f`` with hoad and compare every canonical block (and permuted keys) to torch.func
-    (of ``reference_fn``, the same function in plain ops, when given)."""
+    (of ``reference_fn``, the same function in plain ops, when given); under ``batch_dim=0`` to
+    torch.func of one sample, for every sample."""
     wrt = tuple(wrt)
     cf = hoad.compile(f, order=order, wrt=wrt, **options)
     res = cf(*args)
     assert_close(res.value, f(*args), "value")
-    ref = reference(reference_fn or f, args, wrt, order)
+    batched = options.get("batch_dim") == 0
+    ref = (per_sample_reference if batched else reference)(reference_fn or f, args, wrt, order)
     for K, expected in ref.items():
         key = tuple(wrt[k] for k in K)
         assert_close(res[key], expected, f"block {key}")
         if len(set(K)) > 1:  # a non-canonical ordering is a permuted view of the same block
             rkey = key[::-1]
-            rref = reference_block(ref, K[::-1], args, wrt)
+            rref = reference_block(ref, K[::-1], args, wrt, batched)
             assert_close(res[rkey], rref, f"block {rkey}")
     return res, cf
 
 
-def reference_block(ref, positions, args, wrt):
+def per_sample_reference(f, args, wrt, order):
+    """:func:`reference` of one sample (dim 0 of each wrt input), for every sample."""
+    def single(*a):
+        return f(*[x.unsqueeze(0) if i in wrt else x for i, x in enumerate(a)]).squeeze(0)
+
+    in_dims = tuple(0 if i in wrt else None for i in range(len(args)))
+    return vmap(lambda *a: reference(single, a, wrt, order), in_dims=in_dims)(*args)
+
+
+def reference_block(ref, positions, args, wrt, batched=False):
     """A non-canonical block from the canonical reference by permuting slot groups."""
     K = tuple(sorted(positions))
     t = ref[K]
-    ranks = [args[wrt[k]].ndim for k in K]
+    ranks = [args[wrt[k]].ndim - batched for k in K]
     r = t.ndim - sum(ranks)
     offsets = [r + sum(ranks[:i]) for i in range(len(K))]
     used, perm = [False] * len(K), list(range(r))

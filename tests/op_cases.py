@@ -28,6 +28,8 @@ class Case:
     ops: tuple = field(default=())    # extra ops that must appear
     # the same function in plain ops, for torch.func where it has no derivative of the op itself
     reference: Callable | None = None
+    # hoad.compile options; batch_dim=0 for an op only hoad's sample pass writes (passes/samples.py)
+    options: dict = field(default_factory=dict)
 
 
 def _idx(*v):
@@ -121,6 +123,9 @@ CASES: dict = {
     aten.div.Tensor: Case(lambda x, y: (x.sin() / (y * y + 1)).sum(0), (rand(2, 3), rand(3)), wrt=(0, 1)),
     aten.div.Scalar: Case(lambda x: aten.div.Scalar(x.sin(), 3.0).exp().sum(), (rand(2, 3),)),
     aten.mm.default: Case(lambda x, w: (x @ w).tanh() @ w.t(), (rand(2, 3), rand(3, 3)), wrt=(0, 1), order=3),
+    # x @ W on [B, N, d] samples: torch's view to [B·N, d] and mm, which the sample pass unmerges
+    aten.matmul.default: Case(lambda x: (torch.tanh(x @ W43.t()) @ W43).sin().sum(-1), (rand(2, 3, 3),),
+                              options={"batch_dim": 0}),
     aten.bmm.default: Case(lambda a, b: torch.bmm(a.sin(), b).sum((0, 2)), (rand(2, 2, 3), rand(2, 3, 2)), wrt=(0, 1)),
     aten.maximum.default: Case(lambda x, y: torch.maximum(x.sin(), y).exp(), (rand(2, 3), rand(3)), wrt=(0, 1), order=3),
     aten.minimum.default: Case(lambda x, y: torch.minimum(x.sin(), y).exp().sum(), (rand(2, 3), rand(3)), wrt=(0, 1), order=3),

@@ -158,6 +158,46 @@ def test_biharmonic_sees_weight_updates():
     assert_close(op(X).biharmonic, vmap(_laplacian_of(_laplacian_of(u)))(X), "after an in-place update")
 
 
+def _trace(f):  # Σ_i ∂²f/∂x_i² for each output entry of f
+    return lambda x: torch.einsum("...ii->...", hessian(f)(x).flatten(-2 * x.ndim, -x.ndim - 1).flatten(-x.ndim))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_biharmonic_of_a_vector_output(mode):
+    """The outer program differentiates the inner Laplacian's; in reverse mode that program
+    contracts [k, B, 3] tangents through a [k, B·3] view, which hoad's sample pass unmerges (it
+    was a false BatchCouplingError)."""
+    W0, W1, W2 = rand(4, 6, seed=24) / 2, rand(6, 6, seed=25) / 2, rand(6, 3, seed=26)
+
+    def u(x):  # (..., 4) -> (..., 3)
+        return torch.tanh(torch.tanh(x @ W0) @ W1) @ W2
+
+    X = rand(5, 4, seed=27)
+    res = hoad.biharmonic(u, batch_dim=0, mode=mode, backend="eager")(X)
+    assert_close(res.biharmonic, vmap(_trace(_trace(u)))(X), "Δ²u per output entry")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_operators_of_a_model_on_sets_of_points(mode):
+    """nn.Linear on [B, N, d] samples: torch's product merges B and N into rows; the operators
+    stay per sample."""
+    torch.manual_seed(28)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+
+    def u(X):  # (B, N, 3) -> (B, 2)
+        return net(X).sin().sum(-2)
+
+    def single(x):
+        return u(x.unsqueeze(0)).squeeze(0)
+
+    X, V = rand(4, 5, 3, seed=29), rand(2, 5, 3, seed=30)
+    res = hoad.laplacian(u, batch_dim=0, mode=mode, backend="eager")(X)
+    assert_close(res.laplacian, vmap(_trace(single))(X), "Δu per sample")
+    res = hoad.laplacian(u, batch_dim=0, mode=mode, directions=V, backend="eager")(X)
+    ref = torch.einsum("sij,bkijlm,slm->bk", V, vmap(hessian(single))(X), V) / 2
+    assert_close(res.laplacian, ref, "Δ_V u per sample")
+
+
 def test_training_through_a_laplacian():
     W = rand(4, 6, seed=20).requires_grad_(True)
 

@@ -57,7 +57,7 @@ def test_rule(op, mode, monkeypatch):
         return vjp(v, g, *args, **kwargs)
 
     monkeypatch.setitem(VJPS, op, recording_vjp)
-    options = {"mode": mode}
+    options = {"mode": mode, **case.options}
     if case.tol is not None:
         import helpers
 

@@ -10,6 +10,7 @@ from torch.func import vjp as torch_vjp
 from hoad.algebra import Block
 from hoad.binding import bind_layout
 from hoad.passes.capture import capture
+from hoad.passes.samples import keep_samples_apart
 from hoad.rules import RULES, VJPS, Jet
 from hoad.rules.base import VjpCtx
 from helpers import assert_close
@@ -64,6 +65,8 @@ def test_vjp_rule(op):
     layout, tensors = bind_layout(case.fn, case.args, {})
     captured = capture(case.fn, layout, tensors, list(range(len(tensors))))
     gm = captured.gm
+    if case.options.get("batch_dim") == 0:
+        keep_samples_apart(gm, list(case.wrt))
     env = _values(gm, list(tensors) + captured.free)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
     assert nodes, f"{op} does not appear in its case"

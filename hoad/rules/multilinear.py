@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hoad.algebra import Block, contract
+from hoad.errors import HoadInternalError
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import broadcast, chain, leibniz, scaled
 from hoad.rules.elementwise import reciprocal
@@ -72,6 +73,24 @@ def mm_rule(ctx: Ctx, a, b):
 @RULES.register(aten.bmm.default)
 def bmm_rule(ctx: Ctx, a, b):
     return _contraction(ctx, a, b, "bik", "bkj", "bij")
+
+
+def _matmul_labels(a, b) -> tuple[str, str, str]:
+    """``a [..., k] @ b [k, j]``, the only matmul in a captured graph: torch decomposes the user's
+    and hoad's sample pass (passes/samples.py) writes this one, keeping a's leading axes apart."""
+    ra, rb = _value(a).ndim, _value(b).ndim
+    if rb != 2 or not 2 <= ra <= len(_KEPT):
+        raise HoadInternalError(f"matmul of ranks {ra} and {rb} in a captured graph: hoad writes only [..., k] @ [k, j]")
+    kept = _KEPT[:ra - 1]
+    return kept + "k", "kj", kept + "j"
+
+
+_KEPT = "abcdefghilmnopqrstuvwxyz"   # labels of a's leading axes (not k, j)
+
+
+@RULES.register(aten.matmul.default)
+def matmul_rule(ctx: Ctx, a, b):
+    return _contraction(ctx, a, b, *_matmul_labels(a, b))
 
 
 def _pick(ctx: Ctx, a, b, take_a: torch.Tensor) -> dict:
@@ -152,6 +171,11 @@ def mm_vjp(v, g: Block, a, b):
 @VJPS.register(aten.bmm.default)
 def bmm_vjp(v, g: Block, a, b):
     return _contraction_vjp(v, g, a, b, "bik", "bkj", "bij")
+
+
+@VJPS.register(aten.matmul.default)
+def matmul_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, *_matmul_labels(a, b))
 
 
 def _pick_vjp(v, g: Block, a, b, take_a: torch.Tensor) -> list:

@@ -1,0 +1,164 @@
+"""Under ``batch_dim``, keep the sample axis out of reshapes that merge it with other axes.
+
+Torch computes ``x @ W`` on an ``[B, N, d]`` input (``nn.Linear`` on a set or a sequence) as
+``view(x, [B·N, d])``, ``mm`` and a view back; hoad's own reverse programs contract ``[k, B, c]``
+tangents the same way, through ``[k, B·c]``. The block algebra ties the sample axis of a value to
+the sample axis of each slot; an axis of size B·N cannot be tied to one of size B, so the view
+would untie the samples and the program would stop being per sample (a false
+:class:`~hoad.BatchCouplingError`).
+
+This pass rewrites such products to ``aten.matmul`` on the unmerged operand, whose rule
+contracts the last axis and keeps every other axis apart, and moves the merging view past
+pointwise ops toward the view that splits the axis back, where the two cancel. The rewrites are
+exact identities; a merge they cannot move stays, and the algebra then unties it as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from hoad.passes.clean import fold_layout, shape_of
+
+aten = torch.ops.aten
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
+    """Rewrite, in place, products and pointwise ops that read a view merging leading axes of a
+    value that depends on the placeholders at positions ``wrt``."""
+    changed = True
+    while changed:
+        changed = False
+        varies = _depending(gm, wrt)
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or not node.users:
+                continue
+            if node.target == aten.mm.default:
+                changed |= _unmerge_product(gm, node, varies)
+            elif torch.Tag.pointwise in getattr(node.target, "tags", ()):
+                changed |= _sink_past_pointwise(gm, node, varies)
+        changed |= fold_layout(gm)
+        gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    varies = {placeholders[i] for i in wrt}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(a in varies for a in node.all_input_nodes):
+            varies.add(node)
+    return varies
+
+
+def _merged_rows(v, varies) -> int:
+    """How many leading axes of its source the view ``v`` merges into its first axis (0 where it
+    does something else): ``[s1, ..., sn, *t] -> [s1·...·sn, *t]``."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+        return 0
+    old, new = shape_of(v.args[0]), shape_of(v)
+    if old is None or new is None or not new:
+        return 0
+    n = len(old) - len(new) + 1
+    if n < 2 or list(old[n:]) != list(new[1:]) or math.prod(old[:n]) != new[0]:
+        return 0
+    return n if sum(s != 1 for s in old[:n]) >= 2 else 0
+
+
+def _merged_columns(v, varies) -> bool:
+    """Whether the view ``v`` is ``[k, s1, ..., sn] -> [k, s1·...·sn]`` with n >= 2."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+        return False
+    old, new = shape_of(v.args[0]), shape_of(v)
+    return (old is not None and new is not None and len(new) == 2 and len(old) >= 3 and old[0] == new[0]
+            and sum(s != 1 for s in old[1:]) >= 2)
+
+
+def _unmerge_product(gm: fx.GraphModule, mm: fx.Node, varies: set) -> bool:
+    a, b = mm.args
+    if _merged_rows(a, varies):      # [s..., d] @ [d, h] through [P, d]
+        z = a.args[0]
+        with gm.graph.inserting_before(mm):
+            out = _call(gm, mm, aten.matmul.default, (z, b))
+            merged = _call(gm, mm, aten.view.default, (out, list(shape_of(mm))))
+    elif _merged_columns(b, varies):   # [m, k] @ [k, s...] through [k, Q]
+        z = b.args[0]
+        r = len(shape_of(z))
+        with gm.graph.inserting_before(mm):
+            zt = _call(gm, mm, aten.permute.default, (z, list(range(1, r)) + [0]))
+            at = _call(gm, mm, aten.permute.default, (a, [1, 0]))
+            out = _call(gm, mm, aten.matmul.default, (zt, at))                       # [s..., m]
+            out = _call(gm, mm, aten.permute.default, (out, [r - 1] + list(range(r - 1))))
+            out = _call(gm, mm, aten.clone.default, (out,), {"memory_format": torch.contiguous_format})
+            merged = _call(gm, mm, aten.view.default, (out, list(shape_of(mm))))
+    else:
+        return False
+    mm.replace_all_uses_with(merged)
+    return True
+
+
+def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
+    """``op(view(z), c)`` -> ``view(op(z, c))`` for a view merging leading axes, where every
+    other tensor operand broadcasts over the unmerged trailing axes only."""
+    views = {a for a in node.all_input_nodes if _merged_rows(a, varies)}
+    if len(views) != 1:
+        return False
+    (v,) = views
+    z, n, new = v.args[0], _merged_rows(v, varies), shape_of(v)
+    trailing = len(new) - 1
+    args = []
+    for a in node.args:
+        if a is v:
+            args.append(z)
+        elif isinstance(a, fx.Node):
+            s = shape_of(a)
+            if s is None or len(s) > trailing + 1 or (len(s) == trailing + 1 and s[0] != 1):
+                return False
+            args.append(a if len(s) <= trailing else _call_before(gm, node, aten.view.default, (a, list(s[1:]))))
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return False
+        else:
+            args.append(a)
+    if any(isinstance(x, fx.Node) for x in fx.node.map_aggregate(node.kwargs, lambda x: x).values()):
+        return False
+    out_shape = shape_of(node)
+    if out_shape is None or len(out_shape) != len(new):
+        return False
+    with gm.graph.inserting_before(node):
+        out = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
+        merged = _call(gm, node, aten.view.default, (out, list(out_shape)))
+    node.replace_all_uses_with(merged)
+    return True
+
+
+def _call_before(gm: fx.GraphModule, where: fx.Node, target, args, kwargs=None) -> fx.Node:
+    with gm.graph.inserting_before(where):
+        return _call(gm, where, target, args, kwargs)
+
+
+def _call(gm: fx.GraphModule, origin: fx.Node, target, args, kwargs=None) -> fx.Node:
+    """A new node computing ``target(*args)`` with its traced value, placed where the graph's
+    insertion point is, and sourced (for error messages) to ``origin``."""
+    kwargs = kwargs or {}
+    node = gm.graph.call_function(target, args, kwargs)
+    vals, kw = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    with detect_fake_mode(_leaves(vals)) or contextlib.nullcontext():
+        node.meta["val"] = target(*vals, **kw)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in origin.meta:
+            node.meta[key] = origin.meta[key]
+    return node
+
+
+def _leaves(tree) -> list:
+    out = []
+    fx.node.map_aggregate(tree, lambda x: out.append(x) if isinstance(x, torch.Tensor) else None)
+    return out
