@@ -539,7 +539,7 @@ class _Entry:
         self.n_user = len(b.tensors) - len(b.captured.free)
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
-                                   self.n_user) if b.config.backend == "inductor" else None
+                                   self.n_user, b.samples) if b.config.backend == "inductor" else None
         free = b.captured.free
         self.roots = roots
         self.sources = list(b.sources)

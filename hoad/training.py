@@ -20,6 +20,7 @@ backward works as in the eager backend.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -31,7 +32,7 @@ import torch.fx as fx
 
 from hoad.errors import CompileError
 from hoad.lowering.inductor import hoad_inductor, use_cache_dir
-from hoad.passes.compile import eager_program
+from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS
 
@@ -43,8 +44,9 @@ class Trainable:
     require grad, and the eager twin for double backward."""
 
     def __init__(self, main: fx.GraphModule, label: str, prefix: fx.GraphModule | None = None,
-                 reads: Sequence[int] = (), first_free: int = 0):
+                 reads: Sequence[int] = (), first_free: int = 0, samples: Sequence[int] = ()):
         self.main, self.prefix = main, (prefix, tuple(reads), first_free)  # folded into gm on first use
+        self.samples = tuple(samples)   # inputs whose dim 0 is the sample count, a symbol in main
         self.label = label
         self._eager: Callable | None = None
         self._compiled: dict[tuple[int, ...], Callable] = {}
@@ -83,12 +85,11 @@ class Trainable:
 
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Callable:
         from torch._inductor.compile_fx import compile_fx
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         use_cache_dir()
-        fake = FakeTensorMode(shape_env=ShapeEnv())
-        examples = [fake.from_tensor(t) for t in inputs]
+        # only the sample count is a symbol: with every size one (duck-sized), a backward whose
+        # inputs carry only a product of two sizes failed in Inductor's codegen (an [B, N, d] input)
+        examples, _ = symbolic_inputs(inputs, self.samples)
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # compile_fx changes what it gets
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
@@ -143,16 +144,31 @@ class _Guard(torch.autograd.Function):
                 outs = program.eager(*primals)
         else:  # a plain backward: the compiled one
             primals, outs, ctx.primals, ctx.outs = ctx.primals, ctx.outs, None, None
-            direct = _compiled_backward(outs, primals, cotangents)
+            with _compile_errors(ctx.program):
+                direct = _compiled_backward(outs, primals, cotangents)
             if direct is not None:
                 return (None, *[g if i in needs else None for i, g in enumerate(direct)])
         pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
         if pairs and needs:
-            got = torch.autograd.grad([o for o, _ in pairs], [primals[i] for i in needs], [c for _, c in pairs],
-                                      create_graph=create, allow_unused=True)
+            with _compile_errors(ctx.program):
+                got = torch.autograd.grad([o for o, _ in pairs], [primals[i] for i in needs],
+                                          [c for _, c in pairs], create_graph=create, allow_unused=True)
             for i, g in zip(needs, got):
                 grads[i] = g
         return (None, *grads)
+
+
+@contextlib.contextmanager
+def _compile_errors(program: Trainable):
+    """AOTAutograd compiles a backward with a symbolic size when it first runs: an Inductor
+    failure there is the same :class:`CompileError` as one at the forward's compile."""
+    from torch._inductor.exc import InductorError
+
+    try:
+        yield
+    except InductorError as e:
+        raise CompileError(f"Inductor failed to compile the backward of {program.label} ({e}); "
+                           "backend='eager' trains through the same program without compiling it") from e
 
 
 def _compiled_backward(outs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor], cotangents) -> list | None:

@@ -66,7 +66,7 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     at ``samples`` is a symbol (one program for every number of samples, :mod:`hoad.passes.dynamic`)."""
     fake = None
     if samples:
-        example_inputs, fake = _symbolic(example_inputs, samples)
+        example_inputs, fake = symbolic_inputs(example_inputs, samples)
     from torch._dynamo.utils import counters
 
     where = use_cache_dir()
@@ -102,7 +102,9 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     return _Compiled(artifact, seconds, hit)
 
 
-def _symbolic(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple[list[torch.Tensor], object]:
+def symbolic_inputs(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple[list[torch.Tensor], object]:
+    """Fake inputs for a compile: dim 0 of the tensors at ``samples`` is a symbol, every other size
+    is fixed (sizes that happen to be equal stay independent, as they are in the program)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 

@@ -255,6 +255,28 @@ def test_a_retained_graph_runs_backward_twice(backend):
 
 
 @pytest.mark.inductor
+@pytest.mark.inductor
+def test_training_through_a_model_on_sets_of_points():
+    """A Laplacian loss of nn.Linear layers on [B, N, d] samples through the Inductor program. Its
+    compiled backward reads tensors of B·N rows only: with every size a symbol, Inductor failed to
+    compile it (a raw InductorError at loss.backward()); now only the sample count may be one."""
+    torch.manual_seed(31)
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    params = list(net.parameters())
+
+    def u(X):  # (B, N, 3) -> (B,)
+        return net(X).squeeze(-1).pow(2).sum(-1)
+
+    def laplacian(X):
+        H = vmap(hessian(lambda x: u(x.unsqueeze(0)).squeeze(0)))(X)
+        return H.flatten(1, 2).flatten(2).diagonal(dim1=1, dim2=2).sum(-1)
+
+    X = rand(4, 5, 3, seed=32)
+    (hoad.laplacian(u, batch_dim=0, backend="inductor")(X).laplacian ** 2).mean().backward()
+    for got, ref in zip(_grads(params), _reference_grads(lambda: (laplacian(X) ** 2).mean(), params)):
+        assert_close(got, ref, "parameter gradient")
+
+
 def test_training_ignores_a_process_wide_cpp_wrapper():
     """torch._inductor.config.cpp_wrapper turned on by the user: the training compile pins it off
     (with it, the compiled program's outputs carried no autograd graph, and every gradient was
