@@ -270,9 +270,12 @@ def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
             # [P, T, S, M] back to X's [P, M, S1, S2]
             jets = _call(g, aten.permute.default, (stored, [0, 3, 2, 1] if t_axis == 3 else [0, 3, 1, 2]))
             q = _call(g, operator.getitem, (both, 1))
+        elif K * (T + M) < T * S * M:
+            q = _gram_square(g, J2, c3, W, P, K, M)
         else:
             q = _call(g, torch.ops.hoad.jet_sqnorm.default, (J2, c2, W))
-        q = _call(g, aten.sum.dim_IntList, (_call(g, aten.view.default, (q, [P, T, M])), [1]))
+        if q.meta["val"].shape[0] == P * T:
+            q = _call(g, aten.sum.dim_IntList, (_call(g, aten.view.default, (q, [P, T, M])), [1]))
         q = _call(g, aten.view.default, (q, list(shape_of(out))))
     q.meta.update({k: v for k, v in out.meta.items() if k != "val"})
     out.replace_all_uses_with(q)
@@ -296,6 +299,20 @@ def _fuse_pair_square(g: fx.Graph, sq: fx.Node, lowering: Lowering) -> bool:
         r.replace_all_uses_with(new)
         _erase_chain(g, r)
     return True
+
+
+def _gram_square(g: fx.Graph, J2: fx.Node, c3: fx.Node, W: fx.Node, P: int, K: int, M: int) -> fx.Node:
+    """Σ_{s,t} X[p,m,s,t]² for X = Σ_k W[k,m] J[s,k] c[p,k,t], without X: it equals
+    Σ_{k,l} W[k,m] W[l,m] G[k,l] C[p,k,l], with G = JᵀJ (shared by the points) and C = c cᵀ per
+    point, which costs P·K²·(T + M) multiply-adds instead of the jets' P·T·S·K·M. Returns [P, M].
+    At 16 and 16 directions and 64 units that is 3.2x fewer; at 50 and 50 directions and 128
+    units, 14x."""
+    G = _call(g, aten.mm.default, (_call(g, aten.permute.default, (J2, [1, 0])), J2))           # [K, K]
+    C = _call(g, aten.bmm.default, (c3, _call(g, aten.permute.default, (c3, [0, 2, 1]))))      # [P, K, K]
+    E = _call(g, aten.mul.Tensor, (C, G))
+    F = _call(g, aten.mm.default, (_call(g, aten.view.default, (E, [P * K, K])), W))           # [P·K, M]
+    return _call(g, aten.sum.dim_IntList, (_call(g, aten.mul.Tensor, (
+        _call(g, aten.view.default, (F, [P, K, M])), W)), [1]))
 
 
 def _contractions(X: fx.Node, readers: list, s_axis: int, t_axis: int) -> list | None:

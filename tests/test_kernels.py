@@ -456,26 +456,28 @@ def test_laplacians_square_their_jets_in_the_kernel(sizes, kind, mode, inductor_
 
 @needs_jets
 @pytest.mark.inductor
-@pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
+@pytest.mark.parametrize("mode, width", [("forward", 12), ("reverse", 12), ("forward", 20)])
+def test_biharmonics_square_their_direction_pairs_without_storing_them(mode, width):
     """The biharmonic (an Inductor Laplacian of an eager Laplacian program): its fourth-order term
     squares jets that carry a pair of directions, the outer ones through the first layer's shared
-    jets and the inner ones per point; each pair (point, inner direction) is a point of the jet
-    kernel. The jets' other reader contracts them over the outer directions: two small products,
-    so the kernel does not store them. Exact against nested Hessians, and so are the gradients of
-    a loss on it (training through the fused program)."""
-    u, Ws = tanh_net((5, 12, 10, 1), seed=21)
+    jets and the inner ones per point. With 12 first-layer units (K (T + M) = 180 < T S M = 250)
+    the squares' sum comes from the factors' Gram matrices; with 20 (300 > 250) each pair (point,
+    inner direction) is a point of the jet kernel. The jets' other reader contracts them over the
+    outer directions: two small products, so the jets are never stored. Exact against nested
+    Hessians, and so are the gradients of a loss on it (training through the fused program)."""
+    u, Ws = tanh_net((5, width, 10, 1), seed=21)
     X = rand(6, 5, seed=2)
     op = hoad.biharmonic(u, batch_dim=0, backend="inductor", mode=mode)
     res = op(X)
     program = str(op.outer.compiled.graph)
-    assert "hoad.jet_sqnorm(" in program and "hoad.jet_mm(" not in program
+    assert "hoad.jet_mm(" not in program
+    assert ("hoad.jet_sqnorm(" in program) == (width == 20)
     lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
     assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
     if mode == "forward":  # another number of points: the program built dynamic in it, fused again
         X2 = rand(11, 5, seed=4)
         assert_close(op(X2).biharmonic, vmap(lap(lap(u)))(X2), "biharmonic, 11 points")
-        assert "hoad.jet_sqnorm(" in str(op.outer.compiled.graph)
+        assert ("hoad.jet_sqnorm(" in str(op.outer.compiled.graph)) == (width == 20)
     if mode == "reverse":  # training through it: AOTAutograd's backward of the fused program
         for W in Ws:
             W.requires_grad_(True)
@@ -489,19 +491,21 @@ def test_biharmonics_square_their_direction_pairs_in_the_kernel(mode):
 @pytest.mark.parametrize("reader", ["contraction", "other", "both"])
 @pytest.mark.parametrize("inner", [1, 2])
 @pytest.mark.parametrize("tall", [False, True])
-def test_pair_squares_fuse_for_any_jets(reader, inner, tall):
+@pytest.mark.parametrize("K", [6, 40])
+def test_pair_squares_fuse_for_any_jets(reader, inner, tall, K):
     """The pass on a program of that form with jets that are not symmetric in their pair of
     directions (S1 != S2, random factors; a biharmonic's are, which hides a transposed pair): the
     shared factor over either pair axis, the product either way round. The jets' other readers:
     a contraction over the shared factor's axis (X·F + F·X summed, F constant in the other axis)
-    is computed from the factors by two small products, and the kernel never stores X; any other
-    reader (here one weighted along both axes) reads X stored by jet_mm."""
+    is computed from the factors by two small products, and X is never stored: its squares come
+    from the kernel, or, with few units K, from the factors' Gram matrices; any other reader
+    (here one weighted along both axes) reads X stored by jet_mm."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from hoad.lowering.inductor import this_machine
     from hoad.passes.lower import fuse_jet_squares
 
-    P, K, S1, S2, M = 3, 6, 4, 5, 7
+    P, S1, S2, M = 3, 4, 5, 7
     shared, point = ((K, 1, S1, 1), (K, P, 1, S2)) if inner == 2 else ((K, 1, 1, S2), (K, P, S1, 1))
     s_axis = 2 if inner == 2 else 3  # the shared factor's axis of X [P, M, S1, S2]
     F_shape = (P, M, S1, 1) if inner == 2 else (P, M, 1, S2)
@@ -524,8 +528,13 @@ def test_pair_squares_fuse_for_any_jets(reader, inner, tall):
             rand(P, M, S1, S2, seed=5))
     gm = make_fx(f, tracing_mode="fake")(*args)
     gm = fuse_jet_squares(gm, this_machine())
-    kernel = torch.ops.hoad.jet_sqnorm.default if reader == "contraction" else torch.ops.hoad.jet_mm.default
-    assert [n.target for n in gm.graph.nodes if "hoad" in str(n.target)] == [kernel]
+    kernels = [n.target for n in gm.graph.nodes if "hoad" in str(n.target)]
+    if reader != "contraction":
+        assert kernels == [torch.ops.hoad.jet_mm.default]
+    elif K == 40:  # K (T + M) > T S M: the jets' products are fewer
+        assert kernels == [torch.ops.hoad.jet_sqnorm.default]
+    else:
+        assert kernels == [] and torch.ops.aten.bmm.default in [n.target for n in gm.graph.nodes]
     for got, want in zip(gm(*args), f(*args)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
