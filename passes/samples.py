@@ -41,6 +41,8 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
                 continue
             if node.target == aten.mm.default:
                 changed |= _unmerge_product(gm, node, varies)
+            elif node.target == aten.bmm.default:
+                changed |= _unmerge_batched_product(gm, node, varies)
             elif torch.Tag.pointwise in getattr(node.target, "tags", ()):
                 changed |= _sink_past_pointwise(gm, node, varies)
         changed |= fold_layout(gm)
@@ -59,10 +61,12 @@ def _depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
     return varies
 
 
-def _merged_rows(v, varies) -> int:
+def _merged_rows(v, varies: set | None) -> int:
     """How many leading axes of its source the view ``v`` merges into its first axis (0 where it
-    does something else): ``[s1, ..., sn, *t] -> [s1·...·sn, *t]``."""
-    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+    does something else, or where its source is not in ``varies``, if given):
+    ``[s1, ..., sn, *t] -> [s1·...·sn, *t]``."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS
+            and (varies is None or v.args[0] in varies)):
         return 0
     old, new = shape_of(v.args[0]), shape_of(v)
     if old is None or new is None or not new:
@@ -102,6 +106,23 @@ def _unmerge_product(gm: fx.GraphModule, mm: fx.Node, varies: set) -> bool:
     else:
         return False
     mm.replace_all_uses_with(merged)
+    return True
+
+
+def _unmerge_batched_product(gm: fx.GraphModule, bmm: fx.Node, varies: set) -> bool:
+    """``bmm`` of two views merging the same leading axes (torch's ``W @ x`` on ``[B, n, k, l]``:
+    W expanded to ``[B, n, m, k]``, both viewed ``[B·n, ...]``) -> matmul of the unmerged two."""
+    a, b = bmm.args
+    n = _merged_rows(a, None)
+    if not n or n != _merged_rows(b, None):
+        return False
+    za, zb = a.args[0], b.args[0]
+    if shape_of(za)[:n] != shape_of(zb)[:n] or (za not in varies and zb not in varies):
+        return False
+    with gm.graph.inserting_before(bmm):
+        out = _call(gm, bmm, aten.matmul.default, (za, zb))
+        merged = _call(gm, bmm, aten.view.default, (out, list(shape_of(bmm))))
+    bmm.replace_all_uses_with(merged)
     return True
 
 

@@ -76,16 +76,22 @@ def bmm_rule(ctx: Ctx, a, b):
 
 
 def _matmul_labels(a, b) -> tuple[str, str, str]:
-    """``a [..., k] @ b [k, j]``, the only matmul in a captured graph: torch decomposes the user's
-    and hoad's sample pass (passes/samples.py) writes this one, keeping a's leading axes apart."""
-    ra, rb = _value(a).ndim, _value(b).ndim
-    if rb != 2 or not 2 <= ra <= len(_KEPT):
-        raise HoadInternalError(f"matmul of ranks {ra} and {rb} in a captured graph: hoad writes only [..., k] @ [k, j]")
-    kept = _KEPT[:ra - 1]
-    return kept + "k", "kj", kept + "j"
+    """``a [..., k] @ b [k, j]`` or ``a [..., i, k] @ b [..., k, j]`` (the same leading axes), the
+    only matmuls in a captured graph: torch decomposes the user's, and hoad's sample pass
+    (passes/samples.py) writes these, keeping the leading axes apart."""
+    va, vb = _value(a), _value(b)
+    ra, rb = va.ndim, vb.ndim
+    if rb == 2 and 2 <= ra <= len(_KEPT) + 1:
+        kept = _KEPT[:ra - 1]
+        return kept + "k", "kj", kept + "j"
+    if ra == rb and 3 <= ra <= len(_KEPT) + 2 and va.shape[:-2] == vb.shape[:-2]:
+        kept = _KEPT[:ra - 2]
+        return kept + "ik", kept + "kj", kept + "ij"
+    raise HoadInternalError(f"matmul of shapes {tuple(va.shape)} and {tuple(vb.shape)} in a captured graph: hoad "
+                            "writes only [..., k] @ [k, j] and [..., i, k] @ [..., k, j]")
 
 
-_KEPT = "abcdefghilmnopqrstuvwxyz"   # labels of a's leading axes (not k, j)
+_KEPT = "abcdefghlmnopqrstuvwxyz"   # labels of the leading axes (not i, j, k)
 
 
 @RULES.register(aten.matmul.default)
