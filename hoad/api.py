@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError
-from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names
+from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, positional_names
 from hoad.algebra import Target
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
@@ -308,9 +308,7 @@ class Compiled:
                 free = entry.read_free() if entry is not None else None
                 if free is None:
                     if entry is not None:
-                        log.info("hoad: a tensor %s reads changed its shape, dtype or device; tracing again",
-                                 getattr(self.fn, "__name__", "the function"))
-                        del self._cache[key]
+                        self._forget(entry)
                     family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
                     entry = family.entry if family is not None and family.entry is not None else None
                     if entry is not None:  # one program for every number of samples
@@ -350,6 +348,20 @@ class Compiled:
             entry = self._compile(args, kwargs, config)
         self._keep(key, entry)
         return entry
+
+    def _forget(self, entry: _Entry) -> None:
+        """Drop a program whose free tensors or Python values changed (every key it serves, and
+        the sample-count families, which may hold it or a graph traced with the old values)."""
+        name = getattr(self.fn, "__name__", "the function")
+        if entry.why.startswith("a tensor") or entry.why.endswith(".training changed (True -> False)") \
+                or entry.why.endswith(".training changed (False -> True)"):
+            log.info("hoad: %s: %s; tracing it again", name, entry.why)
+        else:
+            log.warning("hoad: %s was traced with Python values it may read, and %s; tracing it again (keep values "
+                        "that change between calls in tensors: a tensor is read afresh at every call)", name, entry.why)
+        for key in [k for k, e in self._cache.items() if e is entry]:
+            del self._cache[key]
+        self._families.clear()
 
     def _keep(self, key, entry: _Entry) -> None:
         if len(self._cache) >= MAX_PROGRAMS:
@@ -542,6 +554,8 @@ class _Entry:
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
         free = b.captured.free
         self.roots = roots
+        self.guards = find_guards(roots)
+        self.why = ""
         self.sources = list(b.sources)
         self.metas = [(t.shape, t.dtype, t.device) for t in free]
         # tensors whose source was not found are held by identity (in-place updates still seen)
@@ -570,7 +584,13 @@ class _Entry:
 
     def read_free(self) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or
-        its source is gone): then the program must be traced again."""
+        its source is gone), or a Python value the function reaches changed (:class:`Guard`):
+        then the program must be traced again, and ``why`` says why."""
+        for guard in self.guards:
+            why = guard.changed(self.roots)
+            if why is not None:
+                self.why = why
+                return None
         if not self.metas:
             return []
         out = []
@@ -581,8 +601,9 @@ class _Entry:
                 try:
                     t = src.resolve(self.roots)
                 except (AttributeError, KeyError, IndexError, ValueError, TypeError):
-                    return None
+                    t = None
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != meta:
+                self.why = "a tensor it reads changed its shape, dtype or device (or is gone)"
                 return None
             out.append(t)
         return out

@@ -20,6 +20,7 @@ by identity: in-place updates are still seen, a rebinding is not, and hoad warns
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
+
+from hoad.errors import CaptureError
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +244,128 @@ def find_sources(roots: dict, tensors: Sequence[torch.Tensor]) -> list[Source | 
             break
         frontier = following
     return found
+
+
+# ---------------------------------------------------------------------------- Python values
+SCALARS = (bool, int, float, complex, str, type(None))
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The Python values an object holds (``step`` from it, value), as a function was traced.
+
+    Tracing bakes the Python values a function reads into its program as constants: a closed-over
+    ``k = 2.0``, a module's ``self.scale``, the ``training`` flag that picks dropout or batch
+    statistics. Each call checks them again (:meth:`changed`); any change traces the function again.
+    """
+
+    parent: Source
+    values: tuple[tuple[Step, object], ...]
+
+    def changed(self, roots: dict) -> str | None:
+        """None if every value is as traced, else which one changed and how."""
+        try:
+            obj = self.parent.resolve(roots)
+        except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+            return f"{self.parent.name} is gone"
+        for step, was in self.values:
+            try:
+                now = _STEP[step[0]](obj, step[1])
+            except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+                return f"{_step_name(self.parent, step)} is gone"
+            if not _same(now, was):
+                return f"{_step_name(self.parent, step)} changed ({was!r} -> {now!r})"
+        return None
+
+
+def _step_name(parent: Source, step: Step) -> str:
+    return Source(parent.root, parent.steps + (step,)).name
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN is NaN
+
+
+def find_guards(roots: dict) -> list[Guard]:
+    """Every Python scalar (bool, int, float, str, None) the search for free tensors reaches from
+    ``roots``, grouped by the object that holds it. hoad's own objects (a nested operator) are not
+    entered: their settings do not change."""
+    guards: list[Guard] = []
+    seen: set[int] = set()
+    frontier = [(name, obj, ()) for name, obj in roots.items()]
+    for _depth in range(MAX_DEPTH + 1):
+        following = []
+        for root, obj, steps in frontier:
+            if id(obj) in seen or isinstance(obj, torch.Tensor) or type(obj).__module__.startswith("hoad."):
+                continue
+            seen.add(id(obj))
+            values = []
+            for step, child in _children(obj):
+                if isinstance(child, SCALARS):
+                    values.append((step, child))
+                else:
+                    following.append((root, child, steps + (step,)))
+            if values:
+                guards.append(Guard(Source(root, steps), tuple(values)))
+        if not following:
+            break
+        frontier = following
+    return guards
+
+
+@contextlib.contextmanager
+def untouched(roots: dict):
+    """Tensors reachable from ``roots`` as they were, after the block (a trace) ran.
+
+    Tracing runs the function's Python: an in-place update of a tensor it reaches (batch norm's
+    ``num_batches_tracked.add_(1)`` in training mode) runs for real on that tensor, while the
+    program replays the same write at every call: one update too many. Small tensors that are not
+    parameters are copied first and written back if the trace changed them; a parameter or a large
+    tensor changed by the trace is refused."""
+    tensors: dict[int, torch.Tensor] = {}
+    for obj in _reachable(roots):
+        if isinstance(obj, torch.Tensor) and not obj.is_inference():
+            tensors.setdefault(id(obj), obj)
+    before = [(t, t._version, t.detach().clone() if _copied(t) else None) for t in tensors.values()]
+    try:
+        yield
+    finally:
+        lost = []
+        for t, version, copy in before:
+            if t._version != version:
+                if copy is None:
+                    lost.append(t)
+                else:
+                    with torch.no_grad():
+                        t.copy_(copy)
+    if lost:
+        t = lost[0]
+        raise CaptureError(
+            f"tracing the function wrote into a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} "
+            f"{tuple(t.shape)} it reaches; a derivative program replays such writes at every call, and hoad can undo "
+            "the trace's own write only for small buffers. Move the update out of the function")
+
+
+def _copied(t: torch.Tensor) -> bool:
+    return not isinstance(t, torch.nn.Parameter) and t.numel() <= 1 << 20
+
+
+def _reachable(roots: dict) -> Iterator[object]:
+    """Every object the search for free tensors reaches from ``roots``, each once."""
+    seen: set[int] = set()
+    frontier = list(roots.values())
+    for _depth in range(MAX_DEPTH + 1):
+        following = []
+        for obj in frontier:
+            if id(obj) in seen or isinstance(obj, SCALARS):
+                continue
+            seen.add(id(obj))
+            yield obj
+            if not isinstance(obj, torch.Tensor):
+                following += [child for _, child in _children(obj)]
+        if not following:
+            break
+        frontier = following
 
 
 def _children(obj) -> Iterator[tuple[Step, object]]:

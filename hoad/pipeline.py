@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
-from hoad.binding import CallLayout, Keyword, Source, find_sources
+from hoad.binding import CallLayout, Keyword, Source, find_sources, untouched
 from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
@@ -111,7 +111,8 @@ def _capture(b: Build) -> Build:
         b.sources = find_sources(b.roots, free)
         return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
 
-    b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free)
+    with untouched(b.roots):
+        b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free)
     b.tensors = list(b.tensors) + b.captured.free
     if b.config.batch_dim is not None:
         out = b.captured.out_shape

@@ -76,6 +76,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                            f"{_at(user_frame(e.__traceback__))}") from e
 
     _replace_view_mutations(gm)
+    _detach_writes(gm)
     out = _output_node(gm)
     val = out.meta.get("val") if isinstance(out, fx.Node) else None
     if not isinstance(val, torch.Tensor):
@@ -202,6 +203,18 @@ def _functional(gm: fx.GraphModule, example: Sequence[torch.Tensor]) -> fx.Graph
     left = sorted({str(n.target) for n in left})
     raise CaptureError(f"in-place operations {left} are left in the traced program after functionalization; "
                        "rewrite them out of place (e.g. x = x + y instead of x.add_(y))")
+
+
+def _detach_writes(gm: fx.GraphModule) -> None:
+    """A write into an input copies a value with no derivative (a running statistic): detached,
+    so that a call under autograd leaves the written tensor (a module's buffer) without a graph."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and _writes_input(node) and isinstance(node.args[1], fx.Node):
+            with gm.graph.inserting_before(node):
+                value = gm.graph.call_function(aten.detach.default, (node.args[1],))
+            value.meta = dict(node.args[1].meta)
+            node.args = (node.args[0], value) + tuple(node.args[2:])
+    gm.recompile()
 
 
 def _writes_input(node: fx.Node) -> bool:

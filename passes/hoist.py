@@ -88,25 +88,36 @@ def hoist(gm: fx.GraphModule, n_free: int) -> tuple[fx.GraphModule | None, fx.Gr
     return prefix, gm, reads
 
 
+# Inputs of a prefix past this size (all together) are not copied: the prefix runs at every call.
+MAX_KEPT_BYTES = 64 << 20
+
+
 class Prefix:
-    """Runs a prefix program when its inputs changed and otherwise returns its last outputs."""
+    """Runs a prefix program when its inputs changed and otherwise returns its last outputs.
+
+    Changed means another tensor object, a new version (any in-place update through autograd's
+    view of it), or other values: a write through ``.data`` or numpy bumps no version, so the
+    inputs are also compared with copies kept from the last run."""
 
     def __init__(self, run, reads: Sequence[int], first_free: int):
         self.run = run
         self.reads = list(reads)
         self.first_free = first_free        # where the free tensors start among the program inputs
-        # (state key, the input objects, the outputs): replaced as one value, so a thread never
-        # reads one call's key with another's outputs
-        self._last: tuple = (None, (), ())
+        # (state key, the input objects, their copies, the outputs): replaced as one value, so a
+        # thread never reads one call's key with another's outputs
+        self._last: tuple = (None, (), (), ())
 
     def __call__(self, free: Sequence[torch.Tensor]) -> tuple:
         inputs = [free[i] for i in self.reads]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         key = _state(inputs)
-        last_key, held, values = self._last
-        if needs_grad or key is None or key != last_key or any(a is not b for a, b in zip(inputs, held)):
+        last_key, held, copies, values = self._last
+        if (needs_grad or key is None or key != last_key or any(a is not b for a, b in zip(inputs, held))
+                or not all(torch.equal(a, c) for a, c in zip(inputs, copies))):
             values = tuple(self.run(*inputs))
-            self._last = (None, (), ()) if needs_grad or key is None else (key, tuple(inputs), values)
+            keep = not needs_grad and key is not None and sum(t.nbytes for t in inputs) <= MAX_KEPT_BYTES
+            self._last = (key, tuple(inputs), tuple(t.detach().clone() for t in inputs), values) if keep \
+                else (None, (), (), ())
         return values
 
 

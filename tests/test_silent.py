@@ -3,6 +3,8 @@ each fixed at its mechanism, checked here against nested torch.func in float64 (
 in plain ops where torch.func has no answer), in both directions.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -269,3 +271,85 @@ def test_as_strided_of_a_view_into_a_larger_storage_is_refused():
     torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x))
     with pytest.raises(hoad.InvalidArgumentError, match="larger storage"):
         cf(base[2:12])
+
+
+# ------------------------------------------------------------------ nothing stale between calls
+def _laplacian_of(f):
+    return lambda x: torch.func.hessian(f)(x).diagonal().sum()
+
+
+def test_a_closed_over_python_number_is_read_at_every_call():
+    """Tracing bakes Python numbers into the program; a changed one traces the function again."""
+    k = 2.0
+
+    def u(x):
+        return torch.sin(k * x).sum(-1)
+
+    lap, X = hoad.laplacian(u, batch_dim=0, backend="eager"), rand(3, 4, seed=40)
+    lap(X)
+    k = 3.0
+    assert_close(lap(X).laplacian, torch.func.vmap(_laplacian_of(u))(X), "after k = 3.0")
+
+
+def test_module_attributes_and_train_eval_switches_are_read_at_every_call():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.scale = torch.nn.Linear(4, 3).double(), 2.5
+
+        def forward(self, x):
+            return torch.tanh(self.scale * self.lin(x)).sum(-1)
+
+    torch.manual_seed(41)
+    net = Scaled()
+    X = rand(3, 4, seed=42)
+    lap = hoad.laplacian(lambda x: net(x), batch_dim=0, backend="eager")
+    lap(X)
+    net.scale = 0.5
+    assert_close(lap(X).laplacian, torch.func.vmap(_laplacian_of(net))(X), "after net.scale = 0.5")
+    drop = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5)).double().eval()
+    lap = hoad.laplacian(lambda x: drop(x).sum(-1), batch_dim=0, backend="eager")
+    lap(X)
+    drop.train()  # dropout draws random numbers now: refused, not the eval program
+    with pytest.raises(hoad.RandomnessError):
+        lap(X)
+
+
+def test_weights_changed_behind_autograd_are_seen():
+    """A write through .data (or numpy) bumps no version counter: the hoisted weight-only part of
+    the program (here Σ_i W_ij²) is recomputed anyway."""
+    W, a = rand(3, 5, seed=43), rand(5, seed=44)
+
+    def u(x):
+        return torch.tanh(x @ W) @ a
+
+    lap, X = hoad.laplacian(u, batch_dim=0, backend="eager"), rand(4, 3, seed=45)
+    lap(X)
+    W.data.mul_(2.0)
+    assert_close(lap(X).laplacian, torch.func.vmap(_laplacian_of(u))(X), "after W.data.mul_(2)")
+    W.numpy()[:] *= 0.5
+    assert_close(lap(X).laplacian, torch.func.vmap(_laplacian_of(u))(X), "after a write through numpy")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_tracing_does_not_update_buffers_and_leaves_them_without_a_graph(backend):
+    """Batch norm in training mode adds 1 to num_batches_tracked in Python: the trace ran that for
+    real, and the program replays it, so the first call counted twice (with momentum=None the
+    running statistics were then wrong). Under autograd the written statistics carried a graph,
+    and the module's next plain forward failed (and Inductor's training compile refused the
+    write: no derivative for copy_)."""
+    torch.manual_seed(46)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8, momentum=None),
+                              torch.nn.Tanh(), torch.nn.Linear(8, 1)).double().train()
+    ref = copy.deepcopy(net)
+    X = rand(6, 3, seed=47)
+    lap = hoad.laplacian(lambda x: net(x).sum(), backend=backend)
+    for _ in range(2):
+        lap(X).laplacian.backward()
+        with torch.no_grad():
+            ref(X)
+    for got, want in zip(net[1].buffers(), ref[1].buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not got.requires_grad
+    net.eval()
+    net(X)  # a plain forward still works
