@@ -18,6 +18,7 @@ adjoint form) is built, and the cost model keeps the cheaper, as for :func:`hoad
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -95,9 +96,15 @@ class _Operator:
 
     def _point(self, args: tuple, kwargs: dict) -> torch.Tensor:
         if isinstance(self.wrt, int):
-            if self.wrt >= len(args):
-                raise InvalidArgumentError(f"wrt={self.wrt} but the call passes {len(args)} positional arguments")
-            x = args[self.wrt]
+            if self.wrt < len(args):
+                x = args[self.wrt]
+            else:  # the wrt-th parameter, passed by name
+                sig = _signature(self.u)
+                names = list(sig.parameters) if sig is not None else []
+                x = kwargs.get(names[self.wrt]) if self.wrt < len(names) else None
+                if x is None:
+                    raise InvalidArgumentError(f"wrt={self.wrt} but the call passes {len(args)} positional arguments "
+                                               "and not that parameter by name")
         else:
             x = kwargs.get(self.wrt)
             if x is None:
@@ -107,19 +114,34 @@ class _Operator:
             raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor")
         return x
 
+    def _operator_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+        """The directions (S, ...) and collapse weights (S,) of this call, and the argument they
+        come from (for messages)."""
+        return self.directions, self.weights, "directions"
+
     def _extra(self, args: tuple, kwargs: dict) -> dict:
         x = self._point(args, kwargs)
         kwargs = dict(kwargs)
         per_point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
-        if self.directions is not None:
-            if tuple(self.directions.shape[1:]) != per_point:
+        directions, weights, given = self._operator_tensors()
+        if directions is not None:
+            if given == "directions" and tuple(directions.shape[1:]) != per_point:
                 raise InvalidArgumentError(
                     f"directions must have shape (S, {', '.join(map(str, per_point))}) for an input of shape "
                     f"{tuple(x.shape)}{' (per sample: batch_dim=0)' if self.batch_dim is not None else ''}, "
-                    f"got {tuple(self.directions.shape)}")
-            kwargs[DIRECTIONS] = self.directions.to(dtype=x.dtype, device=x.device)
-        if self.weights is not None:
-            kwargs[WEIGHTS] = self.weights.to(dtype=x.dtype, device=x.device)
+                    f"got {tuple(directions.shape)}")
+            if given != "directions":  # rows of D = the entries of one point
+                d = math.prod(per_point)
+                if directions.shape[1] != d:
+                    want = "(D, D)" if given == "weights" else "(D, S)"
+                    raise InvalidArgumentError(
+                        f"{given} must be {want} with D = {d}, the entries of one point of shape {per_point} (input "
+                        f"{tuple(x.shape)}{', per sample: batch_dim=0' if self.batch_dim is not None else ''}), "
+                        f"got {tuple(self._given.shape)}")
+                directions = directions.reshape(directions.shape[0], *per_point)
+            kwargs[DIRECTIONS] = directions.to(dtype=x.dtype, device=x.device)
+        if weights is not None:
+            kwargs[WEIGHTS] = weights.to(dtype=x.dtype, device=x.device)
         return kwargs
 
 
@@ -132,24 +154,48 @@ class Laplacian(_Operator):
         given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
         if len(given) > 1:
             raise InvalidArgumentError(f"give one of weights=, factor= and directions=, got {given}")
-        seeds, collapse_weights, self._to_gradient = None, None, None
+        # C, L or V as given: read at every call, so in-place updates are seen (C's eigh is redone
+        # when C changed); L and V may require grad, and results are differentiable in them
+        self._given = weights if weights is not None else factor if factor is not None else directions
+        self._kind = given[0] if given else None
+        self._eigh: tuple = (None, None, None)   # (C's copy, eigenvalues, eigenvectors)
+        seeds, collapse_weights = None, None
         if weights is not None:
             c = _matrix(weights, "weights")
-            if not torch.allclose(c, c.mT, rtol=1e-10, atol=1e-12 * float(c.abs().max().clamp_min(1))):
-                raise InvalidArgumentError("weights=C must be symmetric (tr(C ∇²u) only sees its symmetric part: "
-                                           "pass (C + C.T) / 2); for C = L Lᵀ pass factor=L")
-            lam, q = torch.linalg.eigh(c)
-            seeds, collapse_weights = q.mT.contiguous(), lam  # Σ_k λ_k q_kᵀ ∇²u q_k
-            self._to_gradient = q.mT.contiguous()               # ∇u = Q (Qᵀ ∇u): orthonormal directions
+            if c.requires_grad:
+                raise InvalidArgumentError(
+                    "weights=C requires grad: hoad factors C (eigh), and gradients with respect to it are not "
+                    "computed. Pass factor=L (C = L Lᵀ), which is differentiable, or C.detach()")
+            _check_symmetric(c)
+            seeds, collapse_weights = self._eigenpairs()
         elif factor is not None:
-            seeds = _matrix(factor, "factor", square=False).mT.contiguous()  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
+            seeds = _matrix(factor, "factor", square=False).mT  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
         elif directions is not None:
             seeds = _directions(directions)
             collapse_weights = torch.full((seeds.shape[0],), 1.0 / seeds.shape[0], dtype=seeds.dtype, device=seeds.device)
-            self._to_gradient = None
         self._identity = seeds is None
         super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
                          backend=backend, mode=mode, nestable=nestable)
+
+    def _eigenpairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """C = Q diag(λ) Qᵀ as (Qᵀ, λ): Σ_k λ_k q_kᵀ ∇²u q_k; redone when C's values changed."""
+        c = self._given
+        kept, lam, q = self._eigh
+        if kept is None or kept.shape != c.shape or not torch.equal(kept, c):
+            _check_symmetric(c)
+            lam, q = torch.linalg.eigh(c.detach())
+            self._eigh = (c.detach().clone(), lam, q)
+        return q.mT, lam
+
+    def _operator_tensors(self):
+        if self._kind == "weights":
+            seeds, lam = self._eigenpairs()
+            return seeds, lam, "weights"
+        if self._kind == "factor":
+            return self._given.mT, None, "factor"
+        if self._kind == "directions":
+            return self._given, self.weights, "directions"
+        return None, None, "directions"
 
     def __call__(self, *args, **kwargs) -> OperatorResult:
         res = self.compiled(*args, **self._extra(args, kwargs))
@@ -167,10 +213,10 @@ class Laplacian(_Operator):
     def _gradient(self, directional: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         if self._identity:
             return directional
-        if self._to_gradient is None:
+        if self._kind != "weights":
             return None
         point = x.shape[1:] if self.batch_dim is not None else x.shape
-        q = self._to_gradient.to(dtype=directional.dtype, device=directional.device)
+        q = self._eigenpairs()[0].to(dtype=directional.dtype, device=directional.device)  # ∇u = Q (Qᵀ ∇u)
         return (directional @ q.reshape(q.shape[0], -1)).reshape(*directional.shape[:-1], *point)
 
 
@@ -180,14 +226,30 @@ def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
                                    f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
     if square and m.shape[0] != m.shape[1]:
         raise InvalidArgumentError(f"{name} must be square (D, D), got {tuple(m.shape)}")
-    return m.detach()
+    if not bool(torch.isfinite(m).all()):
+        raise InvalidArgumentError(f"{name} has entries that are NaN or infinite")
+    return m
+
+
+def _check_symmetric(c: torch.Tensor) -> None:
+    """tr(C ∇²u) only sees C's symmetric part, and eigh reads one triangle: refuse a C that is not
+    symmetric to its dtype's rounding (C = Qᵀ diag(λ) Q in float32 is off by ~1e-7)."""
+    if not bool(torch.isfinite(c).all()):
+        raise InvalidArgumentError("weights has entries that are NaN or infinite")
+    rtol = max(1e-10, 1000 * torch.finfo(c.dtype).eps)
+    c = c.detach()
+    if not torch.allclose(c, c.mT, rtol=rtol, atol=rtol * 1e-2 * float(c.abs().max().clamp_min(1))):
+        raise InvalidArgumentError("weights=C must be symmetric (tr(C ∇²u) only sees its symmetric part: "
+                                   "pass (C + C.T) / 2); for C = L Lᵀ pass factor=L")
 
 
 def _directions(v: torch.Tensor) -> torch.Tensor:
-    if not isinstance(v, torch.Tensor) or v.ndim < 2 or not v.dtype.is_floating_point or v.shape[0] == 0:
+    if not isinstance(v, torch.Tensor) or v.ndim < 1 or not v.dtype.is_floating_point or v.shape[0] == 0:
         raise InvalidArgumentError("directions must be a floating-point tensor (S, *x) of S >= 1 directions, got "
                                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    return v.detach()
+    if not bool(torch.isfinite(v).all()):
+        raise InvalidArgumentError("directions has entries that are NaN or infinite")
+    return v
 
 
 class Biharmonic:
@@ -273,7 +335,9 @@ def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torc
 
     ``weights=C`` (symmetric D×D, D the entries of one point): tr(C ∇²u). ``factor=L`` (D×S):
     tr(L Lᵀ ∇²u). ``directions=V`` (S, *x): the stochastic estimate (1/S) Σ_s v_sᵀ ∇²u v_s (exact
-    for the given V; draw new V and build a new operator to resample). ``batch_dim=0``: one
+    for the given V; resample by writing new values into V, or build a new operator). C, L and V
+    are read at every call (in-place updates are seen); the result is differentiable in L and V,
+    not in C (a C that requires grad is refused: pass its factor). ``batch_dim=0``: one
     Laplacian per sample. Non-scalar outputs get one Laplacian per output entry. The result is
     differentiable (train through it); ``.gradient`` is ∇u (None for ``factor`` and
     ``directions``, where ``.directional`` holds the derivatives along each direction).

@@ -216,6 +216,8 @@ def test_training_through_a_laplacian():
     (dict(weights=torch.tensor([[1.0, 2.0], [0.0, 1.0]], dtype=DT)), "symmetric"),
     (dict(directions=torch.ones(3, dtype=DT)), "directions"),
     (dict(weights=torch.eye(4, dtype=DT), directions=torch.ones(2, 4, dtype=DT)), "one of"),
+    (dict(weights=torch.full((4, 4), float("nan"), dtype=DT)), "NaN"),
+    (dict(weights=torch.eye(4, dtype=DT).requires_grad_(True)), "factor=L"),
 ])
 def test_bad_operator_arguments(bad, match):
     with pytest.raises(hoad.InvalidArgumentError, match=match):
@@ -225,3 +227,70 @@ def test_bad_operator_arguments(bad, match):
 def test_directions_of_the_wrong_size():
     with pytest.raises(hoad.InvalidArgumentError, match=r"shape \(S, 4\)"):
         hoad.laplacian(mlp, batch_dim=0, directions=rand(2, 3))(rand(3, 4))
+
+
+def test_weights_factor_and_directions_are_read_at_every_call():
+    """In-place updates of C, L or V are seen (C's eigendecomposition is redone)."""
+    X = rand(3, 4, seed=50)
+    H = vmap(hessian(mlp))(X)
+    C = rand(4, 4, seed=51)
+    C = C + C.T
+    L, V = rand(4, 2, seed=52), rand(3, 4, seed=53)
+    ops = {"weights": hoad.laplacian(mlp, batch_dim=0, weights=C), "factor": hoad.laplacian(mlp, batch_dim=0, factor=L),
+           "directions": hoad.laplacian(mlp, batch_dim=0, directions=V)}
+    for op in ops.values():
+        op(X)
+    for T in (C, L, V):
+        T.mul_(1.5)
+    assert_close(ops["weights"](X).laplacian, torch.einsum("de,bde->b", C, H), "tr(C H)")
+    assert_close(ops["factor"](X).laplacian, torch.einsum("ds,bde,es->b", L, H, L), "tr(L Lᵀ H)")
+    assert_close(ops["directions"](X).laplacian, torch.einsum("sd,bde,se->b", V, H, V) / 3, "Δ_V u")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_gradients_reach_the_factor_and_the_directions(backend):
+    X = rand(3, 4, seed=54)
+    H = vmap(hessian(mlp))(X)
+    L, V = rand(4, 2, seed=55).requires_grad_(True), rand(3, 4, seed=56).requires_grad_(True)
+    got = hoad.laplacian(mlp, batch_dim=0, factor=L, backend=backend)(X).laplacian
+    ref = torch.einsum("ds,bde,es->b", L, H, L)
+    assert_close(torch.autograd.grad((got ** 2).sum(), L)[0], torch.autograd.grad((ref ** 2).sum(), L)[0], "dloss/dL")
+    got = hoad.laplacian(mlp, batch_dim=0, directions=V, backend=backend)(X).laplacian
+    ref = torch.einsum("sd,bde,se->b", V, H, V) / 3
+    assert_close(torch.autograd.grad((got ** 2).sum(), V)[0], torch.autograd.grad((ref ** 2).sum(), V)[0], "dloss/dV")
+
+
+def test_weights_and_factor_of_points_with_more_axes():
+    """D is the number of entries of one point, whatever its shape; for scalar points, D = 1."""
+    W, a = rand(6, 5, seed=57), rand(5, seed=58)
+
+    def u(x):  # (B, 2, 3) -> (B,)
+        return torch.tanh(x.flatten(-2) @ W) @ a
+
+    X = rand(4, 2, 3, seed=59)
+    H = vmap(hessian(u))(X).reshape(4, 6, 6)
+    C, L = rand(6, 6, seed=60), rand(6, 2, seed=61)
+    C = C + C.T
+    assert_close(hoad.laplacian(u, batch_dim=0, weights=C)(X).laplacian, torch.einsum("de,bde->b", C, H), "tr(C H)")
+    assert_close(hoad.laplacian(u, batch_dim=0, factor=L)(X).laplacian, torch.einsum("ds,bde,es->b", L, H, L),
+                 "tr(L Lᵀ H)")
+    with pytest.raises(hoad.InvalidArgumentError, match=r"factor must be \(D, S\) with D = 6"):
+        hoad.laplacian(u, batch_dim=0, factor=rand(4, 2, seed=62))(X)
+
+    def s(x):  # scalar points: (B,) -> (B,)
+        return torch.sin(x) * x ** 2
+
+    x = rand(5, seed=63)
+    d2 = vmap(hessian(s))(x)
+    assert_close(hoad.laplacian(s, batch_dim=0, directions=torch.tensor([1.0, 2.0], dtype=DT))(x).laplacian,
+                 2.5 * d2, "Δ_V of a scalar point")
+    assert_close(hoad.laplacian(s, batch_dim=0, weights=torch.tensor([[2.0]], dtype=DT))(x).laplacian, 2 * d2, "C = 2")
+
+
+def test_an_integer_wrt_passed_by_name():
+    def u(x, t):
+        return torch.tanh(x).sum(-1) * torch.exp(-t)
+
+    X, T = rand(4, 3, seed=64), rand(4, seed=65)
+    got = hoad.laplacian(u, wrt=1, batch_dim=0)(X, t=T).laplacian
+    assert_close(got, u(X, T), "∂²/∂t² e^{-t} = e^{-t}")
