@@ -169,6 +169,9 @@ class Compiled:
             self._check_wrt_against_signature()
         self._cache: dict[Hashable, _Entry] = {}
         self._families: dict[Hashable, _Family] = {}
+        # programs by key and the Python values they were traced with (Guard), kept when those
+        # values change so that changing them back (net.eval(), then net.train()) traces nothing
+        self._twins: dict[tuple, _Entry] = {}
         self._wrt_leaves: dict[Hashable, list[int]] = {}
         self._last: _Entry | None = None
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -306,9 +309,14 @@ class Compiled:
             with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
                 entry = self._cache.get(key)  # another thread may have built it meanwhile
                 free = entry.read_free() if entry is not None else None
-                if free is None:
-                    if entry is not None:
+                if free is None and entry is not None:
+                    twin = self._twins.get((key, entry.values_now()))
+                    free = twin.read_free() if twin is not None else None
+                    if free is not None:  # built before for these Python values (train/eval, say)
+                        entry = self._cache[key] = twin
+                    else:
                         self._forget(entry)
+                if free is None:
                     family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
                     entry = family.entry if family is not None and family.entry is not None else None
                     if entry is not None:  # one program for every number of samples
@@ -320,6 +328,9 @@ class Compiled:
                         entry = self._new_signature(key, args, kwargs, config, nested)
                         if not nested and config.batch_dim is not None:
                             self._remember(treedef, leaves, extra, entry, config.sized is not None)
+                    self._twins[(key, entry.values)] = entry
+                    while len(self._twins) > MAX_PROGRAMS:
+                        del self._twins[next(iter(self._twins))]
                     free = entry.read_free()
                     if free is None:
                         raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
@@ -555,6 +566,7 @@ class _Entry:
         free = b.captured.free
         self.roots = roots
         self.guards = find_guards(roots)
+        self.values = self.values_now()
         self.why = ""
         self.sources = list(b.sources)
         self.metas = [(t.shape, t.dtype, t.device) for t in free]
@@ -581,6 +593,10 @@ class _Entry:
                 f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
                 f"{human(memory['budget'])}. Ways out: chunk_size={fit} to run {fit} samples at a time, "
                 "diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order")
+
+    def values_now(self) -> tuple | None:
+        """The Python values :attr:`guards` watch, as they are now (None if one is gone)."""
+        return tuple(guard.now(self.roots) for guard in self.guards) if self.guards else ()
 
     def read_free(self) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or

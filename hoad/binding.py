@@ -262,6 +262,14 @@ class Guard:
     parent: Source
     values: tuple[tuple[Step, object], ...]
 
+    def now(self, roots: dict) -> tuple | None:
+        """The values as they are now (types too: 1 and 1.0 differ), or None if one is gone."""
+        try:
+            obj = self.parent.resolve(roots)
+            return tuple((type(v), v) for v in (_STEP[step[0]](obj, step[1]) for step, _ in self.values))
+        except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+            return None
+
     def changed(self, roots: dict) -> str | None:
         """None if every value is as traced, else which one changed and how."""
         try:

@@ -353,3 +353,34 @@ def test_tracing_does_not_update_buffers_and_leaves_them_without_a_graph(backend
         assert not got.requires_grad
     net.eval()
     net(X)  # a plain forward still works
+
+
+def test_switching_back_to_train_or_eval_reuses_its_program():
+    torch.manual_seed(48)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 1)).double()
+    X = rand(6, 3, seed=49)
+
+    def u(x):
+        return net(x).sum()
+
+    def reference():  # batch norm in plain ops: torch.func's own batch norm is not used here
+        bn = net[1]
+        h = net[0](X)
+        if net.training:
+            mean, var = h.mean(0), h.var(0, unbiased=False)
+        else:
+            mean, var = bn.running_mean, bn.running_var
+        h = (h - mean) / torch.sqrt(var + bn.eps) * bn.weight + bn.bias
+        return net[3](torch.tanh(h)).sum()
+
+    lap = hoad.laplacian(u, backend="eager")
+    programs = []
+    for training in (False, True, False, True):
+        net.train(training)
+        with torch.no_grad():
+            got = lap(X).value
+            ref = reference()
+        assert_close(got, ref, f"value, training={training}")
+        programs.append(lap.compiled._last)
+    assert programs[0] is not programs[1] and programs[2] is programs[0] and programs[3] is programs[1]
