@@ -142,6 +142,8 @@ def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
             continue
         if node.users and all(u.target is aten.lift_fresh_copy.default for u in node.users):
             continue
+        if getattr(value, "_hoad_constant", False):  # a constant of a hoad program this one calls
+            continue
         ph = lifted.get(id(value))
         if ph is None:
             if last is None:

@@ -56,6 +56,10 @@ def eager_program(gm: fx.GraphModule) -> fx.GraphModule:
     for node in fast.graph.nodes:
         if node.op == "call_function" and _fast_ok(node):
             node.target = FAST[node.target]
+        elif node.op == "get_attr" and isinstance(getattr(fast, node.target, None), torch.Tensor):
+            # a constant the trace made (a one-hot of an index, say): another program tracing
+            # this one keeps it a constant instead of an input it cannot find (hoad.passes.capture)
+            getattr(fast, node.target)._hoad_constant = True
     fast.recompile()
     return fast
 

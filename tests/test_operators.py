@@ -294,3 +294,16 @@ def test_an_integer_wrt_passed_by_name():
     X, T = rand(4, 3, seed=64), rand(4, seed=65)
     got = hoad.laplacian(u, wrt=1, batch_dim=0)(X, t=T).laplacian
     assert_close(got, u(X, T), "∂²/∂t² e^{-t} = e^{-t}")
+
+
+def test_a_biharmonic_reads_no_tensors_of_its_own(caplog):
+    """The inner Laplacian program's constants (one-hots of x[..., 0]) stay constants of the outer
+    program: before, they were taken for tensors u reads, with a warning about them."""
+    def u(x):
+        return (x ** 3).sum(-1) * x[..., 0] + x[..., 1] ** 4
+
+    X = rand(3, 3, seed=66)
+    with caplog.at_level("WARNING", logger="hoad"):
+        res = hoad.biharmonic(u, batch_dim=0, backend="eager")(X)
+    assert not [r for r in caplog.records if "reads tensors" in r.getMessage()]
+    assert_close(res.biharmonic, vmap(_laplacian_of(_laplacian_of(u)))(X), "Δ²u")
