@@ -21,6 +21,7 @@ by identity: in-place updates are still seen, a rebinding is not, and hoad warns
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import logging
@@ -212,6 +213,8 @@ _STEP: dict[str, Callable] = {
     "module": lambda m, name: m._modules[name],
     "attr": getattr,
     "item": lambda c, k: c[k],
+    "type": lambda o, _: type(o),
+    "len": lambda c, _: len(c),
 }
 _NAMED = {"cell", "global", "param", "buffer", "module", "attr", "item", "kwdefault", "partial_kw"}
 
@@ -263,25 +266,29 @@ class Guard:
     values: tuple[tuple[Step, object], ...]
 
     def now(self, roots: dict) -> tuple | None:
-        """The values as they are now (types too: 1 and 1.0 differ), or None if one is gone."""
+        """The values as they are now (types too: 1 and 1.0 differ), or None if one is gone or
+        cannot be a key."""
         try:
             obj = self.parent.resolve(roots)
-            return tuple((type(v), v) for v in (_STEP[step[0]](obj, step[1]) for step, _ in self.values))
-        except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+            values = tuple((type(v), v) for v in (_STEP[step[0]](obj, step[1]) for step, _ in self.values))
+            hash(values)
+            return values
+        except Exception:  # noqa: BLE001 - a property that raises, an unhashable value: no twin
             return None
 
     def changed(self, roots: dict) -> str | None:
         """None if every value is as traced, else which one changed and how."""
         try:
             obj = self.parent.resolve(roots)
-        except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - whatever the lookup raises, the value is not as traced
             return f"{self.parent.name} is gone"
         for step, was in self.values:
             try:
                 now = _STEP[step[0]](obj, step[1])
-            except (AttributeError, KeyError, IndexError, ValueError, TypeError):
-                return f"{_step_name(self.parent, step)} is gone"
-            if not _same(now, was):
+                same = _same(now, was) is True
+            except Exception:  # noqa: BLE001
+                return f"{_step_name(self.parent, step)} is gone or cannot be compared"
+            if not same:
                 return f"{_step_name(self.parent, step)} changed ({was!r} -> {now!r})"
         return None
 
@@ -295,10 +302,13 @@ def _same(a, b) -> bool:
 
 
 def find_guards(roots: dict) -> list[Guard]:
-    """Every Python scalar (bool, int, float, str, None) the search for free tensors reaches from
-    ``roots``, grouped by the object that holds it. hoad's own objects (a nested operator) are not
-    entered: their settings do not change."""
-    guards: list[Guard] = []
+    """The Python scalars (bool, int, float, str, None) the search for free tensors reaches from
+    ``roots`` and the reachable code may read, grouped by the object that holds it: an attribute
+    only where some reachable function, module ``forward`` or method they call loads that name,
+    a global only where its function loads it as a global (not ``W.t()``'s ``t``). A counter the
+    code never names (``self.iter`` of the object whose method is compiled) is not watched.
+    hoad's own objects (a nested operator) are not entered: their settings do not change."""
+    held: list[tuple[Source, object, list]] = []
     seen: set[int] = set()
     frontier = [(name, obj, ()) for name, obj in roots.items()]
     for _depth in range(MAX_DEPTH + 1):
@@ -309,16 +319,100 @@ def find_guards(roots: dict) -> list[Guard]:
             seen.add(id(obj))
             values = []
             for step, child in _children(obj):
-                if isinstance(child, SCALARS):
+                if _is_scalar(child):
                     values.append((step, child))
                 else:
                     following.append((root, child, steps + (step,)))
-            if values:
-                guards.append(Guard(Source(root, steps), tuple(values)))
+            if isinstance(obj, (list, dict)):  # sched[-1] after an append, opts.get(k) after a new key
+                values.append((("len", None), len(obj)))
+            forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
+            if isinstance(forward, types.FunctionType) and not forward.__module__.startswith("torch."):
+                # the globals a user module's forward reads (ALPHA in torch.sin(ALPHA * x))
+                following.append((root, forward, steps + (("type", None), ("attr", "forward"))))
+            held.append((Source(root, steps), obj, values))
         if not following:
             break
         frontier = following
+    attrs = _attributes_read([obj for _, obj, _ in held])
+    guards = []
+    for source, obj, values in held:
+        kept = [(step, v) for step, v in values
+                if step[0] not in ("attr", "global") or step[0] == "attr" and step[1] in attrs
+                or step[0] == "global" and step[1] in _loads(obj.__code__)[1]]
+        if not isinstance(obj, (types.FunctionType, types.MethodType, list, tuple, dict)):
+            # names the code reads that the instance does not hold: class attributes (a default an
+            # instance may override later) and a config module's values
+            own = getattr(obj, "__dict__", {})
+            for name in sorted(attrs):
+                if name in own and not isinstance(obj, types.ModuleType):
+                    continue
+                try:
+                    v = inspect.getattr_static(obj, name)
+                except AttributeError:
+                    continue
+                if _is_scalar(v) and not any(step == ("attr", name) for step, _ in kept):
+                    kept.append((("attr", name), v))
+        if kept:
+            guards.append(Guard(source, tuple(kept)))
     return guards
+
+
+def _is_scalar(v) -> bool:
+    """A value a guard can watch: a Python or numpy scalar that hashes and compares with itself
+    to a plain bool (a subclass whose ``__eq__`` raises or returns an array is not watched)."""
+    if not (isinstance(v, SCALARS) or (type(v).__module__ == "numpy" and getattr(v, "shape", None) == ())):
+        return False
+    try:
+        hash(v)
+        return isinstance(_same(v, v), bool)
+    except Exception:  # noqa: BLE001 - any failure: not a value to watch
+        return False
+
+
+def _attributes_read(objects: list) -> set[str]:
+    """The attribute names loaded by the code of ``objects``: functions, modules' ``forward``, and
+    the methods (and properties) of any object's class that code names, to a fixed point."""
+    codes = [o.__code__ for o in objects if isinstance(o, types.FunctionType)]
+    codes += [f.__code__ for o in objects if isinstance(o, torch.nn.Module)
+              for f in [getattr(type(o), "forward", None)] if isinstance(f, types.FunctionType)]
+    names: set[str] = set()
+    done: set = set()
+    classes = {type(o) for o in objects if not isinstance(o, (types.FunctionType, types.MethodType))}
+    while codes:
+        code = codes.pop()
+        if code in done:
+            continue
+        done.add(code)
+        new = _loads(code)[0] - names
+        names |= new
+        for cls in classes:
+            for name in new:
+                try:
+                    member = inspect.getattr_static(cls, name)
+                except AttributeError:
+                    continue
+                member = member.fget if isinstance(member, property) else member
+                member = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                if isinstance(member, types.FunctionType):
+                    codes.append(member.__code__)
+    return names
+
+
+@functools.lru_cache(maxsize=4096)
+def _loads(code: types.CodeType) -> tuple[frozenset, frozenset]:
+    """(attribute names, global names) the code and the code nested in it load."""
+    attrs, globals_ = set(), set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
+            attrs.add(ins.argval)
+        elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            globals_.add(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            a, g = _loads(const)
+            attrs |= a
+            globals_ |= g
+    return frozenset(attrs), frozenset(globals_)
 
 
 @contextlib.contextmanager
@@ -414,7 +508,10 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
 
 
 def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:
-    attrs = getattr(obj, "__dict__", None)
+    try:
+        attrs = getattr(obj, "__dict__", None)
+    except Exception:  # noqa: BLE001 - a __dict__ property that raises: nothing to follow
+        return
     if not isinstance(attrs, dict):
         return
     for name, value in list(attrs.items())[:MAX_ITEMS]:

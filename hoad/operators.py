@@ -172,7 +172,9 @@ class Laplacian(_Operator):
             seeds = _matrix(factor, "factor", square=False).mT  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
         elif directions is not None:
             seeds = _directions(directions)
-            collapse_weights = torch.full((seeds.shape[0],), 1.0 / seeds.shape[0], dtype=seeds.dtype, device=seeds.device)
+            # 1/S in float64: the weights are cast to the points' dtype, never rounded to V's first
+            collapse_weights = torch.full((seeds.shape[0],), 1.0 / seeds.shape[0], dtype=torch.float64,
+                                          device=seeds.device)
         self._identity = seeds is None
         super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
                          backend=backend, mode=mode, nestable=nestable)
@@ -183,11 +185,15 @@ class Laplacian(_Operator):
         kept, lam, q = self._eigh
         if kept is None or kept.shape != c.shape or not torch.equal(kept, c):
             _check_symmetric(c)
-            lam, q = torch.linalg.eigh(c.detach())
+            lam, q = torch.linalg.eigh(c.detach().to(torch.float64))  # at the points' precision or above
             self._eigh = (c.detach().clone(), lam, q)
         return q.mT, lam
 
     def _operator_tensors(self):
+        if self._kind == "weights" and self._given.requires_grad and torch.is_grad_enabled():
+            raise InvalidArgumentError(
+                "weights=C requires grad: hoad factors C (eigh), and gradients with respect to it are not "
+                "computed. Pass factor=L (C = L Lᵀ), which is differentiable, or C.detach()")
         if self._kind == "weights":
             seeds, lam = self._eigenpairs()
             return seeds, lam, "weights"

@@ -307,3 +307,23 @@ def test_a_biharmonic_reads_no_tensors_of_its_own(caplog):
         res = hoad.biharmonic(u, batch_dim=0, backend="eager")(X)
     assert not [r for r in caplog.records if "reads tensors" in r.getMessage()]
     assert_close(res.biharmonic, vmap(_laplacian_of(_laplacian_of(u)))(X), "Δ²u")
+
+
+def test_float32_weights_and_directions_keep_the_points_precision():
+    X = rand(3, 4, seed=71)
+    H = vmap(hessian(mlp))(X)
+    C = rand(4, 4, seed=72).float()
+    C = C + C.T
+    V = rand(3, 4, seed=73).float()
+    assert_close(hoad.laplacian(mlp, batch_dim=0, weights=C)(X).laplacian,
+                 torch.einsum("de,bde->b", C.double(), H), "tr(C H), C in float32")
+    assert_close(hoad.laplacian(mlp, batch_dim=0, directions=V)(X).laplacian,
+                 torch.einsum("sd,bde,se->b", V.double(), H, V.double()) / 3, "Δ_V u, V in float32, S = 3")
+
+
+def test_weights_made_to_require_grad_later_are_refused():
+    C = torch.eye(4, dtype=DT)
+    lap = hoad.laplacian(mlp, batch_dim=0, weights=C)
+    C.requires_grad_(True)
+    with pytest.raises(hoad.InvalidArgumentError, match="factor=L"):
+        lap(rand(3, 4))

@@ -384,3 +384,75 @@ def test_switching_back_to_train_or_eval_reuses_its_program():
         assert_close(got, ref, f"value, training={training}")
         programs.append(lap.compiled._last)
     assert programs[0] is not programs[1] and programs[2] is programs[0] and programs[3] is programs[1]
+
+
+ALPHA = 1.0
+
+
+class _Act(torch.nn.Module):
+    def forward(self, x):
+        return torch.sin(ALPHA * x)
+
+
+class _Scaled(torch.nn.Module):
+    scale = 2.0  # a class default an instance may override
+
+    def forward(self, x):
+        return (self.scale * x).sin().sum()
+
+
+def test_values_read_through_classes_globals_of_modules_and_containers_are_watched():
+    """Values the code reads that the instance did not hold when traced: a class default later
+    set on the instance, a global read in a submodule's forward, a list read at [-1] after an
+    append, a dict key added later."""
+    global ALPHA
+    x = rand(5, 3, seed=67)
+    m = _Scaled()
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), _Act()).double()
+    sched, opts = [1.0], {}
+    cases = [(m, lambda: setattr(m, "scale", 3.0)),
+             (lambda x: net(x).sum(), lambda: globals().__setitem__("ALPHA", 2.5)),
+             (lambda x: (sched[-1] * x).sin().sum(), lambda: sched.append(5.0)),
+             (lambda x: (opts.get("k", 2.0) * x).sin().sum(), lambda: opts.__setitem__("k", 3.0))]
+    try:
+        for f, change in cases:
+            cf = hoad.compile(f, order=1, backend="eager")
+            cf(x)
+            change()
+            assert_close(cf(x).value, f(x), "value after the change")
+    finally:
+        ALPHA = 1.0
+
+
+def test_a_counter_the_function_never_reads_traces_nothing_again():
+    """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
+    `t` of a time loop shares its name with the method t()."""
+    class PINN:
+        def __init__(self):
+            torch.manual_seed(68)
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+            self.iter, self.last_loss = 0, 0.0
+
+        def u(self, x):
+            return self.net(x).squeeze(-1)
+
+    pinn, X = PINN(), rand(6, 2, seed=69)
+    lap = hoad.laplacian(pinn.u, batch_dim=0, backend="eager")
+    lap(X)
+    first = lap.compiled._last
+    for _ in range(3):
+        pinn.iter += 1
+        pinn.last_loss = float(lap(X).laplacian.sum())
+        assert lap.compiled._last is first
+    W = rand(3, 2, seed=70)
+    cf = hoad.compile(lambda x: torch.tanh(x @ W.t()).sum(-1), order=2, batch_dim=0, backend="eager")
+    global t
+    t = 0.0
+    cf(X)
+    first = cf._last
+    t = 0.5
+    cf(X)
+    assert cf._last is first
+
+
+t = 0.0
