@@ -214,7 +214,6 @@ _STEP: dict[str, Callable] = {
     "attr": getattr,
     "item": lambda c, k: c[k],
     "type": lambda o, _: type(o),
-    "len": lambda c, _: len(c),
 }
 _NAMED = {"cell", "global", "param", "buffer", "module", "attr", "item", "kwdefault", "partial_kw"}
 
@@ -308,6 +307,7 @@ def find_guards(roots: dict) -> list[Guard]:
     a global only where its function loads it as a global (not ``W.t()``'s ``t``). A counter the
     code never names (``self.iter`` of the object whose method is compiled) is not watched.
     hoad's own objects (a nested operator) are not entered: their settings do not change."""
+    attrs = _attributes_read(list(_reachable(roots)))
     held: list[tuple[Source, object, list]] = []
     seen: set[int] = set()
     frontier = [(name, obj, ()) for name, obj in roots.items()]
@@ -319,21 +319,20 @@ def find_guards(roots: dict) -> list[Guard]:
             seen.add(id(obj))
             values = []
             for step, child in _children(obj):
+                if step[0] == "attr" and step[1] not in attrs:
+                    continue  # never loaded by the code: a trainer's optimizer, logger, counters
                 if _is_scalar(child):
                     values.append((step, child))
                 else:
                     following.append((root, child, steps + (step,)))
-            if isinstance(obj, (list, dict)):  # sched[-1] after an append, opts.get(k) after a new key
-                values.append((("len", None), len(obj)))
             forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
-            if isinstance(forward, types.FunctionType) and not forward.__module__.startswith("torch."):
+            if isinstance(forward, types.FunctionType) and not (forward.__module__ or "").startswith("torch."):
                 # the globals a user module's forward reads (ALPHA in torch.sin(ALPHA * x))
                 following.append((root, forward, steps + (("type", None), ("attr", "forward"))))
             held.append((Source(root, steps), obj, values))
         if not following:
             break
         frontier = following
-    attrs = _attributes_read([obj for _, obj, _ in held])
     guards = []
     for source, obj, values in held:
         kept = [(step, v) for step, v in values

@@ -401,19 +401,16 @@ class _Scaled(torch.nn.Module):
         return (self.scale * x).sin().sum()
 
 
-def test_values_read_through_classes_globals_of_modules_and_containers_are_watched():
+def test_values_read_through_classes_and_globals_of_modules_are_watched():
     """Values the code reads that the instance did not hold when traced: a class default later
-    set on the instance, a global read in a submodule's forward, a list read at [-1] after an
-    append, a dict key added later."""
+    set on the instance, a global read in a submodule's forward. (Not watched: an entry a list or
+    dict gains later; watching their lengths retraced every function that logs into a list.)"""
     global ALPHA
     x = rand(5, 3, seed=67)
     m = _Scaled()
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), _Act()).double()
-    sched, opts = [1.0], {}
     cases = [(m, lambda: setattr(m, "scale", 3.0)),
-             (lambda x: net(x).sum(), lambda: globals().__setitem__("ALPHA", 2.5)),
-             (lambda x: (sched[-1] * x).sin().sum(), lambda: sched.append(5.0)),
-             (lambda x: (opts.get("k", 2.0) * x).sin().sum(), lambda: opts.__setitem__("k", 3.0))]
+             (lambda x: net(x).sum(), lambda: globals().__setitem__("ALPHA", 2.5))]
     try:
         for f, change in cases:
             cf = hoad.compile(f, order=1, backend="eager")
