@@ -284,7 +284,7 @@ class Guard:
         for step, was in self.values:
             try:
                 now = _STEP[step[0]](obj, step[1])
-                same = _same(now, was) is True
+                same = bool(_same(now, was))
             except Exception:  # noqa: BLE001
                 return f"{_step_name(self.parent, step)} is gone or cannot be compared"
             if not same:
@@ -363,7 +363,7 @@ def _is_scalar(v) -> bool:
         return False
     try:
         hash(v)
-        return isinstance(_same(v, v), bool)
+        return bool(_same(v, v)) is True   # numpy's np.bool_ too; an array's truth value raises
     except Exception:  # noqa: BLE001 - any failure: not a value to watch
         return False
 

@@ -409,8 +409,14 @@ def test_values_read_through_classes_and_globals_of_modules_are_watched():
     x = rand(5, 3, seed=67)
     m = _Scaled()
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), _Act()).double()
+    import types
+
+    import numpy as np
+
+    h = types.SimpleNamespace(k=np.float32(2.0))
     cases = [(m, lambda: setattr(m, "scale", 3.0)),
-             (lambda x: net(x).sum(), lambda: globals().__setitem__("ALPHA", 2.5))]
+             (lambda x: net(x).sum(), lambda: globals().__setitem__("ALPHA", 2.5)),
+             (lambda x: (float(h.k) * x).sin().sum(), lambda: setattr(h, "k", np.float32(3.0)))]
     try:
         for f, change in cases:
             cf = hoad.compile(f, order=1, backend="eager")
