@@ -77,6 +77,18 @@ def _merged_rows(v, varies: set | None) -> int:
     return n if sum(s != 1 for s in old[:n]) >= 2 else 0
 
 
+def _merged_middle(v, varies) -> bool:
+    """Whether the view ``v`` is ``[s1, ..., sn, d] -> [1, s1·...·sn, d]`` of a value in
+    ``varies``, size-1 axes aside (n >= 2)."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+        return False
+    old, new = shape_of(v.args[0]), shape_of(v)
+    if old is None or new is None or len(new) != 3 or new[0] != 1:
+        return False
+    kept = [s for s in old if s != 1]  # (size-1 axes move freely in a view)
+    return len(kept) >= 3 and kept[-1] == new[2] and math.prod(kept[:-1]) == new[1]
+
+
 def _merged_columns(v, varies) -> bool:
     """Whether the view ``v`` is ``[k, s1, ..., sn] -> [k, s1·...·sn]`` with n >= 2."""
     if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
@@ -113,6 +125,17 @@ def _unmerge_batched_product(gm: fx.GraphModule, bmm: fx.Node, varies: set) -> b
     """``bmm`` of two views merging the same leading axes (torch's ``W @ x`` on ``[B, n, k, l]``:
     W expanded to ``[B, n, m, k]``, both viewed ``[B·n, ...]``) -> matmul of the unmerged two."""
     a, b = bmm.args
+    if shape_of(bmm)[0] == 1 and _merged_middle(a, varies) and isinstance(b, fx.Node):
+        # torch's einsum("bnd,de->bne"): [s..., d] viewed [1, P, d], and b [1, d, e]
+        with gm.graph.inserting_before(bmm):
+            z = a.args[0]
+            if 1 in shape_of(z):
+                z = _call(gm, bmm, aten.view.default, (z, [s for s in shape_of(z) if s != 1]))
+            w = _call(gm, bmm, aten.view.default, (b, list(shape_of(b)[1:])))
+            out = _call(gm, bmm, aten.matmul.default, (z, w))
+            merged = _call(gm, bmm, aten.view.default, (out, list(shape_of(bmm))))
+        bmm.replace_all_uses_with(merged)
+        return True
     n = _merged_rows(a, None)
     if not n or n != _merged_rows(b, None):
         return False

@@ -177,3 +177,15 @@ def test_elementwise_over_a_million_entries_is_elementwise():
     assert_close(res[0, 0, 0], -x.cos(), "sin'''")
     assert max(n.meta["val"].numel() for n in cf.graph.module.graph.nodes
                if isinstance(n.meta.get("val"), torch.Tensor)) == 10**6
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("equation", ["bnd,de->bne", "...d,de->...e"])
+def test_einsum_over_sets_of_points_is_per_sample(equation, mode):
+    """torch's einsum views [B, N, d] as [1, B·N, d] for one bmm; hoad's sample pass keeps B apart
+    (it was a false BatchCouplingError)."""
+    from helpers import check
+
+    W = rand(3, 5, seed=30)
+    check(lambda X: torch.einsum(equation, X, W).tanh().sum((1, 2)), (rand(3, 4, 3, seed=31),), order=3,
+          batch_dim=0, mode=mode)
