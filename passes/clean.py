@@ -24,6 +24,15 @@ def shape_of(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def traced_call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A new node with its traced value (shapes and strides) in ``meta["val"]``; called in the
+    fake mode of its arguments' values."""
+    node = graph.call_function(target, args, kwargs or {})
+    values, kw = fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    node.meta["val"] = target(*values, **kw)
+    return node
+
+
 def fold_layout(gm: fx.GraphModule) -> bool:
     """Remove identity views/permutes/expands and collapse chains of views and of permutes, in
     place (the caller recompiles)."""

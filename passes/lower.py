@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from hoad.algebra.target import Lowering
 from hoad.passes.clean import pure, shape_of
+from hoad.passes.clean import traced_call as _call
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
@@ -594,14 +595,6 @@ def _permuted(gm: fx.GraphModule, a, ndim: int, order: list):
     if len(shape) < ndim:
         a = _call(gm.graph, aten.view.default, (a, [1] * (ndim - len(shape)) + shape))
     return _call(gm.graph, aten.permute.default, (a, order))
-
-
-def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
-    """A new node with its traced value (shapes and strides) in ``meta["val"]``."""
-    node = graph.call_function(target, args)
-    values = fx.node.map_arg(args, lambda n: n.meta["val"])
-    node.meta["val"] = target(*values)
-    return node
 
 
 def _contiguous(gm: fx.GraphModule, node: fx.Node) -> fx.Node:

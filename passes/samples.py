@@ -20,9 +20,10 @@ import math
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 
-from hoad.passes.clean import fold_layout, shape_of
+from hoad.passes.clean import fold_layout, shape_of, traced_call
 
 aten = torch.ops.aten
 
@@ -61,16 +62,24 @@ def _depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
     return varies
 
 
+def _view_shapes(v, varies: set | None) -> tuple[tuple, tuple] | None:
+    """(source shape, shape) of a view whose source is in ``varies`` (any source where None), else
+    None."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS
+            and (varies is None or v.args[0] in varies)):
+        return None
+    old, new = shape_of(v.args[0]), shape_of(v)
+    return None if old is None or new is None else (old, new)
+
+
 def _merged_rows(v, varies: set | None) -> int:
     """How many leading axes of its source the view ``v`` merges into its first axis (0 where it
     does something else, or where its source is not in ``varies``, if given):
     ``[s1, ..., sn, *t] -> [s1·...·sn, *t]``."""
-    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS
-            and (varies is None or v.args[0] in varies)):
+    shapes = _view_shapes(v, varies)
+    if shapes is None or not shapes[1]:
         return 0
-    old, new = shape_of(v.args[0]), shape_of(v)
-    if old is None or new is None or not new:
-        return 0
+    old, new = shapes
     n = len(old) - len(new) + 1
     if n < 2 or list(old[n:]) != list(new[1:]) or math.prod(old[:n]) != new[0]:
         return 0
@@ -80,22 +89,21 @@ def _merged_rows(v, varies: set | None) -> int:
 def _merged_middle(v, varies) -> bool:
     """Whether the view ``v`` is ``[s1, ..., sn, d] -> [1, s1·...·sn, d]`` of a value in
     ``varies``, size-1 axes aside (n >= 2)."""
-    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+    shapes = _view_shapes(v, varies)
+    if shapes is None or len(shapes[1]) != 3 or shapes[1][0] != 1:
         return False
-    old, new = shape_of(v.args[0]), shape_of(v)
-    if old is None or new is None or len(new) != 3 or new[0] != 1:
-        return False
+    old, new = shapes
     kept = [s for s in old if s != 1]  # (size-1 axes move freely in a view)
     return len(kept) >= 3 and kept[-1] == new[2] and math.prod(kept[:-1]) == new[1]
 
 
 def _merged_columns(v, varies) -> bool:
     """Whether the view ``v`` is ``[k, s1, ..., sn] -> [k, s1·...·sn]`` with n >= 2."""
-    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target in _VIEWS and v.args[0] in varies):
+    shapes = _view_shapes(v, varies)
+    if shapes is None:
         return False
-    old, new = shape_of(v.args[0]), shape_of(v)
-    return (old is not None and new is not None and len(new) == 2 and len(old) >= 3 and old[0] == new[0]
-            and sum(s != 1 for s in old[1:]) >= 2)
+    old, new = shapes
+    return len(new) == 2 and len(old) >= 3 and old[0] == new[0] and sum(s != 1 for s in old[1:]) >= 2
 
 
 def _unmerge_product(gm: fx.GraphModule, mm: fx.Node, varies: set) -> bool:
@@ -191,18 +199,10 @@ def _call_before(gm: fx.GraphModule, where: fx.Node, target, args, kwargs=None) 
 def _call(gm: fx.GraphModule, origin: fx.Node, target, args, kwargs=None) -> fx.Node:
     """A new node computing ``target(*args)`` with its traced value, placed where the graph's
     insertion point is, and sourced (for error messages) to ``origin``."""
-    kwargs = kwargs or {}
-    node = gm.graph.call_function(target, args, kwargs)
-    vals, kw = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-    with detect_fake_mode(_leaves(vals)) or contextlib.nullcontext():
-        node.meta["val"] = target(*vals, **kw)
+    values = [a.meta["val"] for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
+    with detect_fake_mode(values) or contextlib.nullcontext():
+        node = traced_call(gm.graph, target, args, kwargs)
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if key in origin.meta:
             node.meta[key] = origin.meta[key]
     return node
-
-
-def _leaves(tree) -> list:
-    out = []
-    fx.node.map_aggregate(tree, lambda x: out.append(x) if isinstance(x, torch.Tensor) else None)
-    return out
