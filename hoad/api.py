@@ -364,8 +364,7 @@ class Compiled:
         """Drop a program whose free tensors or Python values changed (every key it serves, and
         the sample-count families, which may hold it or a graph traced with the old values)."""
         name = getattr(self.fn, "__name__", "the function")
-        if entry.why.startswith("a tensor") or entry.why.endswith(".training changed (True -> False)") \
-                or entry.why.endswith(".training changed (False -> True)"):
+        if entry.expected:
             log.info("hoad: %s: %s; tracing it again", name, entry.why)
         else:
             log.warning("hoad: %s was traced with Python values it may read, and %s; tracing it again (keep values "
@@ -567,7 +566,9 @@ class _Entry:
         self.roots = roots
         self.guards = find_guards(roots)
         self.values = self.values_now()
-        self.why = ""
+        # why read_free last found the program stale, and whether that is a routine change (a
+        # tensor's new shape, a train/eval switch) rather than a Python value worth a warning
+        self.why, self.expected = "", True
         self.sources = list(b.sources)
         self.metas = [(t.shape, t.dtype, t.device) for t in free]
         # tensors whose source was not found are held by identity (in-place updates still seen)
@@ -596,16 +597,17 @@ class _Entry:
 
     def values_now(self) -> tuple | None:
         """The Python values :attr:`guards` watch, as they are now (None if one is gone)."""
-        return tuple(guard.now(self.roots) for guard in self.guards) if self.guards else ()
+        return tuple(guard.now(self.roots) for guard in self.guards)
 
     def read_free(self) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or
         its source is gone), or a Python value the function reaches changed (:class:`Guard`):
         then the program must be traced again, and ``why`` says why."""
         for guard in self.guards:
-            why = guard.changed(self.roots)
-            if why is not None:
-                self.why = why
+            changed = guard.changed(self.roots)
+            if changed is not None:
+                step, self.why = changed
+                self.expected = step == ("attr", "training")
                 return None
         if not self.metas:
             return []
@@ -619,7 +621,7 @@ class _Entry:
                 except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                     t = None
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != meta:
-                self.why = "a tensor it reads changed its shape, dtype or device (or is gone)"
+                self.why, self.expected = "a tensor it reads changed its shape, dtype or device (or is gone)", True
                 return None
             out.append(t)
         return out

@@ -275,20 +275,21 @@ class Guard:
         except Exception:  # noqa: BLE001 - a property that raises, an unhashable value: no twin
             return None
 
-    def changed(self, roots: dict) -> str | None:
-        """None if every value is as traced, else which one changed and how."""
+    def changed(self, roots: dict) -> tuple[Step | None, str] | None:
+        """None if every value is as traced, else the step that changed (None: the object
+        itself is gone) and a sentence saying how."""
         try:
             obj = self.parent.resolve(roots)
         except Exception:  # noqa: BLE001 - whatever the lookup raises, the value is not as traced
-            return f"{self.parent.name} is gone"
+            return None, f"{self.parent.name} is gone"
         for step, was in self.values:
             try:
                 now = _STEP[step[0]](obj, step[1])
                 same = bool(_same(now, was))
             except Exception:  # noqa: BLE001
-                return f"{_step_name(self.parent, step)} is gone or cannot be compared"
+                return step, f"{_step_name(self.parent, step)} is gone or cannot be compared"
             if not same:
-                return f"{_step_name(self.parent, step)} changed ({was!r} -> {now!r})"
+                return step, f"{_step_name(self.parent, step)} changed ({was!r} -> {now!r})"
         return None
 
 
@@ -335,9 +336,8 @@ def find_guards(roots: dict) -> list[Guard]:
         frontier = following
     guards = []
     for source, obj, values in held:
-        kept = [(step, v) for step, v in values
-                if step[0] not in ("attr", "global") or step[0] == "attr" and step[1] in attrs
-                or step[0] == "global" and step[1] in _loads(obj.__code__)[1]]
+        # (attributes no code loads were left out above)
+        kept = [(step, v) for step, v in values if step[0] != "global" or step[1] in _loads(obj.__code__)[1]]
         if not isinstance(obj, (types.FunctionType, types.MethodType, list, tuple, dict)):
             # names the code reads that the instance does not hold: class attributes (a default an
             # instance may override later) and a config module's values
