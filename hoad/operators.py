@@ -161,12 +161,7 @@ class Laplacian(_Operator):
         self._eigh: tuple = (None, None, None)   # (C's copy, eigenvalues, eigenvectors)
         seeds, collapse_weights = None, None
         if weights is not None:
-            c = _matrix(weights, "weights")
-            if c.requires_grad:
-                raise InvalidArgumentError(
-                    "weights=C requires grad: hoad factors C (eigh), and gradients with respect to it are not "
-                    "computed. Pass factor=L (C = L Lᵀ), which is differentiable, or C.detach()")
-            _check_symmetric(c)
+            _refuse_grad(_matrix(weights, "weights"))
             seeds, collapse_weights = self._eigenpairs()
         elif factor is not None:
             seeds = _matrix(factor, "factor", square=False).mT  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
@@ -190,11 +185,9 @@ class Laplacian(_Operator):
         return q.mT, lam
 
     def _operator_tensors(self):
-        if self._kind == "weights" and self._given.requires_grad and torch.is_grad_enabled():
-            raise InvalidArgumentError(
-                "weights=C requires grad: hoad factors C (eigh), and gradients with respect to it are not "
-                "computed. Pass factor=L (C = L Lᵀ), which is differentiable, or C.detach()")
         if self._kind == "weights":
+            if torch.is_grad_enabled():
+                _refuse_grad(self._given)
             seeds, lam = self._eigenpairs()
             return seeds, lam, "weights"
         if self._kind == "factor":
@@ -235,6 +228,13 @@ def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
     if not bool(torch.isfinite(m).all()):
         raise InvalidArgumentError(f"{name} has entries that are NaN or infinite")
     return m
+
+
+def _refuse_grad(c: torch.Tensor) -> None:
+    if c.requires_grad:
+        raise InvalidArgumentError(
+            "weights=C requires grad: hoad factors C (eigh), and gradients with respect to it are not "
+            "computed. Pass factor=L (C = L Lᵀ), which is differentiable, or C.detach()")
 
 
 def _check_symmetric(c: torch.Tensor) -> None:
