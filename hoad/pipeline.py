@@ -22,7 +22,7 @@ from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
-from hoad.passes.clean import clean
+from hoad.passes.clean import clean, fold_broadcasts
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
@@ -126,6 +126,7 @@ def _capture(b: Build) -> Build:
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
                     "samples along dim 0; every wrt input must have the same number of samples in dim 0")
         keep_samples_apart(b.captured.gm, b.captured.wrt_leaves)
+    fold_broadcasts(b.captured.gm)
     return b
 
 

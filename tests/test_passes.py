@@ -190,3 +190,53 @@ def test_orient_products_makes_tall_products_wide():
     assert shapes == [(16, 16), (2048, 16)], "the tall [2048,16]@[16,16] turned wide (bᵀ @ aᵀ); the small one kept"
     for got, want in zip(gm(a, b, c), (a @ b, a @ c)):
         torch.testing.assert_close(got, want)
+
+
+def test_fold_broadcasts_multiplies_by_the_weight_itself():
+    """bmm of a weight expanded over the batch (a nested operator's jets times a layer) becomes a
+    matmul by the weight, the broadcast's select reads the weight, and the values stay."""
+    from hoad.passes.clean import fold_broadcasts
+
+    def f(W, J, K):
+        left = torch.bmm(W.unsqueeze(-1).expand(3, 4, 5).permute(2, 1, 0), J)   # [5, 4, 3] @ [5, 3, 2]
+        right = torch.bmm(K, W.expand(5, 3, 4))                                 # [5, 2, 3] @ [5, 3, 4]
+        return left.sum() + right.sum()
+
+    W, J, K = rand(3, 4), rand(5, 3, 2), rand(5, 2, 3)
+    gm = fold_broadcasts(traced(f, W, J, K))
+    assert aten.bmm.default not in calls(gm) and aten.expand.default not in calls(gm)
+    assert calls(gm).count(aten.matmul.default) == 2
+    torch.testing.assert_close(gm(W, J, K), f(W, J, K))
+
+
+def test_fold_broadcast_selects_only_folds_broadcast_axes():
+    from hoad.passes.clean import fold_broadcast_selects
+
+    def f(W):
+        wide = W.unsqueeze(-1).expand(3, 4, 5).permute(2, 1, 0)   # [5, 4, 3], axis 0 broadcast
+        ones = W.unsqueeze(0).expand(6, 3, 4)                      # axis 0 added by the expand
+        return wide[2], ones[4], wide.select(1, 1)                 # the last selects a real axis
+
+    W = rand(3, 4)
+    gm = traced(f, W)
+    assert fold_broadcast_selects(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    selects = [n for n in gm.graph.nodes if n.target is aten.select.int]
+    assert len(selects) == 1 and selects[0].args[1] == 1
+    for got, want in zip(gm(W), f(W)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_products_of_broadcast_weights_match_torch_func(mode):
+    from helpers import check
+
+    def f(W, J):
+        n = J.shape[0]
+        a = torch.bmm(W.tanh().unsqueeze(0).expand(n, 3, 3), J)           # the weight on the left
+        return torch.bmm(J.transpose(1, 2), W.sin().expand(n, 3, 3)).sum((1, 2)) + a.cos().sum((1, 2))
+
+    W, J = rand(3, 3, seed=1), rand(4, 3, 2, seed=2)
+    check(lambda W, J: f(W, J).sum(), (W, J), wrt=(0, 1), order=3, mode=mode)
+    check(lambda J, W: f(W, J), (J, W), wrt=(0,), order=3, mode=mode, batch_dim=0)
