@@ -237,6 +237,10 @@ def find_sources(roots: dict, tensors: Sequence[torch.Tensor]) -> list[Source | 
             seen.add(id(obj))
             if isinstance(obj, torch.Tensor):
                 i = wanted.get(id(obj))
+                if i is None and torch._is_functional_tensor(obj):
+                    # a value of a trace in progress (a loss hoad.compile traces calls this
+                    # function): the tensor the trace's functionalization wraps is the one seen
+                    i = wanted.get(id(torch._from_functional_tensor(obj)))
                 if i is not None and found[i] is None:
                     found[i] = Source(root, steps)
                     left -= 1

@@ -65,6 +65,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     try:
         gm = traced(*fresh)
         free = _lift_free_tensors(gm)
+        _stand_in_traced_free(gm, len(fresh))
         gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
     except CaptureError:
         raise
@@ -168,6 +169,24 @@ def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
                 delattr(gm, name)
         gm.recompile()
     return free
+
+
+def _stand_in_traced_free(gm: fx.GraphModule, own: int) -> None:
+    """Free tensors that belong to the trace calling this function (hoad.laplacian(net) called
+    inside a loss that hoad.compile traces: the module's parameters are that trace's values) get
+    placeholder values of this trace's fake mode: the program is built on stand-ins, and each call
+    reads the caller's values then (``_Entry.read_free``), so its ops join the caller's program."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([n.meta.get("val") for n in placeholders[:own]] +
+                            [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function"])
+    for node in placeholders[own:]:
+        t = node.meta.get("val")
+        if isinstance(t, FakeTensor) and t.fake_mode is not mode and mode is not None:
+            with mode:
+                node.meta["val"] = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
 
 
 def _first_line(e: Exception) -> str:

@@ -342,3 +342,64 @@ def test_the_training_program_computes_its_hoisted_part_itself():
     expected = _reference_grads(lambda: ((_laplacian_by_autograd(u, X) + f) ** 2).mean(), params)
     for g, r in zip(got, expected):
         assert_close(g, r, "parameter gradient")
+
+
+def _programs_calls(cf) -> list:
+    return [n.target for n in cf._last.build.program.gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_loss_and_its_gradient_compile_to_one_program(backend):
+    """hoad.compile(m.loss, order=1, wrt=hoad.parameters) of a loss through the module's own
+    hoad.laplacian: the loss and every parameter's gradient from one program (no autograd), exact
+    over optimizer steps. The nested Laplacian reads the parameters the outer trace binds, and
+    its jets' products by each layer stay products by the weight (no bmm per point)."""
+
+    class PINN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _net(width=6)
+            self.lap = hoad.laplacian(self.u, batch_dim=0, backend=backend)
+
+        def u(self, X):
+            return self.net(X).squeeze(-1)
+
+        def loss(self, X, f):
+            return ((self.lap(X).laplacian + f) ** 2).mean()
+
+    m = PINN()
+    step = hoad.compile(m.loss, order=1, wrt=hoad.parameters, backend=backend)
+    X, f = rand(12, 2, seed=1), rand(12, seed=2)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-1)
+    params = dict(m.named_parameters())
+    for _step in range(3):
+        with torch.no_grad():
+            res = step(X, f)
+        expected = _reference_grads(lambda: ((_laplacian_by_autograd(m.u, X) + f) ** 2).mean(), list(params.values()))
+        assert_close(res.value, ((_laplacian_by_autograd(m.u, X) + f) ** 2).mean().detach(), "loss")
+        for (name, p), ref in zip(params.items(), expected):
+            assert_close(res[name], ref, f"gradient of {name}")
+            p.grad = res[name].clone()
+        opt.step()  # in place: the next call must see the new weights
+    assert torch.ops.aten.bmm.default not in _programs_calls(step)
+
+
+def test_a_laplacian_built_inside_a_compiled_loss_reads_the_traced_parameters():
+    """The operator built inside the traced function, closing over that trace's tensors."""
+
+    def tanh_mlp(ps, x):
+        return (torch.tanh(x @ ps[0] + ps[1]) @ ps[2] + ps[3]).squeeze(-1)
+
+    X, f = rand(10, 2, seed=3), rand(10, seed=4)
+    params = [rand(2, 5, seed=5), rand(5, seed=6), rand(5, 1, seed=7), rand(1, seed=8)]
+
+    def loss(*ps):
+        lap = hoad.laplacian(lambda x: tanh_mlp(ps, x), batch_dim=0, backend="eager")
+        return ((lap(X).laplacian + f) ** 2).mean()
+
+    res = hoad.compile(loss, order=1, wrt=(0, 1, 2, 3), backend="eager")(*params)
+    leaves = [p.clone().requires_grad_() for p in params]
+    expected = _reference_grads(lambda: ((_laplacian_by_autograd(lambda x: tanh_mlp(leaves, x), X) + f) ** 2).mean(),
+                                leaves)
+    for i, ref in enumerate(expected):
+        assert_close(res[i], ref, f"gradient {i}")
