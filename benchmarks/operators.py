@@ -523,6 +523,8 @@ def train_ways(p: TrainProblem) -> list[Way]:
             lambda: _same(_hoad_step(p, "inductor"))),
         Way("hoad eager", "hoad.laplacian(u, batch_dim=0) + loss.backward(), eager",
             lambda: _same(_hoad_step(p, "eager"))),
+        Way("hoad one program", "hoad.compile(loss through hoad.laplacian, order=1, wrt=params), inductor",
+            lambda: _same(_hoad_one_program(p, "inductor"))),
         Way("torch.func", "grad_and_value(loss of vmap(hessian))", lambda: _train_answer_of_func(p, compiled=False)),
         Way("torch.compile", "torch.compile(grad_and_value(loss of vmap(hessian)))",
             lambda: _train_answer_of_func(p, compiled=True), worker=True),
@@ -577,6 +579,26 @@ def _hoad_step(p: TrainProblem, backend: str) -> Callable[[], dict]:
     params = p.net.trainable()
     op = hoad.laplacian(lambda x: tanh_mlp(params, x), batch_dim=0, backend=backend)
     return _with_mode(_backward_step(p, params, lambda X: op(X).laplacian), op.compiled)
+
+
+def _hoad_one_program(p: TrainProblem, backend: str) -> Callable[[], dict]:
+    """The loss and its gradient from one hoad program: hoad.compile differentiates the loss
+    (order 1 in every parameter) through the Laplacian's own program; no autograd."""
+    import hoad
+
+    params = [q.detach().clone() for q in p.net.params]
+    laplacian = hoad.laplacian(lambda x, *ps: tanh_mlp(ps, x), batch_dim=0, backend=backend)
+
+    def loss(*ps):
+        return ((laplacian(p.X, *ps).laplacian + p.f) ** 2).mean()
+
+    step = hoad.compile(loss, order=1, wrt=tuple(range(len(params))), backend=backend)
+
+    def answer():
+        res = step(*params)
+        return p.answer(res.value, [res[i] for i in range(len(params))])
+
+    return _with_mode(answer, step)
 
 
 def _jet_step(p: TrainProblem, compiled: bool) -> Callable[[], dict]:
