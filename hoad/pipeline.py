@@ -126,7 +126,7 @@ def _capture(b: Build) -> Build:
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
                     "samples along dim 0; every wrt input must have the same number of samples in dim 0")
         keep_samples_apart(b.captured.gm, b.captured.wrt_leaves)
-    fold_broadcasts(b.captured.gm)
+    fold_broadcasts(b.captured.gm, b.captured.wrt_leaves)
     return b
 
 

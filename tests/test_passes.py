@@ -203,10 +203,12 @@ def test_fold_broadcasts_multiplies_by_the_weight_itself():
         return left.sum() + right.sum()
 
     W, J, K = rand(3, 4), rand(5, 3, 2), rand(5, 2, 3)
-    gm = fold_broadcasts(traced(f, W, J, K))
+    gm = fold_broadcasts(traced(f, W, J, K), wrt_leaves=[0])
     assert aten.bmm.default not in calls(gm) and aten.expand.default not in calls(gm)
     assert calls(gm).count(aten.matmul.default) == 2
     torch.testing.assert_close(gm(W, J, K), f(W, J, K))
+    # a broadcast constant (nothing differentiates W) keeps its batched product
+    assert calls(fold_broadcasts(traced(f, W, J, K), wrt_leaves=[1, 2])).count(aten.bmm.default) == 2
 
 
 def test_fold_broadcast_selects_only_folds_broadcast_axes():
