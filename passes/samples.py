@@ -46,6 +46,10 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
                 changed |= _unmerge_batched_product(gm, node, varies)
             elif torch.Tag.pointwise in getattr(node.target, "tags", ()):
                 changed |= _sink_past_pointwise(gm, node, varies)
+            elif node.target in _SIZE_ONE_VIEWS:
+                changed |= _as_view(gm, node, varies)
+            elif node.target in _VIEWS:
+                changed |= _split_and_permute(gm, node, varies)
         changed |= fold_layout(gm)
         gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -106,11 +110,27 @@ def _merged_columns(v, varies) -> bool:
     return len(new) == 2 and len(old) >= 3 and old[0] == new[0] and sum(s != 1 for s in old[1:]) >= 2
 
 
+def _merged_rows_and_columns(v, varies) -> int:
+    """n where the view ``v`` is ``[s1, ..., sn, t1, ..., tm] -> [s1·...·sn, t1·...·tm]`` with
+    n >= 2 and m >= 2 (attention's heads joined back before its output projection), else 0."""
+    shapes = _view_shapes(v, varies)
+    if shapes is None or len(shapes[1]) != 2:
+        return 0
+    old, (rows, cols) = shapes
+    for n in range(2, len(old) - 1):
+        if math.prod(old[:n]) == rows and math.prod(old[n:]) == cols and sum(s != 1 for s in old[:n]) >= 2:
+            return n
+    return 0
+
+
 def _unmerge_product(gm: fx.GraphModule, mm: fx.Node, varies: set) -> bool:
     a, b = mm.args
-    if _merged_rows(a, varies):      # [s..., d] @ [d, h] through [P, d]
+    n = _merged_rows_and_columns(a, varies)
+    if _merged_rows(a, varies) or n:      # [s..., d] @ [d, h] through [P, d]
         z = a.args[0]
         with gm.graph.inserting_before(mm):
+            if n:  # the trailing axes joined first: [s..., t...] -> [s..., d]
+                z = _call(gm, mm, aten.view.default, (z, list(shape_of(z)[:n]) + [shape_of(a)[1]]))
             out = _call(gm, mm, aten.matmul.default, (z, b))
             merged = _call(gm, mm, aten.view.default, (out, list(shape_of(mm))))
     elif _merged_columns(b, varies):   # [m, k] @ [k, s...] through [k, Q]
@@ -155,6 +175,70 @@ def _unmerge_batched_product(gm: fx.GraphModule, bmm: fx.Node, varies: set) -> b
         merged = _call(gm, bmm, aten.view.default, (out, list(shape_of(bmm))))
     bmm.replace_all_uses_with(merged)
     return True
+
+
+# views that only add or drop size-1 axes: torch's ``x @ w`` for a 1-D w squeezes its [B·N, 1]
+# product before the view back to [B, N]
+_SIZE_ONE_VIEWS = (aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
+
+
+def _as_view(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
+    """A squeeze or unsqueeze of a view merging leading axes, as a view of the same shape, which
+    the layout fold joins to the views around it (so the merge can cancel)."""
+    if not _merged_rows(node.args[0], varies) or shape_of(node) is None:
+        return False
+    with gm.graph.inserting_before(node):
+        new = _call(gm, node, aten.view.default, (node.args[0], list(shape_of(node))))
+    node.replace_all_uses_with(new)
+    return True
+
+
+def _split_and_permute(gm: fx.GraphModule, view: fx.Node, varies: set) -> bool:
+    """``view(permute(view(z, s1), p), s3)`` whose inner view merges axes that the outer one
+    splits again, as ``permute(view(z, atoms), q)``: torch's multi-head attention views [L, B, E]
+    as [L, B·heads, d] and, after a transpose, as [B, heads, L, d]. Only where no axis of the
+    result merges two axes of z (then no merge is left to untie the samples)."""
+    perm = view.args[0]
+    if not (isinstance(perm, fx.Node) and perm.op == "call_function" and perm.target is aten.permute.default):
+        return False
+    inner = perm.args[0]
+    shapes = _view_shapes(inner, varies)
+    out = shape_of(view)
+    if shapes is None or out is None:
+        return False
+    (s0, s1), order = shapes, [d % len(shapes[1]) for d in perm.args[1]]
+    atoms = _refinement(list(s0), list(s1))
+    if atoms is None or 1 in s0 or 1 in s1:  # (size-1 axes own no atom)
+        return False
+    groups, at = [], 0   # the atoms of each axis of s1
+    for size in s1:
+        run = []
+        while at < len(atoms) and (math.prod(atoms[i] for i in run) < size or not run):
+            run.append(at)
+            at += 1
+            if math.prod(atoms[i] for i in run) == size:
+                break
+        groups.append(run)
+    moved = [i for d in order for i in groups[d]]   # atoms in the permuted order
+    if _refinement([atoms[i] for i in moved], list(out)) != [atoms[i] for i in moved] \
+            or len([a for a in atoms if a != 1]) != len([s for s in out if s != 1]):
+        return False
+    with gm.graph.inserting_before(view):
+        split = _call(gm, view, aten.view.default, (inner.args[0], atoms))
+        new = _call(gm, view, aten.permute.default, (split, moved))
+        if list(shape_of(new)) != list(out):
+            new = _call(gm, view, aten.view.default, (new, list(out)))
+    view.replace_all_uses_with(new)
+    return True
+
+
+def _refinement(a: list, b: list) -> list | None:
+    """The coarsest sizes both ``a`` and ``b`` group consecutively (the boundaries of their
+    running products, merged), or None where one splits an axis of the other unevenly."""
+    cuts = sorted({math.prod(a[:i + 1]) for i in range(len(a))} | {math.prod(b[:i + 1]) for i in range(len(b))})
+    if math.prod(a) != math.prod(b) or any(y % x for x, y in zip(cuts, cuts[1:])):
+        return None
+    return [c // p for c, p in zip(cuts, [1] + cuts[:-1])]
 
 
 def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:

@@ -189,3 +189,51 @@ def test_einsum_over_sets_of_points_is_per_sample(equation, mode):
     W = rand(3, 5, seed=30)
     check(lambda X: torch.einsum(equation, X, W).tanh().sum((1, 2)), (rand(3, 4, 3, seed=31),), order=3,
           batch_dim=0, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_matmul_by_a_vector_over_sets_is_per_sample(mode):
+    """torch's X @ w for a 1-D w squeezes its [B·N, 1] product before the view back to [B, N]
+    (it was a false BatchCouplingError)."""
+    from helpers import check
+
+    w = rand(4, seed=32)
+    check(lambda X: torch.tanh(X @ w).sum(-1), (rand(3, 5, 4, seed=33),), order=3, batch_dim=0, mode=mode)
+
+
+def _math_attention(f):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def reference(*args):  # torch.func differentiates the math kernel of attention to any order
+        with sdpa_kernel(SDPBackend.MATH):
+            return f(*args)
+
+    return reference
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_multi_head_attention_within_each_sample_is_per_sample(mode):
+    """nn.MultiheadAttention views [L, B, E] as [L, B·heads, d] and joins the heads back before
+    its output projection; the sample pass keeps B apart (it was a false BatchCouplingError)."""
+    from helpers import check
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(6, 2, batch_first=True, dtype=torch.float64).eval()
+
+    def f(X):
+        return mha(X, X, X, need_weights=False)[0].tanh().sum((1, 2))
+
+    check(f, (rand(3, 4, 6, seed=34),), order=2, batch_dim=0, mode=mode, reference_fn=_math_attention(f))
+
+
+def test_a_transformer_encoder_layer_is_per_sample():
+    from helpers import check
+
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(6, 2, dim_feedforward=8, dropout=0.0, batch_first=True,
+                                             dtype=torch.float64).eval()
+
+    def f(X):
+        return layer(X).sin().sum((1, 2))
+
+    check(f, (rand(2, 3, 6, seed=35),), order=2, batch_dim=0, reference_fn=_math_attention(f))

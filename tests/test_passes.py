@@ -242,3 +242,27 @@ def test_products_of_broadcast_weights_match_torch_func(mode):
     W, J = rand(3, 3, seed=1), rand(4, 3, 2, seed=2)
     check(lambda W, J: f(W, J).sum(), (W, J), wrt=(0, 1), order=3, mode=mode)
     check(lambda J, W: f(W, J), (J, W), wrt=(0,), order=3, mode=mode, batch_dim=0)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((5, 3, 8), (5, 6, 4), (1, 0, 2), (3, 2, 5, 4)),     # attention's heads: [L, B·h, d] -> [B, h, L, d]
+    ((5, 3, 8), (5, 6, 4), (1, 0, 2), (6, 5, 4)),        # the merge kept: left alone
+    ((2, 3, 4), (6, 4), (1, 0), (4, 2, 3)),
+    ((2, 6), (2, 2, 3), (0, 2, 1), (2, 3, 2)),
+])
+def test_sample_pass_rewrites_view_permute_view_exactly(shapes):
+    """view(permute(view(x))) rewritten as split, permute (and view) only where no merge is left;
+    the values are the same either way."""
+    from hoad.passes.samples import keep_samples_apart
+
+    s0, s1, perm, s3 = shapes
+
+    def f(x):
+        return x.view(s1).permute(perm).reshape(s3).sin()
+
+    x = rand(*s0)
+    gm = traced(f, x)
+    keep_samples_apart(gm, [0])
+    torch.testing.assert_close(gm(x), f(x))
+    if s3 == (3, 2, 5, 4):  # the heads' merge is gone
+        assert not [n for n in gm.graph.nodes if tuple(getattr(n.meta.get("val"), "shape", ())) == s1]
