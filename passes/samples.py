@@ -45,7 +45,9 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
             elif node.target == aten.bmm.default:
                 changed |= _unmerge_batched_product(gm, node, varies)
             elif torch.Tag.pointwise in getattr(node.target, "tags", ()):
-                changed |= _sink_past_pointwise(gm, node, varies)
+                changed |= _sink_past_pointwise(gm, node, varies) or _sink_run_past_pointwise(gm, node, varies)
+            elif node.target is aten.sum.dim_IntList:
+                changed |= _sink_run_past_sum(gm, node, varies)
             elif node.target in _SIZE_ONE_VIEWS:
                 changed |= _as_view(gm, node, varies)
             elif node.target in _VIEWS:
@@ -272,6 +274,95 @@ def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool
         out = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
         merged = _call(gm, node, aten.view.default, (out, list(out_shape)))
     node.replace_all_uses_with(merged)
+    return True
+
+
+def _merged_run(v, varies) -> tuple[int, tuple, list] | None:
+    """(i, run, unmerged shape) where the view ``v`` merges a run of axes of its source into its
+    axis i >= 1, the other axes kept: ``[a, s1, ..., sk, b] -> [a, s1·...·sk, b]`` (k >= 2). A
+    source without the view's leading size-1 axes counts as having them (instance norm views
+    [B, C, L] as [1, B·C, L] for a batch norm of one batch entry)."""
+    shapes = _view_shapes(v, varies)
+    if shapes is None:
+        return None
+    old, new = list(shapes[0]), list(shapes[1])
+    lead = 0
+    while lead < len(new) and new[lead] == 1 and (lead >= len(old) or old[lead] != 1):
+        lead += 1
+    old = [1] * lead + old
+    k = len(old) - len(new) + 1
+    if k < 2:
+        return None
+    for i in range(1, len(new)):
+        run = old[i:i + k]
+        if (old[:i] == new[:i] and old[i + k:] == new[i + 1:] and math.prod(run) == new[i]
+                and sum(n != 1 for n in run) >= 2):
+            return i, tuple(run), old
+    return None
+
+
+def _unmerged(gm: fx.GraphModule, where: fx.Node, v: fx.Node, old: list) -> fx.Node:
+    src = v.args[0]
+    return src if list(shape_of(src)) == old else _call_before(gm, where, aten.view.default, (src, old))
+
+
+def _sink_run_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
+    """``op(view(z), view(y), c)`` -> ``view(op(z, y, c))`` where the views merge the same run of
+    axes into one middle axis and every other tensor operand broadcasts along that axis or is a
+    constant split there as the run (instance norm's running statistics, repeated per sample)."""
+    runs = {a: _merged_run(a, None) for a in node.all_input_nodes}  # (constants too: instance norm's
+    merged = {a: r for a, r in runs.items() if r is not None}         # weight repeated per sample)
+    if (not any(a in varies for a in merged)
+            or len({(i, run) for i, run, _old in merged.values()}) != 1):
+        return False
+    i, run, _old = next(iter(merged.values()))
+    out = shape_of(node)
+    if out is None or any(len(shape_of(a) or ()) != len(out) for a in merged):
+        return False
+    at = len(out) - 1 - i  # the merged axis, counted from the right (operands broadcast from the right)
+    args = []
+    for a in node.args:
+        if a in merged:
+            args.append(_unmerged(gm, node, a, merged[a][2]))
+        elif isinstance(a, fx.Node):
+            sa = shape_of(a)
+            j = None if sa is None else len(sa) - 1 - at
+            if sa is None or (j >= 0 and sa[j] != 1 and (sa[j] != math.prod(run) or a in varies)):
+                return False
+            if j >= 0:  # one size-1 axis per axis of the run, or (a constant) its axis split as the run
+                split = [1] * len(run) if sa[j] == 1 else list(run)
+                a = _call_before(gm, node, aten.view.default, (a, list(sa[:j]) + split + list(sa[j + 1:])))
+            args.append(a)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return False
+        else:
+            args.append(a)
+    if any(isinstance(x, fx.Node) for x in fx.node.map_aggregate(node.kwargs, lambda x: x).values()):
+        return False
+    with gm.graph.inserting_before(node):
+        new = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
+        view = _call(gm, node, aten.view.default, (new, list(out)))
+    node.replace_all_uses_with(view)
+    return True
+
+
+def _sink_run_past_sum(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
+    """``sum(view(z), dims, keepdim=True)`` over axes other than the merged one -> ``view(sum(z))``."""
+    v, dims = node.args[0], node.args[1]
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    found = _merged_run(v, varies)
+    if found is None or not keep or node.kwargs.get("dtype") is not None or not dims:
+        return False
+    i, run, old = found
+    rank = len(shape_of(v))
+    dims = [d % rank for d in dims]
+    if i in dims:
+        return False
+    mapped = [d if d < i else d + len(run) - 1 for d in dims]
+    with gm.graph.inserting_before(node):
+        new = _call(gm, node, aten.sum.dim_IntList, (_unmerged(gm, node, v, old), mapped, True))
+        view = _call(gm, node, aten.view.default, (new, list(shape_of(node))))
+    node.replace_all_uses_with(view)
     return True
 
 

@@ -237,3 +237,51 @@ def test_a_transformer_encoder_layer_is_per_sample():
         return layer(X).sin().sum((1, 2))
 
     check(f, (rand(2, 3, 6, seed=35),), order=2, batch_dim=0, reference_fn=_math_attention(f))
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d affine", "1d eval running stats"])
+def test_instance_norm_is_per_sample(kind):
+    """Instance norm views [B, C, ...] as [1, B·C, ...] for a batch norm of one batch entry (its
+    weight and running statistics repeated per sample); the sample pass keeps B apart (it was a
+    false BatchCouplingError)."""
+    from helpers import check
+
+    torch.manual_seed(2)
+    if kind == "1d":
+        norm, X = torch.nn.InstanceNorm1d(3, dtype=torch.float64), rand(2, 3, 5, seed=36)
+    elif kind == "2d affine":
+        norm, X = torch.nn.InstanceNorm2d(3, affine=True, dtype=torch.float64), rand(2, 3, 2, 3, seed=37)
+        with torch.no_grad():
+            norm.weight.copy_(rand(3, seed=38))
+            norm.bias.copy_(rand(3, seed=39))
+    else:
+        norm = torch.nn.InstanceNorm1d(3, affine=True, track_running_stats=True, dtype=torch.float64).eval()
+        norm.running_mean.copy_(rand(3, seed=40))
+        norm.running_var.copy_(rand(3, seed=41, positive=True))
+        X = rand(2, 3, 5, seed=42)
+
+    def f(X):
+        return norm(X).tanh().flatten(1).sum(1)
+
+    def plain(X):  # the same maths in plain ops: torch.func's derivatives of norms' statistics are
+        dims = tuple(range(2, X.ndim))  # wrong from order 3 (torch 2.13)
+        shape = (-1,) + (1,) * len(dims)
+        if norm.track_running_stats and not norm.training:
+            mean, var = norm.running_mean.view(shape), norm.running_var.view(shape)
+        else:
+            mean = X.mean(dims, keepdim=True)
+            var = ((X - mean) ** 2).mean(dims, keepdim=True)
+        y = (X - mean) / torch.sqrt(var + norm.eps)
+        if norm.affine:
+            y = y * norm.weight.view(shape) + norm.bias.view(shape)
+        return y.tanh().flatten(1).sum(1)
+
+    check(f, (X,), order=2 if kind == "2d affine" else 3, batch_dim=0, reference_fn=plain)
+
+
+def test_a_reduction_across_merged_samples_is_still_a_coupling_error():
+    def f(X):  # [B, C, L] viewed [1, B·C, L] and summed over B·C: samples mix
+        return X.view(1, -1, X.shape[-1]).sin().sum(1).expand(X.shape[0], -1).sum(1)
+
+    with pytest.raises(hoad.BatchCouplingError):
+        hoad.compile(f, order=2, batch_dim=0)(rand(2, 3, 4))
