@@ -176,17 +176,17 @@ def _stand_in_traced_free(gm: fx.GraphModule, own: int) -> None:
     inside a loss that hoad.compile traces: the module's parameters are that trace's values) get
     placeholder values of this trace's fake mode: the program is built on stand-ins, and each call
     reads the caller's values then (``_Entry.read_free``), so its ops join the caller's program."""
-    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode([n.meta.get("val") for n in placeholders[:own]] +
-                            [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function"])
+    ours = placeholders[:own] + [n for n in gm.graph.nodes if n.op == "call_function"]
+    mode = next((n.meta["val"].fake_mode for n in ours if isinstance(n.meta.get("val"), FakeTensor)), None)
     for node in placeholders[own:]:
         t = node.meta.get("val")
         if isinstance(t, FakeTensor) and t.fake_mode is not mode and mode is not None:
             with mode:
-                node.meta["val"] = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+                node.meta["val"] = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                                       device=t.device)
 
 
 def _first_line(e: Exception) -> str:
