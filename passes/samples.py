@@ -46,12 +46,16 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
                 changed |= _unmerge_batched_product(gm, node, varies)
             elif torch.Tag.pointwise in getattr(node.target, "tags", ()):
                 changed |= _sink_past_pointwise(gm, node, varies) or _sink_run_past_pointwise(gm, node, varies)
-            elif node.target is aten.sum.dim_IntList:
-                changed |= _sink_run_past_sum(gm, node, varies)
+            elif node.target in _REDUCTIONS:
+                changed |= _sink_run_past_reduction(gm, node, varies)
             elif node.target in _SIZE_ONE_VIEWS:
                 changed |= _as_view(gm, node, varies)
             elif node.target in _VIEWS:
                 changed |= _split_and_permute(gm, node, varies)
+            elif node.target is aten.permute.default:
+                changed |= _merge_after_permute(gm, node, varies)
+            elif node.target is aten.clone.default:
+                changed |= _merge_after_clone(gm, node, varies)
         changed |= fold_layout(gm)
         gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -208,20 +212,11 @@ def _split_and_permute(gm: fx.GraphModule, view: fx.Node, varies: set) -> bool:
     out = shape_of(view)
     if shapes is None or out is None:
         return False
-    (s0, s1), order = shapes, [d % len(shapes[1]) for d in perm.args[1]]
-    atoms = _refinement(list(s0), list(s1))
-    if atoms is None or 1 in s0 or 1 in s1:  # (size-1 axes own no atom)
+    found = _atoms_of(list(shapes[0]), list(shapes[1]))
+    if found is None:
         return False
-    groups, at = [], 0   # the atoms of each axis of s1
-    for size in s1:
-        run = []
-        while at < len(atoms) and (math.prod(atoms[i] for i in run) < size or not run):
-            run.append(at)
-            at += 1
-            if math.prod(atoms[i] for i in run) == size:
-                break
-        groups.append(run)
-    moved = [i for d in order for i in groups[d]]   # atoms in the permuted order
+    atoms, groups = found
+    moved = [i for d in perm.args[1] for i in groups[d % len(groups)]]   # atoms in the permuted order
     if _refinement([atoms[i] for i in moved], list(out)) != [atoms[i] for i in moved] \
             or len([a for a in atoms if a != 1]) != len([s for s in out if s != 1]):
         return False
@@ -231,6 +226,56 @@ def _split_and_permute(gm: fx.GraphModule, view: fx.Node, varies: set) -> bool:
         if list(shape_of(new)) != list(out):
             new = _call(gm, view, aten.view.default, (new, list(out)))
     view.replace_all_uses_with(new)
+    return True
+
+
+def _atoms_of(s0: list, s1: list) -> tuple[list, list] | None:
+    """The sizes both shapes group (:func:`_refinement`) and, for each axis of ``s1``, the atoms
+    it groups; None where a shape has size-1 axes (they own no atom) or one splits unevenly."""
+    atoms = _refinement(s0, s1)
+    if atoms is None or 1 in s0 or 1 in s1:
+        return None
+    groups, at = [], 0
+    for size in s1:
+        run = []
+        while at < len(atoms) and math.prod(atoms[i] for i in run) < size:
+            run.append(at)
+            at += 1
+        groups.append(run)
+    return atoms, groups
+
+
+def _merge_after_permute(gm: fx.GraphModule, perm: fx.Node, varies: set) -> bool:
+    """``permute(view(z, s1), p)`` whose view merges axes, as ``view(permute(view(z, atoms), q))``:
+    the merge moved past the permute, toward a product or a view that undoes it (multi-head
+    attention with its weights: [L, B, E] viewed [L, B·heads, d], transposed to [B·heads, L, d]
+    for its bmm)."""
+    inner = perm.args[0]
+    shapes = _view_shapes(inner, varies)
+    if shapes is None:
+        return False
+    found = _atoms_of(list(shapes[0]), list(shapes[1]))
+    if found is None or len(found[0]) == len(shapes[1]):  # (a view that merges nothing)
+        return False
+    atoms, groups = found
+    moved = [i for d in perm.args[1] for i in groups[d % len(groups)]]
+    with gm.graph.inserting_before(perm):
+        split = _call(gm, perm, aten.view.default, (inner.args[0], atoms))
+        new = _call(gm, perm, aten.permute.default, (split, moved))
+        merged = _call(gm, perm, aten.view.default, (new, list(shape_of(perm))))
+    perm.replace_all_uses_with(merged)
+    return True
+
+
+def _merge_after_clone(gm: fx.GraphModule, clone: fx.Node, varies: set) -> bool:
+    """``clone(view(z), contiguous)`` of a view merging leading axes -> ``view(clone(z))``."""
+    v = clone.args[0]
+    if clone.kwargs.get("memory_format") is not torch.contiguous_format or not _merged_rows(v, varies):
+        return False
+    with gm.graph.inserting_before(clone):
+        new = _call(gm, clone, aten.clone.default, (v.args[0],), {"memory_format": torch.contiguous_format})
+        merged = _call(gm, clone, aten.view.default, (new, list(shape_of(clone))))
+    clone.replace_all_uses_with(merged)
     return True
 
 
@@ -277,11 +322,12 @@ def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool
     return True
 
 
-def _merged_run(v, varies) -> tuple[int, tuple, list] | None:
+def _merged_run(v, varies, first: int = 1) -> tuple[int, tuple, list] | None:
     """(i, run, unmerged shape) where the view ``v`` merges a run of axes of its source into its
-    axis i >= 1, the other axes kept: ``[a, s1, ..., sk, b] -> [a, s1·...·sk, b]`` (k >= 2). A
+    axis i >= first, the other axes kept: ``[a, s1, ..., sk, b] -> [a, s1·...·sk, b]`` (k >= 2). A
     source without the view's leading size-1 axes counts as having them (instance norm views
-    [B, C, L] as [1, B·C, L] for a batch norm of one batch entry)."""
+    [B, C, L] as [1, B·C, L] for a batch norm of one batch entry). Pointwise ops move merges of
+    leading axes (i = 0) by :func:`_sink_past_pointwise` where only one operand is such a view."""
     shapes = _view_shapes(v, varies)
     if shapes is None:
         return None
@@ -293,7 +339,7 @@ def _merged_run(v, varies) -> tuple[int, tuple, list] | None:
     k = len(old) - len(new) + 1
     if k < 2:
         return None
-    for i in range(1, len(new)):
+    for i in range(first, len(new)):
         run = old[i:i + k]
         if (old[:i] == new[:i] and old[i + k:] == new[i + 1:] and math.prod(run) == new[i]
                 and sum(n != 1 for n in run) >= 2):
@@ -308,9 +354,9 @@ def _unmerged(gm: fx.GraphModule, where: fx.Node, v: fx.Node, old: list) -> fx.N
 
 def _sink_run_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
     """``op(view(z), view(y), c)`` -> ``view(op(z, y, c))`` where the views merge the same run of
-    axes into one middle axis and every other tensor operand broadcasts along that axis or is a
-    constant split there as the run (instance norm's running statistics, repeated per sample)."""
-    runs = {a: _merged_run(a, None) for a in node.all_input_nodes}  # (constants too: instance norm's
+    axes into one axis and every other tensor operand broadcasts along that axis or is a constant
+    split there as the run (instance norm's running statistics, repeated per sample)."""
+    runs = {a: _merged_run(a, None, first=0) for a in node.all_input_nodes}  # (constants too: instance norm's
     merged = {a: r for a, r in runs.items() if r is not None}         # weight repeated per sample)
     if (not any(a in varies for a in merged)
             or len({(i, run) for i, run, _old in merged.values()}) != 1):
@@ -346,11 +392,16 @@ def _sink_run_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> 
     return True
 
 
-def _sink_run_past_sum(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
-    """``sum(view(z), dims, keepdim=True)`` over axes other than the merged one -> ``view(sum(z))``."""
+# reductions that keep their axes (keepdim=True) and may move past a merging view
+_REDUCTIONS = (aten.sum.dim_IntList, aten.amax.default, aten.amin.default)
+
+
+def _sink_run_past_reduction(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
+    """``sum(view(z), dims, keepdim=True)`` (or amax, amin) over axes other than the merged one ->
+    ``view(sum(z))``: instance norm's statistics, attention's softmax over [B·heads, L, L]."""
     v, dims = node.args[0], node.args[1]
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    found = _merged_run(v, varies)
+    found = _merged_run(v, varies, first=0)
     if found is None or not keep or node.kwargs.get("dtype") is not None or not dims:
         return False
     i, run, old = found
@@ -360,7 +411,7 @@ def _sink_run_past_sum(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
         return False
     mapped = [d if d < i else d + len(run) - 1 for d in dims]
     with gm.graph.inserting_before(node):
-        new = _call(gm, node, aten.sum.dim_IntList, (_unmerged(gm, node, v, old), mapped, True))
+        new = _call(gm, node, node.target, (_unmerged(gm, node, v, old), mapped, True))
         view = _call(gm, node, aten.view.default, (new, list(shape_of(node))))
     node.replace_all_uses_with(view)
     return True

@@ -212,16 +212,19 @@ def _math_attention(f):
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_multi_head_attention_within_each_sample_is_per_sample(mode):
+@pytest.mark.parametrize("weights", [False, True])
+def test_multi_head_attention_within_each_sample_is_per_sample(weights, mode):
     """nn.MultiheadAttention views [L, B, E] as [L, B·heads, d] and joins the heads back before
-    its output projection; the sample pass keeps B apart (it was a false BatchCouplingError)."""
+    its output projection; with its attention weights (the default) it runs bmm and softmax on
+    [B·heads, L, L]. The sample pass keeps B apart (both were false BatchCouplingErrors)."""
     from helpers import check
 
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(6, 2, batch_first=True, dtype=torch.float64).eval()
 
     def f(X):
-        return mha(X, X, X, need_weights=False)[0].tanh().sum((1, 2))
+        out, attention = mha(X, X, X, need_weights=weights)
+        return out.tanh().sum((1, 2)) + (attention.sin().sum((1, 2)) if weights else 0)
 
     check(f, (rand(3, 4, 6, seed=34),), order=2, batch_dim=0, mode=mode, reference_fn=_math_attention(f))
 

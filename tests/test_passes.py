@@ -249,6 +249,8 @@ def test_products_of_broadcast_weights_match_torch_func(mode):
     ((5, 3, 8), (5, 6, 4), (1, 0, 2), (6, 5, 4)),        # the merge kept: left alone
     ((2, 3, 4), (6, 4), (1, 0), (4, 2, 3)),
     ((2, 6), (2, 2, 3), (0, 2, 1), (2, 3, 2)),
+    ((5, 3, 8), (5, 6, 4), (1, 0, 2), None),             # the merge moved past the permute
+    ((5, 3, 8), (5, 6, 4), (1, 2, 0), None),
 ])
 def test_sample_pass_rewrites_view_permute_view_exactly(shapes):
     """view(permute(view(x))) rewritten as split, permute (and view) only where no merge is left;
@@ -258,7 +260,8 @@ def test_sample_pass_rewrites_view_permute_view_exactly(shapes):
     s0, s1, perm, s3 = shapes
 
     def f(x):
-        return x.view(s1).permute(perm).reshape(s3).sin()
+        y = x.view(s1).permute(perm)
+        return (y if s3 is None else y.reshape(s3)).sin()
 
     x = rand(*s0)
     gm = traced(f, x)
