@@ -51,7 +51,7 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
             elif node.target in _SIZE_ONE_VIEWS:
                 changed |= _as_view(gm, node, varies)
             elif node.target in _VIEWS:
-                changed |= _split_and_permute(gm, node, varies)
+                changed |= _split_and_permute(gm, node, varies) or _stack_of_cat(gm, node, varies)
             elif node.target is aten.permute.default:
                 changed |= _merge_after_permute(gm, node, varies)
             elif node.target is aten.clone.default:
@@ -276,6 +276,25 @@ def _merge_after_clone(gm: fx.GraphModule, clone: fx.Node, varies: set) -> bool:
         new = _call(gm, clone, aten.clone.default, (v.args[0],), {"memory_format": torch.contiguous_format})
         merged = _call(gm, clone, aten.view.default, (new, list(shape_of(clone))))
     clone.replace_all_uses_with(merged)
+    return True
+
+
+def _stack_of_cat(gm: fx.GraphModule, view: fx.Node, varies: set) -> bool:
+    """``view(cat([x1, ..., xn]), [n, *x.shape])`` of pieces of one shape -> the cat of the pieces
+    each unsqueezed (a stack): torch's GRU and LSTM join their steps' [B, h] outputs into
+    [T·B, h] and view that as [T, B, h]."""
+    cat = view.args[0]
+    if not (isinstance(cat, fx.Node) and cat.op == "call_function" and cat.target is aten.cat.default
+            and cat in varies and (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) == 0):
+        return False
+    pieces = list(cat.args[0])
+    shapes = {shape_of(x) for x in pieces}
+    if len(shapes) != 1 or None in shapes or list(shape_of(view)) != [len(pieces), *next(iter(shapes))]:
+        return False
+    with gm.graph.inserting_before(view):
+        rows = [_call(gm, view, aten.unsqueeze.default, (x, 0)) for x in pieces]
+        new = _call(gm, view, aten.cat.default, (rows, 0))
+    view.replace_all_uses_with(new)
     return True
 
 

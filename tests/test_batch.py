@@ -288,3 +288,23 @@ def test_a_reduction_across_merged_samples_is_still_a_coupling_error():
 
     with pytest.raises(hoad.BatchCouplingError):
         hoad.compile(f, order=2, batch_dim=0)(rand(2, 3, 4))
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_recurrent_layers_are_per_sample(cell):
+    """torch's GRU and LSTM join their steps' [B, h] outputs into [T·B, h] viewed as [T, B, h]; the
+    sample pass stacks them instead (it was a false BatchCouplingError)."""
+    from helpers import check
+
+    torch.manual_seed(3)
+    rnn = getattr(torch.nn, cell)(3, 4, batch_first=True, dtype=torch.float64).eval()
+
+    def f(X):
+        return rnn(X)[0].sin().sum((1, 2))
+
+    X = rand(2, 3, 3, seed=43)
+    res = hoad.compile(f, order=2, batch_dim=0)(X)
+    one = lambda x: f(x.unsqueeze(0)).squeeze(0)  # noqa: E731  (vmap cannot run torch's LSTM cell:
+    for b, x in enumerate(X):                      # the reference is a loop over the samples)
+        assert_close(res[0][b], jacrev(one)(x), "gradient")
+        assert_close(res[0, 0][b], jacfwd(jacrev(one))(x), "Hessian")
