@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
@@ -355,6 +356,7 @@ class Compiled:
             with temporarily_clear_interpreter_stack(), _disable_current_modes():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
                 entry = self._compile(args, kwargs, config)
+            entry.trace = get_proxy_mode()
         else:
             entry = self._compile(args, kwargs, config)
         self._keep(key, entry)
@@ -569,6 +571,7 @@ class _Entry:
         # why read_free last found the program stale, and whether that is a routine change (a
         # tensor's new shape, a train/eval switch) rather than a Python value worth a warning
         self.why, self.expected = "", True
+        self.trace = None  # the trace a nested program was built in (its held values are that trace's)
         self.sources = list(b.sources)
         self.metas = [(t.shape, t.dtype, t.device) for t in free]
         # tensors whose source was not found are held by identity (in-place updates still seen)
@@ -613,6 +616,12 @@ class _Entry:
             return []
         out = []
         for src, meta, held in zip(self.sources, self.metas, self.held):
+            if isinstance(held, FakeTensor) and get_proxy_mode() is not self.trace:
+                # a value of the trace that built this program (an operator called inside a
+                # traced loss, reading it through an object hoad does not follow): it belongs to
+                # that trace alone, so a call in another trace builds again
+                self.why, self.expected = "it held a value of an earlier trace", True
+                return None
             if held is not None:
                 t = held
             else:

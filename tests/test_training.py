@@ -403,3 +403,29 @@ def test_a_laplacian_built_inside_a_compiled_loss_reads_the_traced_parameters():
                                 leaves)
     for i, ref in enumerate(expected):
         assert_close(res[i], ref, f"gradient {i}")
+
+
+def test_an_operator_holding_a_traced_value_builds_again_in_the_next_trace():
+    """An operator that reads a traced value through an object hoad does not follow (a
+    ``__slots__`` holder) holds that value; when the compiled loss traces again (a new shape of
+    another argument), the held value belongs to the old trace: the operator builds again (before,
+    the new program read the old trace's fake tensor and returned garbage)."""
+
+    class Holder:
+        __slots__ = ("t",)
+
+    holder = Holder()
+    X = rand(5, 2, seed=9)
+    lap = hoad.laplacian(lambda x: torch.tanh(x @ holder.t).sum(-1), batch_dim=0, backend="eager")
+
+    def loss(W, f):
+        holder.t = W
+        return (lap(X).laplacian * f.sum()).sum()
+
+    step = hoad.compile(loss, order=1, backend="eager")
+    W = rand(2, 3, seed=10)
+    for f in (rand(1, seed=11), rand(2, seed=12)):  # the second shape traces the loss again
+        leaf = W.clone().requires_grad_()
+        expected, = torch.autograd.grad((_laplacian_by_autograd(lambda x: torch.tanh(x @ leaf).sum(-1), X)
+                                         * f.sum()).sum(), leaf)
+        assert_close(step(W, f)[0], expected, "gradient")
