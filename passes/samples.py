@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 
-from hoad.passes.clean import fold_layout, shape_of, traced_call
+from hoad.passes.clean import depending, fold_layout, shape_of, traced_call
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
     changed = True
     while changed:
         changed = False
-        varies = _depending(gm, wrt)
+        varies = depending(gm, wrt)
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or not node.users:
                 continue
@@ -51,7 +51,7 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
             elif node.target in _SIZE_ONE_VIEWS:
                 changed |= _as_view(gm, node, varies)
             elif node.target in _VIEWS:
-                changed |= _split_and_permute(gm, node, varies) or _stack_of_cat(gm, node, varies)
+                changed |= _stack_of_cat(gm, node, varies)
             elif node.target is aten.permute.default:
                 changed |= _merge_after_permute(gm, node, varies)
             elif node.target is aten.clone.default:
@@ -61,15 +61,6 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    varies = {placeholders[i] for i in wrt}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and any(a in varies for a in node.all_input_nodes):
-            varies.add(node)
-    return varies
 
 
 def _view_shapes(v, varies: set | None) -> tuple[tuple, tuple] | None:
@@ -199,36 +190,6 @@ def _as_view(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool:
     return True
 
 
-def _split_and_permute(gm: fx.GraphModule, view: fx.Node, varies: set) -> bool:
-    """``view(permute(view(z, s1), p), s3)`` whose inner view merges axes that the outer one
-    splits again, as ``permute(view(z, atoms), q)``: torch's multi-head attention views [L, B, E]
-    as [L, B·heads, d] and, after a transpose, as [B, heads, L, d]. Only where no axis of the
-    result merges two axes of z (then no merge is left to untie the samples)."""
-    perm = view.args[0]
-    if not (isinstance(perm, fx.Node) and perm.op == "call_function" and perm.target is aten.permute.default):
-        return False
-    inner = perm.args[0]
-    shapes = _view_shapes(inner, varies)
-    out = shape_of(view)
-    if shapes is None or out is None:
-        return False
-    found = _atoms_of(list(shapes[0]), list(shapes[1]))
-    if found is None:
-        return False
-    atoms, groups = found
-    moved = [i for d in perm.args[1] for i in groups[d % len(groups)]]   # atoms in the permuted order
-    if _refinement([atoms[i] for i in moved], list(out)) != [atoms[i] for i in moved] \
-            or len([a for a in atoms if a != 1]) != len([s for s in out if s != 1]):
-        return False
-    with gm.graph.inserting_before(view):
-        split = _call(gm, view, aten.view.default, (inner.args[0], atoms))
-        new = _call(gm, view, aten.permute.default, (split, moved))
-        if list(shape_of(new)) != list(out):
-            new = _call(gm, view, aten.view.default, (new, list(out)))
-    view.replace_all_uses_with(new)
-    return True
-
-
 def _atoms_of(s0: list, s1: list) -> tuple[list, list] | None:
     """The sizes both shapes group (:func:`_refinement`) and, for each axis of ``s1``, the atoms
     it groups; None where a shape has size-1 axes (they own no atom) or one splits unevenly."""
@@ -314,30 +275,42 @@ def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool
     if len(views) != 1:
         return False
     (v,) = views
-    z, n, new = v.args[0], _merged_rows(v, varies), shape_of(v)
+    z, new = v.args[0], shape_of(v)
     trailing = len(new) - 1
-    args = []
-    for a in node.args:
-        if a is v:
-            args.append(z)
-        elif isinstance(a, fx.Node):
-            s = shape_of(a)
-            if s is None or len(s) > trailing + 1 or (len(s) == trailing + 1 and s[0] != 1):
-                return False
-            args.append(a if len(s) <= trailing else _call_before(gm, node, aten.view.default, (a, list(s[1:]))))
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-            return False
-        else:
-            args.append(a)
-    if any(isinstance(x, fx.Node) for x in fx.node.map_aggregate(node.kwargs, lambda x: x).values()):
-        return False
     out_shape = shape_of(node)
     if out_shape is None or len(out_shape) != len(new):
         return False
+
+    def operand(a):
+        if a is v:
+            return z
+        s = shape_of(a)
+        if s is None or len(s) > trailing + 1 or (len(s) == trailing + 1 and s[0] != 1):
+            return None
+        return a if len(s) <= trailing else _call_before(gm, node, aten.view.default, (a, list(s[1:])))
+
+    return _rebuild_pointwise(gm, node, operand, out_shape)
+
+
+def _rebuild_pointwise(gm: fx.GraphModule, node: fx.Node, operand, out: tuple) -> bool:
+    """``node`` (pointwise) computed on each tensor argument as ``operand`` maps it (None:
+    refuse), then viewed as ``out``: the merging view moved past it. Refused where a tensor
+    arrives in a list or a keyword."""
+    args = []
+    for a in node.args:
+        if isinstance(a, fx.Node):
+            a = operand(a)
+            if a is None:
+                return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return False
+        args.append(a)
+    if any(isinstance(x, fx.Node) for x in fx.node.map_aggregate(node.kwargs, lambda x: x).values()):
+        return False
     with gm.graph.inserting_before(node):
-        out = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
-        merged = _call(gm, node, aten.view.default, (out, list(out_shape)))
-    node.replace_all_uses_with(merged)
+        new = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
+        view = _call(gm, node, aten.view.default, (new, list(out)))
+    node.replace_all_uses_with(view)
     return True
 
 
@@ -385,30 +358,21 @@ def _sink_run_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> 
     if out is None or any(len(shape_of(a) or ()) != len(out) for a in merged):
         return False
     at = len(out) - 1 - i  # the merged axis, counted from the right (operands broadcast from the right)
-    args = []
-    for a in node.args:
+
+    def operand(a):
         if a in merged:
-            args.append(_unmerged(gm, node, a, merged[a][2]))
-        elif isinstance(a, fx.Node):
-            sa = shape_of(a)
-            j = None if sa is None else len(sa) - 1 - at
-            if sa is None or (j >= 0 and sa[j] != 1 and (sa[j] != math.prod(run) or a in varies)):
-                return False
-            if j >= 0:  # one size-1 axis per axis of the run, or (a constant) its axis split as the run
-                split = [1] * len(run) if sa[j] == 1 else list(run)
-                a = _call_before(gm, node, aten.view.default, (a, list(sa[:j]) + split + list(sa[j + 1:])))
-            args.append(a)
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-            return False
-        else:
-            args.append(a)
-    if any(isinstance(x, fx.Node) for x in fx.node.map_aggregate(node.kwargs, lambda x: x).values()):
-        return False
-    with gm.graph.inserting_before(node):
-        new = _call(gm, node, node.target, tuple(args), dict(node.kwargs))
-        view = _call(gm, node, aten.view.default, (new, list(out)))
-    node.replace_all_uses_with(view)
-    return True
+            return _unmerged(gm, node, a, merged[a][2])
+        sa = shape_of(a)
+        j = None if sa is None else len(sa) - 1 - at
+        if sa is None or (j >= 0 and sa[j] != 1 and (sa[j] != math.prod(run) or a in varies)):
+            return None
+        if j < 0:
+            return a
+        # one size-1 axis per axis of the run, or (a constant) its axis split as the run
+        split = [1] * len(run) if sa[j] == 1 else list(run)
+        return _call_before(gm, node, aten.view.default, (a, list(sa[:j]) + split + list(sa[j + 1:])))
+
+    return _rebuild_pointwise(gm, node, operand, out)
 
 
 # reductions that keep their axes (keepdim=True) and may move past a merging view

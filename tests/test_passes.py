@@ -253,8 +253,8 @@ def test_products_of_broadcast_weights_match_torch_func(mode):
     ((5, 3, 8), (5, 6, 4), (1, 2, 0), None),
 ])
 def test_sample_pass_rewrites_view_permute_view_exactly(shapes):
-    """view(permute(view(x))) rewritten as split, permute (and view) only where no merge is left;
-    the values are the same either way."""
+    """A merging view moved past a permute (split, permute, merge): where a view splits the merge
+    again, none is left; the values are the same either way."""
     from hoad.passes.samples import keep_samples_apart
 
     s0, s1, perm, s3 = shapes
