@@ -47,7 +47,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
             chunk_size: int | None = None, memory_budget: float | None = None) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
-    ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple of them;
+    ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple (or list) of them;
     the result is indexed with the same keys (``res[0]``, ``res[0, 1]``, ``res["x", "w"]``). Every
     canonical block of orders 1..order between them is computed in one program (Schwarz symmetry:
     ``res[1, 0]`` is a permuted view of ``res[0, 1]``).
@@ -81,6 +81,11 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
+def _entries(wrt) -> tuple:
+    """``wrt`` as a tuple of entries: one entry, or a tuple or list of them."""
+    return tuple(wrt) if isinstance(wrt, (tuple, list)) else (wrt,)
+
+
 def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chunk_size=None,
                    memory_budget=None) -> None:
     backend = default_backend() if backend is None else backend
@@ -88,7 +93,7 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
-    entries = wrt if isinstance(wrt, tuple) else (wrt,)
+    entries = _entries(wrt)
     if not entries:
         raise InvalidArgumentError("wrt must name at least one input")
     for w in entries:
@@ -156,7 +161,7 @@ class Compiled:
         self.fn = fn
         self.module = module
         self.order = order
-        self.wrt = wrt if isinstance(wrt, tuple) else (wrt,)
+        self.wrt = _entries(wrt)
         self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
                              operator=operator, nestable=nestable, target=target, memory_budget=memory_budget,
                              chunk_size=chunk_size)

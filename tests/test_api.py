@@ -77,6 +77,14 @@ def test_wrt_by_name_tuple():
     assert_close(res["w", "w"], ref[(1, 1)], "w,w")
 
 
+def test_wrt_as_a_list_is_the_tuple():
+    res = hoad.compile(f_xw, order=2, wrt=["x", "w"], backend="eager")(X, W)
+    ref = reference(f_xw, (X, W), (0, 1), 2)
+    assert list(res) == [("x",), ("w",), ("x", "x"), ("x", "w"), ("w", "w")]
+    assert_close(res["x", "w"], ref[(0, 1)], "x,w")
+    assert_close(res["w", "w"], ref[(1, 1)], "w,w")
+
+
 def test_wrt_in_any_order_follows_given_order():
     res = hoad.compile(f_xw, order=2, wrt=(1, 0))(X, W)
     assert res.wrt == [1, 0]

@@ -109,7 +109,7 @@ def test_duplicate_wrt_by_name_and_argnum(wrt):
     raises(hoad.InvalidArgumentError, go, "wrt")
 
 
-@pytest.mark.parametrize("wrt", [[0, 1], 0.0, None, (), ("x", 1.5)])
+@pytest.mark.parametrize("wrt", [[0, 1.5], [], 0.0, None, (), ("x", 1.5)])
 def test_wrt_of_wrong_type(wrt):
     raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, wrt=wrt), "wrt")
 
