@@ -143,3 +143,40 @@ def test_operators_autograd():
         got = torch.autograd.grad(op(x), x, g)[0]
         want = torch.autograd.grad(ref(x), x, g)[0]
         torch.testing.assert_close(got, want, msg=lambda m, op=op: f"{op}: {m}")
+
+
+def test_slater_determinant_laplacian_per_sample():
+    """A VMC kinetic energy: Δ log|det Φ| and ∇ log|det Φ| per sample of electrons (B, n, 3), and
+    its gradient in the orbitals' parameters through loss.backward(). The reference is a loop of
+    jacrev∘jacrev per sample: torch.func's vmap(hessian) through slogdet is wrong for every
+    sample but the first (torch 2.13)."""
+    from torch.func import functional_call, jacrev
+
+    n = 3
+    orbitals = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, n)).double()
+    R = rand(4, n, 3, seed=59)
+
+    def log_psi(r, params=None):
+        phi = orbitals(r) if params is None else functional_call(orbitals, params, (r,))
+        return torch.linalg.slogdet(phi * torch.exp(-r.norm(dim=-1, keepdim=True)))[1]
+
+    def kinetic(lap, grad):
+        return -0.5 * (lap + (grad ** 2).sum((-1, -2)))
+
+    out = hoad.laplacian(log_psi, batch_dim=0, backend="eager")(R)
+    kinetic(out.laplacian, out.gradient).mean().backward()
+
+    def reference(params):
+        one = lambda r: log_psi(r, params)  # noqa: E731
+        flat = lambda y: one(y.reshape(n, 3))  # noqa: E731
+        lap = torch.stack([jacrev(jacrev(flat))(r.reshape(-1)).diagonal().sum() for r in R])
+        grad = torch.stack([jacrev(one)(r) for r in R])
+        return lap, grad, kinetic(lap, grad).mean()
+
+    params = {k: p.detach() for k, p in orbitals.named_parameters()}
+    lap, grad, _ = reference(params)
+    torch.testing.assert_close(out.laplacian, lap, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.gradient, grad, rtol=1e-9, atol=1e-9)
+    want = torch.func.grad(lambda ps: reference(ps)[2])(params)
+    for k, p in orbitals.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-8, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
