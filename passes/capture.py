@@ -323,5 +323,10 @@ def _raise_capture_error(e: Exception) -> None:
             "every input value: replace `if tensor_condition:` with torch.where(...) or torch.cond, and avoid "
             ".item()/.tolist()/nonzero() on traced tensors."
         ) from e
+    if "dynamo-optimized" in str(e):  # torch.compile(module) or a @torch.compile function inside
+        raise CaptureError(
+            f"the function calls a torch.compile'd function or module{_at(user_frame(e.__traceback__))}; hoad "
+            "traces plain PyTorch and compiles the derivative program itself. Pass the module or function "
+            "without torch.compile (a compiled module's original is its ._orig_mod)") from e
 
 

@@ -290,3 +290,9 @@ def test_bad_order_argument_to_result(res2, k):
 def test_graph_before_any_call():
     cf = hoad.compile(f_xy, order=2)
     raises(hoad.InvalidArgumentError, lambda: cf.graph, "call")
+
+
+def test_torch_compiled_module_names_the_fix():
+    net = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double())
+    raises(hoad.CaptureError, lambda: hoad.compile(lambda x: net(x).sum(), order=2)(torch.randn(3, dtype=torch.float64)),
+           "torch.compile'd", "without torch.compile", "_orig_mod")
