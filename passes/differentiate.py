@@ -307,8 +307,8 @@ class _Interpreter:
         for node in reversed(self.nodes):
             self.current = node
             g = adj.get(node)
-            if g is None or node.op != "call_function" or not self.deps[node]:
-                continue
+            if g is None or node.op != "call_function" or not self.deps[node] or _empty(env[node]):
+                continue  # an empty result has no entries to pass a cotangent back through
             if node.target is operator.getitem:
                 parent, i = node.args
                 slots = adj.setdefault(parent, [None] * len(env[parent]))
@@ -465,6 +465,13 @@ def _primal_of(v):
     if isinstance(v, (tuple, list)):
         return tuple(_primal_of(x) for x in v)
     return v
+
+
+def _empty(v) -> bool:
+    """Every tensor of a node's value has no entries (gather with an empty index of another rank)."""
+    out = _primal_of(v)
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.numel() == 0 for t in tensors)
 
 
 def _complex(out) -> bool:

@@ -41,7 +41,6 @@ REFUSED = {
 
 # op -> why it is wrong or crashes today: reported, not failed; remove entries as they are fixed
 KNOWN_BROKEN = {
-    'gather': 'reverse: order 1: shape (5, 0) != (5,) [sample (T[5], 0, T[2, 0]:uint8), order<=3]',
     'linalg.norm.subgradients_at_zero': 'forward: order 1: NaN where torch has -0 (5 entries) [sample (T[5], None, keepdim=False), order<=3]',
     'nn.functional.max_unpool1d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
     'nn.functional.max_unpool2d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',

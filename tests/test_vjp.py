@@ -110,3 +110,21 @@ def test_vjp_rule(op):
             assert_close(got[n] if n in got else torch.zeros_like(e), e, f"{op} cotangent of {n.name}")
             checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_an_empty_result_passes_no_adjoint_back(mode):
+    """gather with an empty index of another rank (torch allows it) has an empty result: the
+    reverse sweep once scattered its (empty) cotangent into a (5, 0) adjoint of x, and the
+    gradient came back with that shape instead of x's (5,)."""
+    from helpers import check
+
+    idx = torch.zeros(2, 0, dtype=torch.long)
+    w = torch.randn(2, 0, dtype=torch.float64)
+    y = torch.randn(3, dtype=torch.float64)
+
+    def f(x, y):  # the empty branch beside a live one, both reading x
+        return (w * torch.gather(x, 0, idx).sin()).sum() + (x[:3] * y).tanh().sum()
+
+    x = torch.randn(5, dtype=torch.float64)
+    check(f, (x, y), wrt=(0, 1), order=3, mode=mode, backend="eager")
