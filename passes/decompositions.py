@@ -123,13 +123,16 @@ def _frexp(x):
     return x * torch.exp2(half.to(x.dtype)) * torch.exp2((-e - half).to(x.dtype)), e
 
 
-def _norm(d, p: float, dim: int, keepdim: bool = False):
-    """The p-norm of ``d`` along ``dim`` for the distance ops, with torch's derivative 0 (a
-    subgradient) where every entry is zero, and for p != 2 at each zero entry too (|d|^p is
-    singular there for p < 1, torch's backward then gives 0): the singular branches are computed
-    of ones and dropped by a where(), so no inf or NaN reaches a derivative."""
-    if p == 0 or math.isinf(p):
-        return torch.linalg.vector_norm(d, p, dim, keepdim)
+def _norm(d, p: float, dim: int | list[int], keepdim: bool = False):
+    """The p-norm of ``d`` along ``dim`` (vector norms, the distance ops), with torch's
+    derivative 0 (a subgradient) where every entry is zero, and for p != 2 at each zero entry too
+    (|d|^p is singular there for p < 1, torch's backward then gives 0): the singular branches are
+    computed of ones and dropped by a where(), so no inf or NaN reaches a derivative. (Core
+    ATen's pow(Σ x², 0.5) had derivative 0 · inf = NaN at a zero vector: ‖x − y‖ where x = y.)"""
+    if p == 0:
+        return (d != 0).sum(dim, keepdim=keepdim, dtype=d.dtype)
+    if math.isinf(p):
+        return d.abs().amax(dim, keepdim) if p > 0 else d.abs().amin(dim, keepdim)
     one = torch.ones((), dtype=d.dtype, device=d.device)
     zero = torch.zeros((), dtype=d.dtype, device=d.device)
     if p == 2:
@@ -141,6 +144,20 @@ def _norm(d, p: float, dim: int, keepdim: bool = False):
     n = torch.where(empty, one, total) ** (1 / p)
     n = torch.where(empty, zero, n)
     return n if keepdim else n.squeeze(dim)
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if x.is_complex():  # refused later by name; the core decomposition keeps the op's meaning
+        return NotImplemented
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.ndim == 0:
+        x, dim, squeeze = x.reshape(1), [0], True
+    else:
+        dims = [dim] if isinstance(dim, int) else list(dim) if dim is not None else []
+        dim, squeeze = [d % x.ndim for d in dims] or list(range(x.ndim)), False
+    n = _norm(x, float(ord), dim, keepdim)
+    return n.reshape(()) if squeeze else n
 
 
 def _dist(x, y, p=2):
@@ -507,6 +524,7 @@ def _table() -> dict:
     table[aten._safe_softmax.default] = _safe_softmax
     table[aten.as_strided.default] = _as_strided
     table[aten.mv.default] = _mv
+    table[aten.linalg_vector_norm.default] = _vector_norm
     table[aten.dot.default] = _dot
     table[aten.vdot.default] = _dot
     table[aten.var_mean.correction] = _var_mean

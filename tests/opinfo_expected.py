@@ -41,7 +41,6 @@ REFUSED = {
 
 # op -> why it is wrong or crashes today: reported, not failed; remove entries as they are fixed
 KNOWN_BROKEN = {
-    'linalg.norm.subgradients_at_zero': 'forward: order 1: NaN where torch has -0 (5 entries) [sample (T[5], None, keepdim=False), order<=3]',
     'nn.functional.max_unpool1d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
     'nn.functional.max_unpool2d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
     'nn.functional.max_unpool3d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',

@@ -120,6 +120,21 @@ def test_where_does_not_leak_the_untaken_branch():
 
 # ---------------------------------------------------------------------------- domain edges
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("p", [2, 3, 1, float("inf")])
+def test_vector_norm_at_a_zero_vector_has_torchs_subgradient(p, mode):
+    """‖x − y‖ where a row of x equals y (a coincident point, a residual that reached zero):
+    core ATen's pow(Σ x², 1/2) gave 0 · inf = NaN gradients, torch's own formula the subgradient 0
+    at every order. Compared at orders 1..3 on rows with zero, mixed and nonzero entries."""
+    x = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.0, 0.0], [0.0, 1.5, -0.5]], dtype=torch.float64)
+    y = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    def f(x):
+        return torch.linalg.vector_norm(x - y, p, dim=1).sin() + x.norm(p=p) * x[:, 0]
+
+    res, _ = check(f, (x,), order=3, mode=mode, backend="eager")
+    assert all(torch.isfinite(res[(0,) * k]).all() for k in (1, 2, 3))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fn", [
     lambda x: torch.special.entr(x).sum(),
     lambda x: torch.pow(0.0, x).sum(),
