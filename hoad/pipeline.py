@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
-from hoad.binding import CallLayout, Keyword, Source, find_sources, untouched
+from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
@@ -122,6 +122,14 @@ def _capture(b: Build) -> Build:
         for leaf in b.wrt_leaves:
             shape = tuple(b.tensors[leaf].shape)
             if not shape or shape[0] != out[0]:
+                place = b.layout.places[leaf]
+                if isinstance(place, StateEntry):  # a parameter is shared by every sample
+                    raise InvalidArgumentError(
+                        f"batch_dim=0 differentiates per sample with respect to inputs that hold the samples in dim "
+                        f"0, and wrt names the module's {place.name!r} (shape {shape}), which every sample shares. For "
+                        "per-sample derivatives with respect to parameters, drop batch_dim and return one value per "
+                        "sample: a non-scalar output gets one block per output entry, so res[...] has the samples "
+                        "first (per-sample gradients (B, *p), per-sample Hessians (B, *p, *p))")
                 raise InvalidArgumentError(
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
                     "samples along dim 0; every wrt input must have the same number of samples in dim 0")
