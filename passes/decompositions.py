@@ -9,6 +9,7 @@ import math
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
+from hoad.errors import InvalidArgumentError
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 
@@ -530,4 +531,39 @@ def _table() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten.std.correction] = _std
+    for packet, low_precision_ok in _NO_MIXED_DTYPES.items():
+        for name in packet.overloads():
+            op = getattr(packet, name)
+            table[op] = _refuse_mixed_dtypes(op, table.get(op), low_precision_ok)
     return table
+
+
+# ops whose kernels refuse tensors of different floating dtypes (eager raises), where a
+# decomposition (addmm's, the norms') promoted them silently and a fake trace (mm, conv) passed
+# them on to fail in the program (conv as an internal error): True where torch accepts float32 parameters for a half or
+# bfloat16 input (the norms' mixed precision)
+_NO_MIXED_DTYPES = {
+    aten.mm: False, aten.bmm: False, aten.addmm: False, aten.baddbmm: False, aten.addbmm: False,
+    aten.mv: False, aten.addmv: False, aten.dot: False, aten.vdot: False, aten.convolution: False,
+    aten.native_layer_norm: True, aten.native_group_norm: True, aten.native_batch_norm: True,
+    aten._native_batch_norm_legit: True, aten._native_batch_norm_legit_no_training: True,
+    aten._native_batch_norm_legit_functional: True,
+}
+
+
+def _refuse_mixed_dtypes(op, decomposition, low_precision_ok: bool):
+    def checked(*args, **kwargs):
+        floats = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        dtypes = list(dict.fromkeys(t.dtype for t in floats))
+        mixed_precision = (low_precision_ok and dtypes[0] in (torch.float16, torch.bfloat16)
+                           and set(dtypes[1:]) <= {torch.float32})
+        if len(dtypes) > 1 and not mixed_precision:
+            names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise InvalidArgumentError(
+                f"{op.name()} gets tensors of dtypes {names}: torch refuses mixed dtypes there (the function itself "
+                "fails when run). Cast them to one dtype first: the module to the input's (module.to(x.dtype)) or the "
+                "input to the weights'")
+        return NotImplemented if decomposition is None else decomposition(*args, **kwargs)
+
+    return checked

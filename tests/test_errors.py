@@ -124,6 +124,39 @@ def test_wrt_argument_is_an_integer_tensor():
     raises(hoad.InvalidArgumentError, lambda: cf(X, torch.ones(2, 3, dtype=torch.int64)), "int64", "float")
 
 
+_F32 = {"w": torch.randn(3, 3), "b": torch.randn(3), "conv": torch.randn(2, 3, 2)}
+_MIXED = {  # a float64 input meets float32 weights: eager torch raises for each
+    "linear": (lambda x: F.linear(x, _F32["w"], _F32["b"]), (4, 3)),
+    "matmul": (lambda x: x @ _F32["w"], (4, 3)),
+    "mv": (lambda x: _F32["w"] @ x, (3,)),
+    "bias only": (lambda x: F.linear(x, _F32["w"].double(), _F32["b"]), (4, 3)),
+    "bmm": (lambda x: torch.bmm(x, _F32["w"].expand(2, 3, 3)), (2, 3, 3)),
+    "conv1d": (lambda x: F.conv1d(x, _F32["conv"]), (1, 3, 5)),
+    "layer_norm": (lambda x: F.layer_norm(x, (3,), _F32["b"], _F32["b"]), (4, 3)),
+    "group_norm": (lambda x: F.group_norm(x, 3, _F32["b"], _F32["b"]), (2, 3, 4)),
+    "batch_norm": (lambda x: F.batch_norm(x, _F32["b"], _F32["b"].abs(), _F32["b"], _F32["b"]), (2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MIXED))
+def test_mixed_dtypes_where_torch_refuses_them(name):
+    """Torch refuses these; hoad's trace once promoted them silently (addmm's and the norms'
+    decompositions), or failed in the program (mm) or as an internal error (conv)."""
+    fn, shape = _MIXED[name]
+    x = torch.randn(*shape, dtype=torch.float64)
+    with pytest.raises(RuntimeError):  # the reference: torch itself refuses
+        fn(x)
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: fn(x).sum(), order=2, backend="eager")(x),
+           "float64", "float32", "mixed dtypes", "module.to(x.dtype)")
+
+
+def test_float32_parameters_of_a_half_input_norm_are_torchs_mixed_precision():
+    x = torch.randn(4, 3, dtype=torch.bfloat16)
+    f = lambda x: F.layer_norm(x, (3,), _F32["b"], _F32["b"]).float().sum()  # noqa: E731
+    f(x)  # torch accepts it
+    assert hoad.compile(f, order=1, backend="eager")(x).value.dtype == torch.float32
+
+
 def test_wrt_argument_not_passed_by_name():
     def f(x, y=None):
         return x.sum() if y is None else (x * y).sum()
