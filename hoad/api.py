@@ -204,7 +204,10 @@ class Compiled:
         return state
 
     def _stateful(self, state: dict, *args, **kwargs):
-        with _reparametrize_module(self.module, state):
+        # tie_weights: a parameter shared by two submodules (a decoder tied to its embedding) is
+        # one state entry, named once by named_parameters; the traced value must replace it in
+        # every place, or the other uses read the live tensor as a constant (derivatives wrong)
+        with _reparametrize_module(self.module, state, tie_weights=True):
             return self.fn(self.module, *args, **kwargs)
 
     # ------------------------------------------------------------------------------- calling

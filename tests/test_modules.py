@@ -314,3 +314,32 @@ def test_embedding_hessians_and_per_sample_cnn():
     per_sample = hoad.compile(lambda x: m(x).pow(2).sum(1), order=2, batch_dim=0)(x)
     single = lambda xi: m(xi[None]).pow(2).sum()  # noqa: E731
     assert_close(per_sample[0, 0], torch.func.vmap(jacfwd(jacrev(single)))(x), "per-sample CNN Hessians")
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_tied_weights_count_every_use(mode):
+    """A decoder tied to its embedding (out.weight = emb.weight): one parameter, named once by
+    named_parameters. The traced value once replaced only the embedding's use, so the decoder's
+    read the live tensor as a constant (gradient off by 5, Hessian by 9)."""
+    torch.manual_seed(14)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3).double()
+            self.out = nn.Linear(3, 5, bias=False).double()
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return torch.log_softmax(self.out(torch.tanh(self.emb(ids))), -1).sum()
+
+    m, ids = Tied(), torch.tensor([0, 3, 3])
+    E = m.emb.weight.detach().clone()
+
+    def plain(E):
+        return torch.log_softmax(torch.tanh(F.embedding(ids, E)) @ E.T, -1).sum()
+
+    for wrt in (["emb.weight"], hoad.parameters):
+        res = hoad.compile(m, order=2, wrt=wrt, backend="eager", mode=mode)(ids)
+        assert_close(res["emb.weight"], jacrev(plain)(E), "gradient")
+        assert_close(res["emb.weight", "emb.weight"], jacfwd(jacrev(plain))(E), "Hessian")
