@@ -12,15 +12,17 @@ import torch
 import torch.fx as fx
 
 
-def user_frame(tb) -> str | None:
-    """The innermost traceback frame outside torch and hoad, as 'file:line: code'."""
+def user_frame(tb=None) -> str | None:
+    """The innermost traceback frame outside torch and hoad, as 'file:line: code' (of the stack
+    being run when ``tb`` is None)."""
     import hoad
     import hoad.passes
 
     skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
                                                 os.path.dirname(hoad.passes.__file__)))
     found = None
-    for frame, lineno in traceback.walk_tb(tb):
+    frames = traceback.walk_tb(tb) if tb is not None else reversed(list(traceback.walk_stack(None)))
+    for frame, lineno in frames:
         filename = frame.f_code.co_filename
         if not filename.startswith(skip) and "<" not in filename[:1]:
             found = (filename, lineno)

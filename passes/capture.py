@@ -57,7 +57,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     traced = make_fx(
         torch.func.functionalize(flat_fn, remove="mutations"),
-        decomposition_table=decomposition_table(),
+        decomposition_table={**decomposition_table(), torch.ops.aten._local_scalar_dense.default: _refuse_read_value},
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )
@@ -308,6 +308,22 @@ def _describe(x) -> str:
     if isinstance(x, dict):
         return "a dict"
     return type(x).__name__
+
+
+def _refuse_read_value(t: torch.Tensor):
+    """``.item()``, ``float()``, ``int()`` of a tensor the function closes over: the trace reads its
+    value now, and the program would keep that number when the tensor changes (a traced
+    tensor's value is refused as data-dependent by the fake trace itself)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return NotImplemented
+    raise CaptureError(
+        f"the function reads the value of a tensor it closes over (.item(), float() or int() of a "
+        f"{'0-d' if t.ndim == 0 else tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor)"
+        f"{_at(user_frame())}: the program would keep today's number "
+        "when the tensor changes. Use it as a tensor (x * s rather than x * s.item()), or pass the number as a "
+        "Python float argument (hoad builds again when it changes)")
 
 
 def _raise_capture_error(e: Exception) -> None:
