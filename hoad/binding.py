@@ -475,6 +475,12 @@ def _reachable(roots: dict) -> Iterator[object]:
 
 def _children(obj) -> Iterator[tuple[Step, object]]:
     """The references the search follows out of ``obj``, each with the step that reads it."""
+    if isinstance(obj, type) and _user_class(obj):
+        # a class the code names (C.T, C.k): its own attributes, not its methods and descriptors
+        for name, value in list(vars(obj).items())[:MAX_ITEMS]:
+            if not name.startswith("__") and not callable(value) and not hasattr(value, "__get__"):
+                yield ("attr", name), value
+        return
     if isinstance(obj, (types.ModuleType, type, str, bytes, int, float, complex, bool)) or obj is None:
         return
     if isinstance(obj, torch.nn.Module):
@@ -508,6 +514,11 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
                 yield ("item", k), v
         return
     yield from _attributes(obj)
+
+
+def _user_class(cls: type) -> bool:
+    return not (cls.__module__ or "builtins").split(".")[0] in ("builtins", "torch", "hoad", "numpy", "typing", "enum",
+                                                                 "abc", "collections", "functools")
 
 
 def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:

@@ -443,6 +443,29 @@ def test_values_read_through_classes_and_globals_of_modules_are_watched():
         ALPHA = 1.0
 
 
+class _Consts:  # class attributes read through the class itself, as a config
+    T = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    k = 2.0
+
+
+def test_class_attributes_read_through_the_class_are_live():
+    """f reads _Consts.T and _Consts.k: classes were not followed, so rebinding the tensor or
+    changing the float left the program on the old values, silently (errors 26 and 73)."""
+    f = lambda x: (_Consts.T * x * _Consts.k).sin().sum()  # noqa: E731
+    cf, x = hoad.compile(f, order=2, backend="eager"), rand(3, seed=70)
+    old_T, old_k = _Consts.T, _Consts.k
+    try:
+        cf(x)
+        _Consts.T = rand(3, seed=71)
+        assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "after C.T = new tensor")
+        _Consts.k = 5.0
+        assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "after C.k = 5.0")
+        _Consts.T.mul_(3.0)
+        assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "after C.T.mul_(3)")
+    finally:
+        _Consts.T, _Consts.k = old_T, old_k
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
