@@ -572,6 +572,7 @@ class _Entry:
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
+        self.dense_inputs = b.config.backend == "inductor"
         free = b.captured.free
         self.roots = roots
         self.guards = find_guards(roots)
@@ -581,7 +582,7 @@ class _Entry:
         self.why, self.expected = "", True
         self.trace = None  # the trace a nested program was built in (its held values are that trace's)
         self.sources = list(b.sources)
-        self.metas = [(t.shape, t.dtype, t.device) for t in free]
+        self.metas = [_meta(t, self.dense_inputs) for t in free]
         # tensors whose source was not found are held by identity (in-place updates still seen)
         self.held = [t if s is None else None for t, s in zip(free, self.sources)]
         lost = [f"{tuple(t.shape)} {t.dtype}" for t, s in zip(free, self.sources) if s is None]
@@ -637,13 +638,18 @@ class _Entry:
                     t = src.resolve(self.roots)
                 except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                     t = None
-            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != meta:
-                self.why, self.expected = "a tensor it reads changed its shape, dtype or device (or is gone)", True
+            if not isinstance(t, torch.Tensor) or _meta(t, self.dense_inputs) != meta:
+                self.why, self.expected = "a tensor it reads changed its shape, dtype, device or layout (or is gone)", True
                 return None
             out.append(t)
         return out
 
     def result(self, tensors, free) -> Derivatives:
+        if self.dense_inputs and not all(t.is_contiguous() for t in tensors):
+            # an Inductor program asserts the strides it was traced with, dense for the call's
+            # tensors (free ones keep theirs: read_free): a transposed, step-sliced or expanded
+            # argument is copied dense first
+            tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         tensors = list(tensors) + list(free) if free else tensors
         if self.build.captured.strided:
             _check_own_storage(tensors, list(self.build.layout.names) + [f"c{i}" for i in range(len(free or ()))])
@@ -688,6 +694,11 @@ def _check_own_storage(tensors, names) -> None:
 
 def _is_nested(key) -> bool:
     return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[0] == "nested"
+
+
+def _meta(t: torch.Tensor, strides: bool) -> tuple:
+    """What a program assumes of a free tensor: an Inductor program its strides too (it asserts them)."""
+    return t.shape, t.dtype, t.device, t.stride() if strides else None
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

@@ -219,11 +219,15 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
 def _compile(b: Build) -> Build:
     p = b.program
     n_user = len(b.tensors) - len(b.captured.free)
+    # an Inductor program is called with the call's tensors dense (hoad.api, _Entry.result)
+    dense = list(b.tensors)
+    if b.config.backend == "inductor":
+        dense[:n_user] = [t.contiguous() for t in dense[:n_user]]
     hoisted: tuple = ()
     if p.prefix is not None:
         b.prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
         with torch.no_grad():
-            hoisted = b.prefix(b.tensors[n_user:])
+            hoisted = b.prefix(dense[n_user:])
     samples = b.samples = []
     if b.config.sized is not None:
         other, count = b.config.sized
@@ -232,7 +236,7 @@ def _compile(b: Build) -> Build:
             p.gm = general
             samples += b.wrt_leaves
         b.stats["any_samples"] = general is not None
-    b.main = compile_program(p, b.config.backend, example_inputs=list(b.tensors) + list(hoisted), samples=samples)
+    b.main = compile_program(p, b.config.backend, example_inputs=dense + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     if hasattr(b.main, "cache_hit"):
         b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}

@@ -194,3 +194,25 @@ def test_stochastic_biharmonic_with_half_a_tile_of_directions():
     compiled = hoad.biharmonic(u, batch_dim=0, directions=V, backend="inductor")(X).biharmonic
     eager = hoad.biharmonic(u, batch_dim=0, directions=V, backend="eager")(X).biharmonic
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
+
+
+def test_strided_inputs_are_copied_dense():
+    """An Inductor program asserts the dense strides it was traced with: a transposed, step-sliced
+    or expanded input (or a closed-over transposed weight) was an ExecutionError naming a fake
+    kernel, on the first call and on a program built from a dense input."""
+    Wt = rand(4, 3, seed=32).T  # (3, 4), strides (1, 3)
+
+    def u(x):
+        return torch.tanh(x @ Wt).sin().sum(-1)
+
+    cf = hoad.compile(u, order=2, batch_dim=0, backend="inductor")
+    ref = hoad.compile(u, order=2, batch_dim=0, backend="eager")
+    base = rand(8, 6, seed=33)
+    for X in (base[:, ::2], base.T.contiguous().T[:, :3], rand(3, seed=34).expand(8, 3), base[:, :3].contiguous()):
+        assert_same(cf(X), ref(X.contiguous()))
+    x = base[:, ::2].clone().requires_grad_()
+    cf(x[:, [2, 0, 1]].T.contiguous().T).value.sum().backward()  # through autograd too
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    cf(base[:, :3])
+    Wt = rand(3, 4, seed=35)  # rebound to a dense weight of the same shape: built again, not misread
+    assert_same(cf(base[:, :3]), ref(base[:, :3]))
