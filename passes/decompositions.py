@@ -161,6 +161,24 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return n.reshape(()) if squeeze else n
 
 
+# Piecewise-linear activations with torch's derivative at their kinks: 0 there (its backward
+# tests min < x < max strictly), where clamp's decomposition gave 1 (relu6 at 0 and 6, hardtanh
+# at ±1) and hardsigmoid's and hardswish's the inner piece's slope. Each end is a constant branch.
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    lo, hi = (torch.full((), v, dtype=x.dtype, device=x.device) for v in (min_val, max_val))
+    return torch.where(x <= min_val, lo, torch.where(x >= max_val, hi, x))
+
+
+def _hardsigmoid(x):
+    zero, one = torch.zeros((), dtype=x.dtype, device=x.device), torch.ones((), dtype=x.dtype, device=x.device)
+    return torch.where(x <= -3, zero, torch.where(x >= 3, one, x / 6 + 0.5))
+
+
+def _hardswish(x):
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(x <= -3, zero, torch.where(x >= 3, x, x * (x + 3) / 6))
+
+
 def _dist(x, y, p=2):
     d = (x - y).reshape(-1)
     return _norm(d, float(p), 0)
@@ -526,6 +544,9 @@ def _table() -> dict:
     table[aten.as_strided.default] = _as_strided
     table[aten.mv.default] = _mv
     table[aten.linalg_vector_norm.default] = _vector_norm
+    table[aten.hardtanh.default] = _hardtanh
+    table[aten.hardsigmoid.default] = _hardsigmoid
+    table[aten.hardswish.default] = _hardswish
     table[aten.dot.default] = _dot
     table[aten.vdot.default] = _dot
     table[aten.var_mean.correction] = _var_mean

@@ -120,6 +120,27 @@ def test_where_does_not_leak_the_untaken_branch():
 
 # ---------------------------------------------------------------------------- domain edges
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn,ref", [
+    (lambda x: F.hardtanh(x).sum(), None), (lambda x: F.hardtanh(x, -2.0, 3.0).sum(), None),
+    (lambda x: F.relu6(x).sum(), None), (lambda x: (F.hardswish(x) * x).sum(), None),
+    (lambda x: F.hardsigmoid(x).sum(),
+     lambda x: torch.where((x > -3) & (x < 3), x / 6 + 0.5, (x >= 3).to(x.dtype)).sum()),
+], ids=["hardtanh", "hardtanh(-2,3)", "relu6", "hardswish", "hardsigmoid"])
+def test_kinks_of_piecewise_linear_activations_follow_torch(fn, ref, mode):
+    """At a kink torch's backward gives 0 (min < x < max strictly): relu6 at 0 and 6, hardtanh at
+    its ends, hardsigmoid and hardswish at ±3. Clamp's decomposition gave 1 there, hardsigmoid
+    1/6 and hardswish its inner slope. (torch's hardsigmoid has no second derivative and a slope
+    of float32's 1/6 in float64: its convention in plain ops is the reference.)"""
+    order = 3
+    x = torch.tensor([-3.0, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0, 6.0, -3.5, 7.0], dtype=torch.float64)
+    res = hoad.compile(fn, order=order, mode=mode, backend="eager")(x)
+    g = jacrev(ref or fn)
+    for k in range(1, order + 1):
+        assert_close(res[(0,) * k], g(x), f"order {k}")
+        g = jacfwd(g)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("p", [2, 3, 1, float("inf")])
 def test_vector_norm_at_a_zero_vector_has_torchs_subgradient(p, mode):
     """‖x − y‖ where a row of x equals y (a coincident point, a residual that reached zero):
