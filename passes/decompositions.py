@@ -531,6 +531,7 @@ def _table() -> dict:
     # do not reproduce at the domain edge (entr at 0, log_ndtr deep in the left tail)
     table.pop(aten.special_entr.default, None)
     table.pop(aten.special_log_ndtr.default, None)  # (its where() leaves log1p(-1) in the branch not taken)
+    table.pop(aten.sinc.default, None)  # (its where() gave every derivative 0 at 0, sinc''(0) = -π²/3)
     table.update(get_decompositions([
         aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.gelu, aten.silu, aten.addmm,
         aten.logsumexp, aten.softplus, aten.mish, aten.hardtanh, aten.leaky_relu, aten.elu,

@@ -144,6 +144,7 @@ CASES: dict = {
     aten.special_entr.default: Case(lambda x: torch.special.entr(x).sum(), (rand(2, 3, positive=True),), order=5),
     aten.atan.default: Case(lambda x: x.atan().sum(), (rand(2, 3),), order=5),
     aten.erf.default: Case(lambda x: x.erf().sum(), (rand(2, 3),), order=5),
+    aten.sinc.default: Case(lambda x: torch.sinc(x * 0.8).sum(), (rand(2, 3),), order=5),
     aten.sqrt.default: Case(lambda x: x.sqrt().sum(), (rand(2, 3, positive=True),), order=5),
     aten.rsqrt.default: Case(lambda x: x.rsqrt().sum(), (rand(2, 3, positive=True),), order=5),
     aten.reciprocal.default: Case(lambda x: x.reciprocal().sum(), (rand(2, 3, positive=True),), order=5),

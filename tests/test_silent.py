@@ -4,6 +4,7 @@ in plain ops where torch.func has no answer), in both directions.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -119,6 +120,24 @@ def test_where_does_not_leak_the_untaken_branch():
 
 
 # ---------------------------------------------------------------------------- domain edges
+@pytest.mark.parametrize("mode", MODES)
+def test_sinc_derivatives_at_and_near_zero(mode):
+    """sinc's derivatives at 0 are its series' (-π²/3 at order 2, π⁴/5 at order 4, 0 at odd
+    orders): the core decomposition's where() gave 0 at every order, and NaN in reverse mode.
+    Elsewhere against torch.func of sin(πx)/(πx), on both sides of |πx| = 1, where the rule
+    switches from its series to the closed form."""
+    x = torch.tensor([0.0, 0.2, -0.25, 0.3, 0.33, -0.5, 1.3], dtype=torch.float64)
+    res = hoad.compile(lambda x: torch.sinc(x).sum(), order=4, mode=mode, backend="eager")(x)
+    at_zero = [0.0, -math.pi ** 2 / 3, 0.0, math.pi ** 4 / 5]
+    g = jacrev(lambda x: (torch.sin(math.pi * x) / (math.pi * x)).sum())
+    for k in range(1, 5):
+        diagonal = torch.stack([res[(0,) * k][(i,) * k] for i in range(len(x))])
+        assert abs(float(diagonal[0]) - at_zero[k - 1]) < 1e-12, f"order {k} at 0: {float(diagonal[0])}"
+        ref = g(x[1:])
+        assert_close(diagonal[1:], torch.stack([ref[(i,) * k] for i in range(len(x) - 1)]), f"order {k}")
+        g = jacfwd(g)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fn,ref", [
     (lambda x: F.hardtanh(x).sum(), None), (lambda x: F.hardtanh(x, -2.0, 3.0).sum(), None),

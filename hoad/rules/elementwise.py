@@ -271,6 +271,29 @@ def entr(n, x, y):
     return out
 
 
+@derivatives(aten.sinc.default)
+def sinc(n, x, y):
+    """sin(πx)/(πx) with g(t) = sin(t)/t, t = πx: φ^(k) = π^k g^(k)(t). For |t| >= 1 by Leibniz,
+    g^(k) = Σ_j C(k,j) sin(t + jπ/2) (-1)^(k-j) (k-j)! t^(j-k-1); below, where that cancels (and
+    at 0, where it divides by zero), by the series g^(k) = Σ_m (-1)^m (2m)!/((2m-k)! (2m+1)!)
+    t^(2m-k): 14 terms reach float64 rounding for |t| < 1. sinc''(0) = -π²/3, where the core
+    decomposition's where() gave 0 (and NaN in reverse mode)."""
+    t = x * math.pi
+    small = t.abs() < 1
+    far = torch.where(small, torch.ones_like(t), t)    # the closed form's argument, 1 where unused
+    near = torch.where(small, t, torch.zeros_like(t))  # the series' argument, 0 where unused
+    inverse = far.reciprocal()
+    out = []
+    for k in range(1, n + 1):
+        closed = sum(math.comb(k, j) * (-1) ** (k - j) * math.factorial(k - j) * torch.sin(far + j * math.pi / 2)
+                     * _power_of(inverse, k - j + 1) for j in range(k + 1))
+        first = (k + 1) // 2
+        series = sum((-1) ** m * math.factorial(2 * m) / (math.factorial(2 * m - k) * math.factorial(2 * m + 1))
+                     * (near ** (2 * m - k) if 2 * m > k else torch.ones_like(near)) for m in range(first, first + 14))
+        out.append(torch.where(small, series, closed) * math.pi ** k)
+    return out
+
+
 # --------------------------------------------------- inverse trigonometric and hyperbolic
 def _algebraic(n: int, x: torch.Tensor, a: int, b: int, p: float, lead: int) -> list:
     """Derivatives of φ with φ' = lead · u^p, u = a + b x²: φ^(k) = P_k(x) · u^(p-k+1), where
