@@ -86,6 +86,9 @@ def _entries(wrt) -> tuple:
     return tuple(wrt) if isinstance(wrt, (tuple, list)) else (wrt,)
 
 
+MAX_ORDER = 12  # order 1000 ran 10 minutes and was killed at 22.8 GB, in the differentiate stage
+
+
 def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chunk_size=None,
                    memory_budget=None) -> None:
     backend = default_backend() if backend is None else backend
@@ -93,6 +96,12 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
+    if order > MAX_ORDER:
+        raise InvalidArgumentError(
+            f"order={order} is above hoad's limit of {MAX_ORDER}: building the program takes time that grows with the "
+            "ways to split the order's slots among the factors of the chain rule (the Bell numbers: 4.2 million at "
+            "order 12, 27.6 million at 13). Order 12 of tanh takes about a minute to build on one core and each "
+            "order beyond about 6x longer, so a larger order would run for hours and exhaust memory")
     entries = _entries(wrt)
     if not entries:
         raise InvalidArgumentError("wrt must name at least one input")

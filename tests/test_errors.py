@@ -58,6 +58,15 @@ def test_bad_order(order):
     assert "1" in msg, f"the message should say the valid range (>= 1): {msg}"
 
 
+def test_order_above_the_limit_is_refused_before_building():
+    """order=1000 ran ten minutes in the differentiate stage and was killed at 22.8 GB."""
+    for make in (lambda k: hoad.compile(f_xy, order=k),
+                 lambda k: hoad.taylor(lambda x: x.sin().sum(), order=k, directions=rand(2, 3))):
+        raises(hoad.InvalidArgumentError, lambda: make(13), "order=13", "limit of 12", "Bell")
+        raises(hoad.InvalidArgumentError, lambda: make(1000), "order=1000")
+        make(12)  # accepted (built at the first call)
+
+
 def test_bad_order_in_decorator_form():
     raises(hoad.InvalidArgumentError, lambda: hoad.compile(order=0), "order")
 
