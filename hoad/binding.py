@@ -346,7 +346,9 @@ def find_guards(roots: dict) -> list[Guard]:
             # names the code reads that the instance does not hold: class attributes (a default an
             # instance may override later) and a config module's values
             own = getattr(obj, "__dict__", {})
-            for name in sorted(attrs):
+            names = sorted(n for n in dir(type(obj)) if not n.startswith("__")) if isinstance(attrs, _EveryName) \
+                else sorted(attrs)
+            for name in names:
                 if name in own and not isinstance(obj, types.ModuleType):
                     continue
                 try:
@@ -398,7 +400,17 @@ def _attributes_read(objects: list) -> set[str]:
                 member = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
                 if isinstance(member, types.FunctionType):
                     codes.append(member.__code__)
+    if any("getattr" in _loads(code)[1] for code in done):
+        return _EveryName(names)  # getattr(self, name) reads names the bytecode does not hold
     return names
+
+
+class _EveryName(frozenset):
+    """The attribute names read by code that calls ``getattr``: any name may be, so every scalar
+    attribute is watched (a changed counter then traces again, where a stale value was silent)."""
+
+    def __contains__(self, name) -> bool:
+        return True
 
 
 @functools.lru_cache(maxsize=4096)

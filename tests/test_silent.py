@@ -506,6 +506,24 @@ def test_class_attributes_read_through_the_class_are_live():
         _Consts.T, _Consts.k = old_T, old_k
 
 
+def test_attributes_read_through_getattr_are_watched():
+    """getattr(self, "be" + "ta") names no attribute in the bytecode: the value was baked in and a
+    change of it silently ignored. Code that calls getattr now has every scalar attribute watched."""
+    class G(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.beta, self.which = 1.0, "beta"
+
+        def forward(self, x):
+            return (x * getattr(self, "be" + "ta") + getattr(self, self.which)).sin().sum()
+
+    g, x = G(), rand(3, seed=72)
+    cg = hoad.compile(g, order=2, backend="eager")
+    cg(x)
+    g.beta = 3.0
+    assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "after g.beta = 3.0")
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
