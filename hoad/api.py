@@ -438,6 +438,11 @@ class Compiled:
         wrt_leaves = [self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
         if len(set(wrt_leaves)) != len(wrt_leaves):
             raise InvalidArgumentError(f"wrt={self.wrt!r} names the same input twice (e.g. by position and by name)")
+        for name, t in zip(layout.names, tensors):
+            if t.layout != torch.strided:  # sparse or nested: make_fx traces dense tensors only
+                raise InvalidArgumentError(
+                    f"input {name!r} is a {str(t.layout).removeprefix('torch.')} tensor; hoad traces dense (strided) "
+                    "tensors: pass t.to_dense()")
         for w, leaf in zip(wrt, wrt_leaves):
             t = tensors[leaf]
             if not t.dtype.is_floating_point:

@@ -339,6 +339,12 @@ def _raise_capture_error(e: Exception) -> None:
             "every input value: replace `if tensor_condition:` with torch.where(...) or torch.cond, and avoid "
             ".item()/.tolist()/nonzero() on traced tensors."
         ) from e
+    if "does not require grad and does not have a grad_fn" in str(e):  # torch.autograd.grad or .backward()
+        raise CaptureError(
+            f"the function calls torch.autograd.grad or .backward(){_at(user_frame(e.__traceback__))}: hoad traces it "
+            "without autograd, so no tensor in it has a gradient graph. Let hoad take that derivative: compile u "
+            "itself with one order more (res[0] is its gradient, res[0, 0] its Hessian), or use hoad.laplacian for "
+            "a Laplacian") from e
     if "dynamo-optimized" in str(e):  # torch.compile(module) or a @torch.compile function inside
         raise CaptureError(
             f"the function calls a torch.compile'd function or module{_at(user_frame(e.__traceback__))}; hoad "

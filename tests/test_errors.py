@@ -362,3 +362,20 @@ def test_batch_norm_with_a_cumulative_average_is_refused():
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=None), nn.Tanh()).double().train()
     raises(hoad.CaptureError, lambda: hoad.compile(lambda x: net(x).sum(), order=1, backend="eager")(rand(5, 3)),
            "closes over", "0-d int64")
+
+
+def test_autograd_grad_inside_the_function_names_the_hoad_way():
+    """PINN code computes u_x with torch.autograd.grad: traced without autograd, torch's own
+    message ("element 0 ... does not require grad") named neither the cause nor the fix."""
+    def residual(x):
+        return torch.autograd.grad(x.sin().sum(), x, create_graph=True)[0].sum()
+
+    raises(hoad.CaptureError, lambda: hoad.compile(residual, order=1, backend="eager")(rand(3)),
+           "torch.autograd.grad", "without autograd", "res[0, 0]", "hoad.laplacian", "test_errors.py")
+
+
+def test_sparse_input_is_refused_up_front():
+    """It failed while running (an ExecutionError after a long torch traceback)."""
+    x = torch.eye(3, dtype=torch.float64).to_sparse()
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")(x),
+           "'x'", "sparse_coo", "to_dense()")
