@@ -368,7 +368,7 @@ class Compiled:
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             log.log(level, "hoad: %s called with a new signature (tensor shapes %s); compiling program %d for it. "
                         "Each distinct shape or Python-scalar value is its own program (under batch_dim=0, "
-                        "one program serves every number of samples).", name, shapes, len(self._cache) + 1)
+                        "a second number of samples tries one program for every number).", name, shapes, len(self._cache) + 1)
         if nested:  # built outside the outer trace, on concrete stand-ins of its values
             with temporarily_clear_interpreter_stack(), _disable_current_modes():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
