@@ -529,7 +529,7 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
 
 
 def _user_class(cls: type) -> bool:
-    return not (cls.__module__ or "builtins").split(".")[0] in ("builtins", "torch", "hoad", "numpy", "typing", "enum",
+    return (cls.__module__ or "builtins").split(".")[0] not in ("builtins", "torch", "hoad", "numpy", "typing", "enum",
                                                                  "abc", "collections", "functools")
 
 
