@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError
-from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, positional_names
+from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources, positional_names
 from hoad.algebra import Target
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
@@ -597,6 +597,11 @@ class _Entry:
         self.trace = None  # the trace a nested program was built in (its held values are that trace's)
         self.sources = list(b.sources)
         self.metas = [_meta(t, self.dense_inputs) for t in free]
+        # numbers the program keeps from .item() of free tensors (narrow's start): where they are
+        # read from now, and the number (the program is built again when it changes)
+        reads = b.captured.values
+        self.value_reads = [(src, t if src is None else None, v)
+                            for src, (t, v) in zip(find_sources(roots, [t for t, _ in reads]), reads)]
         # tensors whose source was not found are held by identity (in-place updates still seen)
         self.held = [t if s is None else None for t, s in zip(free, self.sources)]
         lost = [f"{tuple(t.shape)} {t.dtype}" for t, s in zip(free, self.sources) if s is None]
@@ -634,6 +639,15 @@ class _Entry:
             if changed is not None:
                 step, self.why = changed
                 self.expected = step == ("attr", "training")
+                return None
+        for src, held, value in self.value_reads:
+            try:
+                t = held if src is None else src.resolve(self.roots)
+                same = isinstance(t, torch.Tensor) and t.numel() == 1 and t.item() == value
+            except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+                same = False
+            if not same:
+                self.why, self.expected = "a tensor whose value it reads (.item(), float(), int()) changed", False
                 return None
         if not self.metas:
             return []

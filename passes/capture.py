@@ -41,6 +41,8 @@ class Captured:
     free: list[torch.Tensor] = field(default_factory=list)
     # the function calls as_strided: the program reads each input as if it owned its storage
     strided: bool = False
+    # (tensor, value) of the .item()s of free tensors the program keeps as numbers
+    values: list = field(default_factory=list)
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
@@ -57,11 +59,12 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     traced = make_fx(
         torch.func.functionalize(flat_fn, remove="mutations"),
-        decomposition_table={**decomposition_table(), torch.ops.aten._local_scalar_dense.default: _refuse_read_value},
+        decomposition_table={**decomposition_table(), torch.ops.aten._local_scalar_dense.default: _read_value},
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )
     strided_before = STRIDED_READS[0]
+    VALUE_READS.clear()
     try:
         gm = traced(*fresh)
         free = _lift_free_tensors(gm)
@@ -114,7 +117,18 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node._rename(name)
         node.target = name
     gm.recompile()
-    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before)
+    written = {id(free[placeholders.index(n.args[0]) - len(fresh)]) for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+               and n.args[0] in placeholders[len(fresh):]}
+    for t, value in VALUE_READS:
+        if id(t) in written:  # read after the function's own update: no value before a call tells it
+            raise CaptureError(
+                f"the function reads the value of a tensor it also updates (float() or .item() of a "
+                f"{'0-d' if t.ndim == 0 else tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor, as "
+                "BatchNorm(momentum=None) does in training mode with num_batches_tracked); the program would keep "
+                "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
+    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before,
+                    values=list(VALUE_READS))
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:
@@ -310,20 +324,25 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _refuse_read_value(t: torch.Tensor):
-    """``.item()``, ``float()``, ``int()`` of a tensor the function closes over: the trace reads its
-    value now, and the program would keep that number when the tensor changes (a traced
-    tensor's value is refused as data-dependent by the fake trace itself)."""
+# (tensor, value) of every .item() the trace took of a tensor the function closes over
+VALUE_READS: list[tuple[torch.Tensor, object]] = []
+_READING = [False]
+
+
+def _read_value(t: torch.Tensor):
+    """``.item()``, ``float()``, ``int()`` of a tensor the function closes over (narrow's start,
+    momentum=None batch norm's 1/float(num_batches_tracked)): the program keeps the number, so
+    the call records it and every later call compares it (hoad.api, _Entry.read_free) and builds
+    again when it changed. A traced tensor's value is refused as data-dependent by the fake trace."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(t, FakeTensor):
-        return NotImplemented
-    raise CaptureError(
-        f"the function reads the value of a tensor it closes over (.item(), float() or int() of a "
-        f"{'0-d' if t.ndim == 0 else tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor)"
-        f"{_at(user_frame())}: the program would keep today's number "
-        "when the tensor changes. Use it as a tensor (x * s rather than x * s.item()), or pass the number as a "
-        "Python float argument (hoad builds again when it changes)")
+    if not isinstance(t, FakeTensor) and t.numel() == 1 and not _READING[0]:
+        _READING[0] = True  # the value itself is read through this same decomposition
+        try:
+            VALUE_READS.append((t, t.item()))
+        finally:
+            _READING[0] = False
+    return NotImplemented
 
 
 def _raise_capture_error(e: Exception) -> None:

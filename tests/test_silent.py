@@ -524,6 +524,23 @@ def test_attributes_read_through_getattr_are_watched():
     assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "after g.beta = 3.0")
 
 
+@pytest.mark.parametrize("read", [lambda s: s.item(), float, int], ids=["item", "float", "int"])
+def test_value_of_a_closed_over_tensor_is_watched(read):
+    """x * S.item() with S closed over: the program keeps the number, and kept it silently after
+    S.fill_(5) or a rebinding of S. Now every call compares it and builds again when it changed."""
+    S = torch.tensor(2.0, dtype=torch.float64)
+    f = lambda x: (x * read(S)).sin().sum()  # noqa: E731
+    cf, x = hoad.compile(f, order=2, backend="eager"), rand(3, seed=73)
+    cf(x)
+    S.fill_(5.0)
+    assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "after S.fill_(5)")
+    S = torch.tensor(3.0, dtype=torch.float64)
+    assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "after S = tensor(3)")
+    n = len(cf._cache)
+    cf(x)
+    assert len(cf._cache) == n  # unchanged: nothing built
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
