@@ -364,10 +364,11 @@ class Compiled:
             log.info("hoad: %s called with another number of samples; building one program for every number",
                      name)
         elif not nested and any(not _is_nested(k) for k in self._cache):
-            shapes = [tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                               for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
-            log.log(level, "hoad: %s called with a new signature (tensor shapes %s); compiling program %d for it. "
-                        "Each distinct shape or Python-scalar value is its own program (under batch_dim=0, "
+            log.log(level, "hoad: %s called with a new signature (tensors %s); compiling program %d for it. "
+                        "Each distinct shape, dtype or Python-scalar value is its own program (under batch_dim=0, "
                         "a second number of samples tries one program for every number).", name, shapes, len(self._cache) + 1)
         if nested:  # built outside the outer trace, on concrete stand-ins of its values
             with temporarily_clear_interpreter_stack(), _disable_current_modes():
