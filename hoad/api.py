@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError
-from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources, positional_names
+from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
+                          positional_names)
 from hoad.algebra import Target
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
@@ -369,7 +370,8 @@ class Compiled:
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             log.log(level, "hoad: %s called with a new signature (tensors %s); compiling program %d for it. "
                         "Each distinct shape, dtype or Python-scalar value is its own program (under batch_dim=0, "
-                        "a second number of samples tries one program for every number).", name, shapes, len(self._cache) + 1)
+                        "a second number of samples tries one program for every number).", name, shapes,
+                    len(self._cache) + 1)
         if nested:  # built outside the outer trace, on concrete stand-ins of its values
             with temporarily_clear_interpreter_stack(), _disable_current_modes():
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
@@ -668,7 +670,8 @@ class _Entry:
                 except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                     t = None
             if not isinstance(t, torch.Tensor) or _meta(t, self.dense_inputs) != meta:
-                self.why, self.expected = "a tensor it reads changed its shape, dtype, device or layout (or is gone)", True
+                self.why = "a tensor it reads changed its shape, dtype, device or layout (or is gone)"
+                self.expected = True
                 return None
             out.append(t)
         return out

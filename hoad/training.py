@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from hoad.errors import CompileError
 from hoad.lowering.inductor import hoad_inductor, use_cache_dir
+from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS
@@ -53,10 +54,7 @@ class Trainable:
         # inputs the program writes into (batch norm's running statistics): the eager
         # recomputation of a double backward works on copies, so the call stays the only write
         # (main's inputs are the call's tensors then the hoisted values, which are never written)
-        placeholders = [n for n in main.graph.nodes if n.op == "placeholder"]
-        self.written = {placeholders.index(n.args[0]) for n in main.graph.nodes
-                        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-                        and n.args[0] in placeholders}
+        self.written = written_inputs(main)
 
     @functools.cached_property
     def gm(self) -> fx.GraphModule:

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
+from hoad.passes.clean import written_inputs
 from hoad.passes.decompositions import STRIDED_READS, decomposition_table
 from hoad.rules import RANDOM
 from hoad.source import locate, user_frame
@@ -117,9 +119,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node._rename(name)
         node.target = name
     gm.recompile()
-    written = {id(free[placeholders.index(n.args[0]) - len(fresh)]) for n in gm.graph.nodes
-               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-               and n.args[0] in placeholders[len(fresh):]}
+    written = {id(free[i - len(fresh)]) for i in written_inputs(gm) if i >= len(fresh)}
     for t, value in VALUE_READS:
         if id(t) in written:  # read after the function's own update: no value before a call tells it
             raise CaptureError(
@@ -326,7 +326,6 @@ def _describe(x) -> str:
 
 # (tensor, value) of every .item() the trace took of a tensor the function closes over
 VALUE_READS: list[tuple[torch.Tensor, object]] = []
-_READING = [False]
 
 
 def _read_value(t: torch.Tensor):
@@ -336,12 +335,9 @@ def _read_value(t: torch.Tensor):
     again when it changed. A traced tensor's value is refused as data-dependent by the fake trace."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if not isinstance(t, FakeTensor) and t.numel() == 1 and not _READING[0]:
-        _READING[0] = True  # the value itself is read through this same decomposition
-        try:
+    if not isinstance(t, FakeTensor) and t.numel() == 1:
+        with _disable_current_modes():  # read outside the trace (not through this decomposition again)
             VALUE_READS.append((t, t.item()))
-        finally:
-            _READING[0] = False
     return NotImplemented
 
 

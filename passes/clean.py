@@ -71,6 +71,14 @@ def depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
     return varies
 
 
+def written_inputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of the placeholders the program writes into (``copy_``: batch norm's running
+    statistics, a functionalized in-place update of a free tensor)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {placeholders.index(n.args[0]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders}
+
+
 def fold_broadcasts(gm: fx.GraphModule, wrt_leaves) -> fx.GraphModule:
     """A captured program's products and selects of broadcast operands that depend on the wrt
     inputs, read from the operands before the broadcast (:func:`fold_broadcast_products`,

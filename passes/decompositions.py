@@ -562,8 +562,8 @@ def _table() -> dict:
 
 # ops whose kernels refuse tensors of different floating dtypes (eager raises), where a
 # decomposition (addmm's, the norms') promoted them silently and a fake trace (mm, conv) passed
-# them on to fail in the program (conv as an internal error): True where torch accepts float32 parameters for a half or
-# bfloat16 input (the norms' mixed precision)
+# them on to fail in the program (conv as an internal error): True where torch accepts float32
+# parameters for a half or bfloat16 input (the norms' mixed precision)
 _NO_MIXED_DTYPES = {
     aten.mm: False, aten.bmm: False, aten.addmm: False, aten.baddbmm: False, aten.addbmm: False,
     aten.mv: False, aten.addmv: False, aten.dot: False, aten.vdot: False, aten.convolution: False,
