@@ -83,8 +83,27 @@ def _merged_rows(v, varies: set | None) -> int:
     old, new = shapes
     n = len(old) - len(new) + 1
     if n < 2 or list(old[n:]) != list(new[1:]) or math.prod(old[:n]) != new[0]:
-        return 0
+        return 2 if _rows_split(old, new) else 0
     return n if sum(s != 1 for s in old[:n]) >= 2 else 0
+
+
+def _rows_split(old, new) -> list | None:
+    """``[s, k, *t]`` where a view ``old -> new = [s·k, *t]`` merges the leading axis s with part
+    of the axes after it that it splits first (``[B, 4] -> [B·2, 2]``: a reshape to [B, 2, 2]
+    folded into the matmul's merge), else None. The split is a view of ``old`` itself: every cut
+    of ``old`` is one of ``[s, k, *t]``."""
+    if not old or not new or old[0] == 1 or new[0] <= old[0] or new[0] % old[0]:
+        return None
+    split = [old[0], new[0] // old[0], *new[1:]]
+    cuts = lambda shape: {math.prod(shape[:i + 1]) for i in range(len(shape))}  # noqa: E731
+    return split if cuts(list(old)) <= cuts(split) else None
+
+
+def _rows_source(gm: fx.GraphModule, where: fx.Node, v: fx.Node) -> fx.Node:
+    """The source of a view that :func:`_merged_rows` accepts, shaped with the merged axes apart."""
+    src = v.args[0]
+    split = _rows_split(shape_of(src), shape_of(v))
+    return src if split is None else _call_before(gm, where, aten.view.default, (src, split))
 
 
 def _merged_middle(v, varies) -> bool:
@@ -124,7 +143,7 @@ def _unmerge_product(gm: fx.GraphModule, mm: fx.Node, varies: set) -> bool:
     a, b = mm.args
     n = _merged_rows_and_columns(a, varies)
     if _merged_rows(a, varies) or n:      # [s..., d] @ [d, h] through [P, d]
-        z = a.args[0]
+        z = a.args[0] if n else _rows_source(gm, mm, a)
         with gm.graph.inserting_before(mm):
             if n:  # the trailing axes joined first: [s..., t...] -> [s..., d]
                 z = _call(gm, mm, aten.view.default, (z, list(shape_of(z)[:n]) + [shape_of(a)[1]]))
@@ -164,9 +183,9 @@ def _unmerge_batched_product(gm: fx.GraphModule, bmm: fx.Node, varies: set) -> b
     n = _merged_rows(a, None)
     if not n or n != _merged_rows(b, None):
         return False
-    za, zb = a.args[0], b.args[0]
-    if shape_of(za)[:n] != shape_of(zb)[:n] or (za not in varies and zb not in varies):
+    if shape_of(a.args[0])[:n] != shape_of(b.args[0])[:n] or (a.args[0] not in varies and b.args[0] not in varies):
         return False
+    za, zb = _rows_source(gm, bmm, a), _rows_source(gm, bmm, b)
     with gm.graph.inserting_before(bmm):
         out = _call(gm, bmm, aten.matmul.default, (za, zb))
         merged = _call(gm, bmm, aten.view.default, (out, list(shape_of(bmm))))
@@ -234,7 +253,8 @@ def _merge_after_clone(gm: fx.GraphModule, clone: fx.Node, varies: set) -> bool:
     if clone.kwargs.get("memory_format") is not torch.contiguous_format or not _merged_rows(v, varies):
         return False
     with gm.graph.inserting_before(clone):
-        new = _call(gm, clone, aten.clone.default, (v.args[0],), {"memory_format": torch.contiguous_format})
+        new = _call(gm, clone, aten.clone.default, (_rows_source(gm, clone, v),),
+                    {"memory_format": torch.contiguous_format})
         merged = _call(gm, clone, aten.view.default, (new, list(shape_of(clone))))
     clone.replace_all_uses_with(merged)
     return True
@@ -275,7 +295,7 @@ def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool
     if len(views) != 1:
         return False
     (v,) = views
-    z, new = v.args[0], shape_of(v)
+    new = shape_of(v)
     trailing = len(new) - 1
     out_shape = shape_of(node)
     if out_shape is None or len(out_shape) != len(new):
@@ -283,7 +303,7 @@ def _sink_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> bool
 
     def operand(a):
         if a is v:
-            return z
+            return _rows_source(gm, node, v)
         s = shape_of(a)
         if s is None or len(s) > trailing + 1 or (len(s) == trailing + 1 and s[0] != 1):
             return None
