@@ -265,20 +265,22 @@ class Biharmonic:
     program (collapsed again), so Δ²u costs about a Laplacian over a Laplacian's jets, never the
     order-4 tensor. Returns an :class:`OperatorResult` with ``laplacian`` (Δu) and ``biharmonic``.
     With ``directions=V`` both Laplacians are the stochastic ones over V: an unbiased estimate of
-    Δ²u for directions with E[v vᵀ] = I, exact for the given V.
+    Δ²u for directions with E[v vᵀ] = I, exact for the given V. With ``weights=C`` (or
+    ``factor=L``) both are the weighted one, L_C u = tr(C ∇²u): the result is L_C(L_C u).
     """
 
-    def __init__(self, u, wrt=0, *, batch_dim=None, directions=None, backend=None, mode="auto"):
-        self.inner = Laplacian(u, wrt, batch_dim=batch_dim, directions=directions, backend="eager", mode=mode,
-                               nestable=True)
+    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
+                 mode="auto"):
+        self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                               backend="eager", mode=mode, nestable=True)
         inner = self.inner
 
         def laplacian_of_u(*args, **kwargs):
             return inner(*args, **kwargs).laplacian
 
         laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
-        self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, directions=directions, backend=backend,
-                               mode=mode)
+        self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
+                               directions=directions, backend=backend, mode=mode)
         self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
 
     @property
@@ -359,7 +361,12 @@ def taylor(u: Callable, order: int, directions: torch.Tensor, wrt=0, *, batch_di
     return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode)
 
 
-def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, directions: torch.Tensor | None = None,
+def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
+               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None,
                backend: str | None = None, mode: str = "auto") -> Biharmonic:
-    """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu)."""
-    return Biharmonic(u, wrt, batch_dim=batch_dim, directions=directions, backend=backend, mode=mode)
+    """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu).
+
+    ``weights=C``, ``factor=L`` and ``directions=V`` mean what they mean for :func:`laplacian`,
+    applied twice: ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u."""
+    return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                      backend=backend, mode=mode)

@@ -145,6 +145,19 @@ def test_stochastic_biharmonic_is_exact_for_its_directions():
     assert_close(res.biharmonic, vmap(lap_v(lap_v(mlp)))(X), "Δ_V² u")
 
 
+@pytest.mark.parametrize("given", ["weights", "factor"])
+def test_weighted_biharmonic_applies_the_weighted_laplacian_twice(given):
+    X, L = rand(3, 4, seed=20), rand(4, 3, seed=21)
+    C = L @ L.T if given == "factor" else (lambda a: a + a.T)(rand(4, 4, seed=22))
+
+    def lap_c(f):
+        return lambda x: torch.einsum("de,de->", C, hessian(f)(x))
+
+    res = hoad.biharmonic(mlp, batch_dim=0, **{given: L if given == "factor" else C})(X)
+    assert_close(res.biharmonic, vmap(lap_c(lap_c(mlp)))(X), "L_C² u")
+    assert_close(res.laplacian, vmap(lap_c(mlp))(X), "L_C u")
+
+
 def test_biharmonic_sees_weight_updates():
     W = rand(4, 5, seed=18)
 
@@ -160,6 +173,21 @@ def test_biharmonic_sees_weight_updates():
 
 def _trace(f):  # Σ_i ∂²f/∂x_i² for each output entry of f
     return lambda x: torch.einsum("...ii->...", hessian(f)(x).flatten(-2 * x.ndim, -x.ndim - 1).flatten(-x.ndim))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_biharmonic_per_sample_through_a_reshape_into_a_product(mode):
+    """The inner program folds the reshape [B, 4] -> [B, 2, 2] into the product's merge
+    [B·2, 2]; the outer sample pass splits that view again (it was a false BatchCouplingError)."""
+    W = rand(2, 3, seed=28)
+
+    def u(x):  # (B, 4) -> (B,)
+        return torch.tanh(x.reshape(-1, 2, 2) @ W).square().sum((-1, -2))
+
+    X = rand(5, 4, seed=29)
+    res = hoad.biharmonic(u, batch_dim=0, mode=mode)(X)
+    one = lambda x: u(x[None])[0]  # noqa: E731
+    assert_close(res.biharmonic, vmap(_laplacian_of(_laplacian_of(one)))(X), "Δ²u")
 
 
 @pytest.mark.parametrize("mode", MODES)
