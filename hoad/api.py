@@ -82,6 +82,13 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
+def _in_class_body(fn) -> bool:
+    """Whether ``fn`` was defined in a class body (a method, whatever its first parameter is
+    called): its qualified name is ``Class.name``, not ``name`` or ``outer.<locals>.name``."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return len(parts) >= 2 and parts[-2] != "<locals>"
+
+
 def _entries(wrt) -> tuple:
     """``wrt`` as a tuple of entries: one entry, or a tuple or list of them."""
     return tuple(wrt) if isinstance(wrt, (tuple, list)) else (wrt,)
@@ -181,8 +188,8 @@ class Compiled:
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
         self._method = module is None and bool(names) and names[0] == "self"
-        if not self._method:
-            self._check_wrt_against_signature()
+        if not (self._method or (module is None and _in_class_body(fn))):  # (a method's wrt may name
+            self._check_wrt_against_signature()                           # its module's parameters)
         self._cache: dict[Hashable, _Entry] = {}
         self._families: dict[Hashable, _Family] = {}
         # programs by key and the Python values they were traced with (Guard), kept when those
@@ -493,7 +500,8 @@ class Compiled:
                     f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
                     f"positional arguments {tuple(self._positional)}")
             if isinstance(w, str) and w not in params and w not in state and not var_keyword:
-                known = tuple(n for n in params if n != "self" or self.module is None) + tuple(state)
+                bound = list(params)[:1] if self.module is not None else []  # (the module itself)
+                known = tuple(n for n in params if n not in bound) + tuple(state)
                 raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function"
                                            f"{' nor a parameter or buffer of the module' if self.module is not None else ''}; "
                                            f"valid names are {known}")

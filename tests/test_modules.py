@@ -253,6 +253,30 @@ def test_bound_method_and_errors():
         Classifier.energy(x)
 
 
+def test_a_method_whose_first_parameter_is_not_named_self():
+    """wrt names a parameter of the module; the decorator cannot check it against the signature
+    before an instance binds the method (it refused it as no argument of the function)."""
+
+    class Net(nn.Module):
+        def __init__(this):
+            super().__init__()
+            this.W = nn.Parameter(rand(3, 3, seed=4))
+
+        @hoad.compile(order=2, wrt=("x", "W"), backend="eager")
+        def energy(this, x):
+            return torch.tanh(x @ this.W).square().sum()
+
+        @hoad.compile(order=1, wrt="Q", backend="eager")
+        def wrong(this, x):
+            return x.sum()
+
+    net, x = Net(), rand(3, seed=5)
+    f = lambda x, w: torch.tanh(x @ w).square().sum()  # noqa: E731
+    assert_close(net.energy(x)["x", "W"], jacfwd(jacrev(f), argnums=1)(x, net.W.detach()), "mixed")
+    with pytest.raises(hoad.InvalidArgumentError, match=r"valid names are \('x', 'W'\)"):
+        net.wrong(x)
+
+
 class SmallCNN(nn.Module):
     """Conv2d + MaxPool2d + AvgPool2d + Linear: the layer ops of issue 17 in one model."""
 
