@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import written_inputs
-from hoad.passes.decompositions import STRIDED_READS, decomposition_table
+from hoad.passes.decompositions import STRIDED_READS, FunctionOverrides, decomposition_table
 from hoad.rules import RANDOM
 from hoad.source import locate, user_frame
 
@@ -68,7 +68,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     strided_before = STRIDED_READS[0]
     VALUE_READS.clear()
     try:
-        gm = traced(*fresh)
+        with FunctionOverrides():
+            gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))
         gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])

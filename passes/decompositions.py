@@ -8,8 +8,9 @@ import math
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch.overrides import TorchFunctionMode
 
-from hoad.errors import InvalidArgumentError
+from hoad.errors import DataDependentControlFlowError, InvalidArgumentError
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 
@@ -43,6 +44,31 @@ def _mv(a, v):
 
 def _dot(a, b):
     return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
+
+
+class FunctionOverrides(TorchFunctionMode):
+    """Functions whose ATen kernels a trace cannot follow, replaced while capture traces: the
+    kernel runs before any decomposition table is consulted."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        replacement = _FUNCTIONS.get(func)
+        return (replacement or func)(*args, **(kwargs or {}))
+
+
+def _one_hot(index, num_classes=-1):
+    """one_hot as a scatter of ones, whose kernel checks every class value (eager's and Inductor's
+    bounds checks). torch's kernel checks them with asserts a trace drops (a class out of range
+    gave a row of zeros), or, for a closed-over index, by reading its minimum into Python (a
+    false data-dependence error)."""
+    if num_classes == -1:
+        raise DataDependentControlFlowError(
+            "F.one_hot without num_classes takes the number of classes from the largest index value, a shape that "
+            "depends on tensor values; pass num_classes")
+    out = torch.zeros(*index.shape, num_classes, dtype=torch.int64, device=index.device)
+    return out.scatter(-1, index.unsqueeze(-1), 1)
+
+
+_FUNCTIONS = {torch.nn.functional.one_hot: _one_hot}
 
 
 def _safe_softmax(x, dim, dtype=None):

@@ -541,6 +541,31 @@ def test_value_of_a_closed_over_tensor_is_watched(read):
     assert len(cf._cache) == n  # unchanged: nothing built
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_hot_checks_its_classes_and_follows_a_closed_over_index(backend):
+    """F.one_hot's class checks were dropped by the trace (a class out of range gave a row of
+    zeros), and a closed-over index was refused as control flow; it is a checked scatter now."""
+    W, labels = rand(3, 4, seed=71), torch.tensor([0, 3, 1])
+
+    def f(x, i):
+        return (F.one_hot(i, 4).to(x.dtype) * torch.tanh(x @ W)).sum()
+
+    def g(x):
+        return f(x, labels)
+
+    x = rand(3, 3, seed=72)
+    cf, cg = hoad.compile(f, order=2, backend=backend), hoad.compile(g, order=2, backend=backend)
+    assert_close(cf(x, labels)[0, 0], jacfwd(jacrev(f))(x, labels), "index passed")
+    assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "index closed over")
+    labels[1] = 2
+    assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "after labels[1] = 2")
+    for bad in ([0, 4, 1], [0, -1, 1]):
+        with pytest.raises(hoad.ExecutionError, match="out of bounds"):
+            cf(x, torch.tensor(bad))
+    with pytest.raises(hoad.DataDependentControlFlowError, match="pass num_classes"):
+        hoad.compile(lambda x, i: (F.one_hot(i).to(x.dtype) * x).sum(), order=1, backend=backend)(x, labels)
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
