@@ -14,23 +14,28 @@ import torch.fx as fx
 
 def user_frame(tb=None) -> str | None:
     """The innermost traceback frame outside torch and hoad, as 'file:line: code' (of the stack
-    being run when ``tb`` is None)."""
+    being run when ``tb`` is None), followed by the torch module it called into, if any
+    ('(in BatchNorm1d)')."""
     import hoad
     import hoad.passes
 
     skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
                                                 os.path.dirname(hoad.passes.__file__)))
-    found = None
+    found, module = None, None
     frames = traceback.walk_tb(tb) if tb is not None else reversed(list(traceback.walk_stack(None)))
     for frame, lineno in frames:
         filename = frame.f_code.co_filename
         if not filename.startswith(skip) and "<" not in filename[:1]:
-            found = (filename, lineno)
+            found, module = (filename, lineno), None
+        elif found is not None and frame.f_code.co_name == "forward":  # (the innermost module)
+            called = frame.f_locals.get("self")
+            module = called if isinstance(called, torch.nn.Module) else module
     if found is None:
         return None
     filename, lineno = found
     code = linecache.getline(filename, lineno).strip()
-    return f"{filename}:{lineno}: {code}"
+    inside = f" (in {type(module).__name__})" if module is not None else ""
+    return f"{filename}:{lineno}: {code}{inside}"
 
 
 def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node | None = None,
@@ -65,8 +70,17 @@ def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node 
                 if self.seen == occurrence:
                     raise _Found()
                 self.seen += 1
+            decomposed = table.get(func)
+            if decomposed is not None:  # the ops the trace saw (batch norm's sums), seen again here
+                with self:
+                    out = decomposed(*args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
             return func(*args, **(kwargs or {}))
 
+    from hoad.passes.decompositions import decomposition_table
+
+    table = decomposition_table()
     flat_fn = layout.flat(fn)
 
     fresh = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
