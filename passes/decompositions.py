@@ -71,6 +71,65 @@ def _one_hot(index, num_classes=-1):
 _FUNCTIONS = {torch.nn.functional.one_hot: _one_hot}
 
 
+# Smooth functions that core ATen writes with kinks cancelling in value only (abs, min, |d|²):
+# hoad differentiates the pieces, so each is written here with branches that are the function
+# itself, every derivative exact at the seam. The branch not taken reads a safe value (0, 1), so
+# its inf or NaN never reaches a gradient in reverse mode either.
+
+def _log_sigmoid_forward(x):
+    """log σ(x) as x - log1p(eˣ) below 0 and -log1p(e⁻ˣ) above (neither exp overflows); core's
+    min(0, x) - log1p(e^-|x|) had Hessian 0 at x = 0, not -1/4."""
+    below = x < 0
+    lo, hi = torch.where(below, x, 0.0), torch.where(below, 0.0, x)
+    out = torch.where(below, lo - torch.log1p(torch.exp(lo)), -torch.log1p(torch.exp(-hi)))
+    return out, x.new_zeros((0,))
+
+
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """s·x above 0, s·α(e^(x·i) - 1) below, and at 0 what torch differentiates there: the
+    negative branch's slope s·α·i and the positive branch's zero curvature (core's where took the
+    negative branch at every order: ELU's Hessian was 1 at 0, torch's 0)."""
+    below = x < 0
+    negative = (torch.exp(torch.where(below, x, 0.0) * input_scale) - 1) * (alpha * scale)
+    at_zero = x * (alpha * scale * input_scale)
+    return torch.where(x > 0, x * scale, torch.where(below, negative, at_zero))
+
+
+def _reduce_loss(loss, reduction: int):
+    return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+
+
+def _smooth_l1_loss(x, target, reduction=1, beta=1.0):
+    """d²/(2β) inside |d| < β with d² = d·d (core's |d|² had Hessian 0 at d = 0, not 1/β)."""
+    d = x - target
+    z = d.abs()
+    loss = z if beta == 0 else torch.where(z < beta, 0.5 * d * d / beta, z - 0.5 * beta)
+    return _reduce_loss(loss, reduction)
+
+
+def _huber_loss(x, target, reduction=1, delta=1.0):
+    """d²/2 inside |d| < δ with d² = d·d (core's |d|·|d| had Hessian 0 at d = 0, not 1)."""
+    d = x - target
+    z = d.abs()
+    return _reduce_loss(torch.where(z < delta, 0.5 * d * d, delta * (z - 0.5 * delta)), reduction)
+
+
+def _x_log(log):
+    def x_log(a, b):
+        """x·log(y) (or log1p(y)), 0 where x = 0. Core wrote where(x = 0, 0, x·log y), whose
+        derivative in x is 0 at x = 0 (torch: log y), and NaN in reverse mode at y = 0 (0·log 0).
+        Here y is replaced by a safe value only where x = 0 and log y is not finite (torch: 0)."""
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.dtype.is_floating_point):
+            return NotImplemented
+        finite = torch.isfinite(log(b))
+        safe = 1.0 if log is torch.log else 0.0
+        out = a * log(torch.where((a == 0) & ~finite, safe, b))
+        return torch.where(torch.isnan(b), float("nan"), out)
+
+    return x_log
+
+
 def _safe_softmax(x, dim, dtype=None):
     """Softmax that is 0 on rows where every entry is -inf (attention rows that see no key).
 
@@ -575,6 +634,13 @@ def _table() -> dict:
     table[aten.hardsigmoid.default] = _hardsigmoid
     table[aten.hardswish.default] = _hardswish
     table[aten.dot.default] = _dot
+    table[aten.log_sigmoid_forward.default] = _log_sigmoid_forward
+    table[aten.elu.default] = _elu
+    table[aten.celu.default] = lambda x, alpha=1.0: _elu(x, alpha, 1.0, 1.0 / alpha)
+    table[aten.smooth_l1_loss.default] = _smooth_l1_loss
+    table[aten.huber_loss.default] = _huber_loss
+    table[aten.xlogy.Tensor] = _x_log(torch.log)
+    table[aten.special_xlog1py.default] = _x_log(torch.log1p)
     table[aten.vdot.default] = _dot
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var

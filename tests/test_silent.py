@@ -566,6 +566,78 @@ def test_one_hot_checks_its_classes_and_follows_a_closed_over_index(backend):
         hoad.compile(lambda x, i: (F.one_hot(i).to(x.dtype) * x).sum(), order=1, backend=backend)(x, labels)
 
 
+# ------------------------------------------------------- smooth functions at their seams
+ZEROS = torch.tensor([0.0, 0.0, 1.5, -1.5], dtype=torch.float64)  # exact zeros: where the seams are
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_sigmoid_is_smooth_at_zero(mode):
+    """Core ATen writes log σ(x) as min(0, x) - log1p(e^-|x|): its kinks cancel in value only,
+    and hoad differentiated the pieces (Hessian 0 at x = 0, not -1/4: Newton's first step of a
+    logistic regression from w = 0 was wrong). Checked against the plain-op formula -log1p(e^-x)."""
+    X = rand(6, 4, seed=73)
+    check(lambda w: F.logsigmoid(X @ w).sum() + F.logsigmoid(w).sum(), (ZEROS.clone(),), order=4, mode=mode,
+          reference_fn=lambda w: -torch.log1p(torch.exp(-(X @ w))).sum() - torch.log1p(torch.exp(-w)).sum())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loss", ["smooth_l1", "huber"])
+def test_robust_losses_are_quadratic_at_zero_residual(loss, mode):
+    """Inside |d| < β they are d²/2 (over β): core wrote d² as |d|², whose Hessian is 0 at d = 0
+    (prediction equal to target), not 1/β. The reference is the same loss in plain ops."""
+    target = torch.tensor([0.0, 0.5, 1.5, -3.0], dtype=torch.float64)
+    fn = {"smooth_l1": lambda x: F.smooth_l1_loss(x, target, beta=0.7),
+          "huber": lambda x: F.huber_loss(x, target, delta=0.7)}[loss]
+    scale = 1 / 0.7 if loss == "smooth_l1" else 1.0
+
+    def plain(x):
+        d = x - target
+        inner = 0.5 * d * d * scale
+        outer = (d.abs() - 0.35) * (1.0 if loss == "smooth_l1" else 0.7)
+        return torch.where(d.abs() < 0.7, inner, outer).mean()
+
+    check(fn, (torch.tensor([0.0, 0.5, 0.2, 1.0], dtype=torch.float64),), order=3, mode=mode, reference_fn=plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["elu", "celu", "selu"])
+def test_elu_family_at_zero_follows_torch(name, mode):
+    """At x = 0 torch differentiates the negative branch once (slope s·α) and the positive one
+    after that (no curvature); hoad took the negative branch at every order (Hessian α, not 0)."""
+    fn = {"elu": F.elu, "celu": lambda x: F.celu(x, alpha=2.0), "selu": F.selu}[name]
+    check(lambda x: (fn(x) * torch.arange(1.0, 5.0, dtype=torch.float64)).sum(), (ZEROS.clone(),), order=3,
+          mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_powers_at_a_zero_base_follow_torch(mode):
+    """x ** p with a tensor p: at x = 0, torch's p·x^(p-1) is 1 for p = 1 and 0 for p = 0
+    (forward mode formed y · x⁻¹ = 0 · inf = NaN); sqrt and rsqrt are inf at 0, not NaN."""
+    p = torch.tensor([1.0, 0.0, 2.0, 3.0], dtype=torch.float64)
+    x = torch.tensor([0.0, 0.0, 0.0, 1.5], dtype=torch.float64)
+    check(lambda x: (x ** p).sum(), (x,), order=3, mode=mode)
+    for fn, slope in ((torch.sqrt, math.inf), (torch.rsqrt, -math.inf)):
+        assert hoad.compile(lambda x: fn(x).sum(), order=1, mode=mode, backend="eager")(x)[0][0] == slope
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_atan2_at_the_origin_and_xlogy_at_zero_follow_torch(mode):
+    """atan2's derivatives at (0, 0) are 0 in torch (0/0 before); ∂ xlogy(x, y)/∂x at x = 0 is
+    log y (it was 0), and 0 at x = y = 0 in reverse mode too (0 · log 0 = NaN before)."""
+    a = torch.tensor([0.0, 1.0, -2.0, 0.0], dtype=torch.float64)
+    b = torch.tensor([0.0, 0.5, 1.0, 2.0], dtype=torch.float64)
+    check(lambda a, b: torch.atan2(a, b).sum(), (a, b), wrt=(0, 1), order=3, mode=mode)
+    check(lambda x: torch.xlogy(x, b).sum() + torch.special.xlog1py(x, b - 1).sum(), (a.clone(),), order=2,
+          mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nextafter_at_equal_arguments_follows_torch(mode):
+    a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    b = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)
+    check(lambda a, b: (torch.nextafter(a, b) * a).sum(), (a, b), wrt=(0, 1), order=2, mode=mode)
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
