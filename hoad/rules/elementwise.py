@@ -190,12 +190,15 @@ def _power(n, x, y, p: float):
 
 @derivatives(aten.sqrt.default)
 def sqrt(n, x, y):
-    return _power(n, x, y, 0.5)
+    """φ^(k) = c_k x^(1/2 - k) = c_k (1/y)^(2k-1): inf at 0 as in torch (y · x^-k is 0 · inf)."""
+    r = y.reciprocal()
+    return [_power_of(r, 2 * k - 1) * _falling(0.5, k) for k in range(1, n + 1)]
 
 
 @derivatives(aten.rsqrt.default)
 def rsqrt(n, x, y):
-    return _power(n, x, y, -0.5)
+    """φ^(k) = c_k x^(-1/2 - k) = c_k y^(2k+1): inf at 0 as in torch."""
+    return [_power_of(y, 2 * k + 1) * _falling(-0.5, k) for k in range(1, n + 1)]
 
 
 @derivatives(aten.reciprocal.default)
@@ -536,12 +539,12 @@ def pow_base_rule(ctx: Ctx, base, x: Jet):
 def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     """a^b: a power when b is constant, an exponential when a is, exp(b·log a) otherwise."""
     y = ctx.out
-    if b.constant:
+    if b.constant:  # p(p-1)…(p-k+1) a^(p-k), and 0 where that factor is (at a = 0: 0 · inf in y · a^-k)
         p = b.primal
-        coeffs, r = [], a.primal.reciprocal()
-        falling = p
+        coeffs, falling = [], p
         for k in range(1, ctx.max_order + 1):
-            coeffs.append(y * falling * _power_of(r, k))
+            c = torch.where(falling == 0, torch.zeros((), dtype=y.dtype, device=y.device), falling * a.primal.pow(p - k))
+            coeffs.append(c)
             falling = falling * (p - k)
         return chain(ctx, broadcast(a, y.shape), [c.expand(y.shape) for c in coeffs])
     log_a = a.primal.log()
@@ -606,11 +609,12 @@ def pow_base_vjp(v, g: Block, base, x: Jet):
 
 @VJPS.register(aten.pow.Tensor_Tensor)
 def pow_tensor_vjp(v, g: Block, a: Jet, b: Jet):
-    """As torch: ∂/∂a = b a^(b-1); ∂/∂b = a^b log a, taken as 0 where a = 0 and b >= 0."""
+    """As torch: ∂/∂a = b a^(b-1), 0 where b = 0; ∂/∂b = a^b log a, taken as 0 where a = 0 and b >= 0."""
     y, r, shape = v.out, v.out.ndim, tuple(v.out.shape)
     pairs = []
     if not a.constant:
-        pairs.append((a, unbroadcast(scale_out(g, b.primal * a.primal.pow(b.primal - 1), shape), r, a.shape)))
+        coeff = torch.where(b.primal == 0, torch.zeros_like(y), b.primal * a.primal.pow(b.primal - 1))
+        pairs.append((a, unbroadcast(scale_out(g, coeff, shape), r, a.shape)))
     if not b.constant:
         coeff = torch.where((a.primal == 0) & (b.primal >= 0), torch.zeros_like(y), y * a.primal.log())
         pairs.append((b, unbroadcast(scale_out(g, coeff, shape), r, b.shape)))
@@ -650,13 +654,15 @@ def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
 def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
     """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
     (each differs from it by a constant where defined): one branch per entry, each ratio
-    formed only where it is taken. The blocks are returned uncontracted, also as remainders."""
+    formed only where it is taken. At the origin every derivative is 0, as torch takes it. The
+    blocks are returned uncontracted, also as remainders."""
     shape = tuple(ctx.out.shape)
     a, b = broadcast(a, shape), broadcast(b, shape)
-    first = a.primal.abs() <= b.primal.abs()
+    first = (a.primal.abs() <= b.primal.abs()) & (b.primal != 0)
+    second = a.primal.abs() > b.primal.abs()
     plain = replace(ctx, adjoint=None)
     branches = []
-    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
+    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, second), -1)):
         q = _ratio(ctx, num, den, taken)
         coeffs = [c * sign for c in atan(ctx.max_order, q.primal, q.primal.atan())]
         branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
@@ -703,6 +709,7 @@ def hypot_vjp(v, g: Block, a, b):
 def atan2_vjp(v, g: Block, a, b):
     va, vb = _value(a), _value(b)
     r2 = va * va + vb * vb
+    r2 = torch.where(r2 == 0, torch.ones_like(r2), r2)  # (0 at the origin, as torch)
     return _spread(v, g, [(a, vb / r2), (b, -va / r2)])
 
 

@@ -206,8 +206,16 @@ def remainder_rule(ctx: Ctx, a, b):
 @RULES.register(aten.nextafter.default)
 def nextafter_rule(ctx: Ctx, a, b):
     """nextafter(a, b) is a moved by one ulp towards b: a plus a piecewise-constant step, so its
-    derivative is a's (b's is zero almost everywhere), as torch's derivatives have it."""
-    return _combine(ctx, [(a, 1.0)])
+    derivative is a's (b's is zero almost everywhere); where a = b it is b, and torch takes both
+    derivatives as 0 there."""
+    return _combine(ctx, [(a, _moved(a, b))])
+
+
+def _moved(a, b) -> torch.Tensor:
+    """1 where nextafter(a, b) moves a, 0 where a = b."""
+    va = a.primal if isinstance(a, Jet) else a
+    vb = b.primal if isinstance(b, Jet) else b
+    return (va != vb).to(va.dtype)
 
 
 def _branches(cond, a, b) -> list[tuple[object, torch.Tensor]]:
@@ -580,7 +588,7 @@ def remainder_vjp(v, g: Block, a, b):
 
 @VJPS.register(aten.nextafter.default)
 def nextafter_vjp(v, g: Block, a, b):
-    return _spread(v, g, [(a, 1.0)])
+    return _spread(v, g, [(a, _moved(a, b))])
 
 
 @VJPS.register(aten.where.self)
