@@ -8,6 +8,7 @@ import math
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from hoad.errors import DataDependentControlFlowError, InvalidArgumentError
@@ -51,8 +52,24 @@ class FunctionOverrides(TorchFunctionMode):
     kernel runs before any decomposition table is consulted."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _VALUE_EXITS and args and (func is not torch.Tensor.tolist or is_fake(args[0])):
+            from hoad.source import user_frame
+
+            line = user_frame()
+            raise DataDependentControlFlowError(
+                f"the function reads a tensor's values out of torch ({_VALUE_EXITS[func]})"
+                f"{f' at {line}' if line else ''}: what is computed from "
+                "them (numpy, Python lists) is invisible to the trace, and the program would keep the values of "
+                "one call. Keep the computation in torch ops (torch.sin for np.sin, ...)")
         replacement = _FUNCTIONS.get(func)
         return (replacement or func)(*args, **(kwargs or {}))
+
+
+# ways out of torch for a tensor's values: a traced (fake) tensor's .numpy() is uninitialised
+# memory, which the program kept as a constant, and a closed-over tensor's would be kept stale
+# (.tolist() of a closed-over tensor stays allowed: torch's own code reads index lists that way)
+_VALUE_EXITS = {torch.Tensor.numpy: ".numpy()", torch.Tensor.__array__: "np.asarray() or a numpy function",
+                torch.Tensor.tolist: ".tolist()"}
 
 
 def _one_hot(index, num_classes=-1):

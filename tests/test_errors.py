@@ -233,6 +233,25 @@ def test_item():
     assert THIS_FILE in msg and "x.max().item()" in msg, msg
 
 
+@pytest.mark.parametrize("way", ["numpy", "np.asarray", "tolist", "closed-over numpy"])
+def test_values_read_out_of_torch_are_refused(way):
+    """A traced tensor's .numpy() is uninitialised memory: the program kept it as a constant (a
+    value of 1e-310 and a derivative that ignored it, both backends)."""
+    import numpy as np
+
+    W = X.detach().clone()
+    uses = {"numpy": lambda x: torch.from_numpy(x.detach().numpy() * 2),
+            "np.asarray": lambda x: torch.as_tensor(np.cos(np.asarray(x.detach()))),
+            "tolist": lambda x: torch.tensor(x.tolist(), dtype=x.dtype),
+            "closed-over numpy": lambda x: torch.from_numpy(W.numpy())}
+
+    def f(x):
+        return (uses[way](x) * x).sum()
+
+    msg = raises(hoad.DataDependentControlFlowError, lambda: hoad.compile(f, order=1)(X), "out of torch")
+    assert THIS_FILE in msg, msg
+
+
 def test_boolean_mask_indexing_is_data_dependent():
     def f(x):
         return x[x > 0].sin().sum()
