@@ -616,6 +616,12 @@ def test_powers_at_a_zero_base_follow_torch(mode):
     p = torch.tensor([1.0, 0.0, 2.0, 3.0], dtype=torch.float64)
     x = torch.tensor([0.0, 0.0, 0.0, 1.5], dtype=torch.float64)
     check(lambda x: (x ** p).sum(), (x,), order=3, mode=mode)
+    # base and exponent both differentiated: a^b = exp(b log a) has log 0 = -inf at a = 0, where
+    # the blocks in a were NaN; torch takes them as the power's (those in b, and mixed, as 0:
+    # the limit a^(b-1) log a -> 0 for b > 1 at order 2; from order 3 the mixed ones are log 0)
+    q = torch.tensor([2.0, 3.0, 2.0, 0.5], dtype=torch.float64)
+    check(lambda x, q: (x ** q).sum(), (torch.tensor([0.0, 0.0, 1.0, 2.0], dtype=torch.float64), q), wrt=(0, 1),
+          order=2, mode=mode)
     for fn, slope in ((torch.sqrt, math.inf), (torch.rsqrt, -math.inf)):
         assert hoad.compile(lambda x: fn(x).sum(), order=1, mode=mode, backend="eager")(x)[0][0] == slope
 

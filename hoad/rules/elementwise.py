@@ -539,14 +539,8 @@ def pow_base_rule(ctx: Ctx, base, x: Jet):
 def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     """a^b: a power when b is constant, an exponential when a is, exp(b·log a) otherwise."""
     y = ctx.out
-    if b.constant:  # p(p-1)…(p-k+1) a^(p-k), and 0 where that factor is (at a = 0: 0 · inf in y · a^-k)
-        p = b.primal
-        coeffs, falling = [], p
-        for k in range(1, ctx.max_order + 1):
-            c = torch.where(falling == 0, torch.zeros((), dtype=y.dtype, device=y.device), falling * a.primal.pow(p - k))
-            coeffs.append(c)
-            falling = falling * (p - k)
-        return chain(ctx, broadcast(a, y.shape), [c.expand(y.shape) for c in coeffs])
+    if b.constant:
+        return chain(ctx, broadcast(a, y.shape), _power_coeffs(ctx.max_order, a.primal, b.primal, y))
     log_a = a.primal.log()
     if a.constant:
         lb = log_a.expand(y.shape)
@@ -559,7 +553,23 @@ def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     o = out_labels(len(shape))
     exponent = ctx.inner((b.primal * log_a).expand(shape))
     z = Jet(exponent.out, leibniz(exponent, [(broadcast(b, shape), o), (broadcast(la, shape), o)], o, shape))
-    return chain(ctx, z, [y] * ctx.max_order)
+    # at a = 0, log a is -inf: there the derivatives are a power's in a alone (torch: those in b
+    # are 0 for b >= 0, and so are the mixed ones for b > 1)
+    plain = replace(ctx, adjoint=None)
+    power = chain(plain, broadcast(a, shape), _power_coeffs(ctx.max_order, a.primal, b.primal, y))
+    zero = (a.primal == 0).expand(shape)
+    return _select(plain, [(Jet(y, chain(plain, z, [y] * ctx.max_order)), ~zero), (Jet(y, power), zero)])
+
+
+def _power_coeffs(n: int, a: torch.Tensor, p, y: torch.Tensor) -> list:
+    """The derivatives p(p-1)…(p-k+1) a^(p-k) of a^p, with 0 where that factor is (at a = 0
+    torch's, not 0 · inf as y · a^-k would make them)."""
+    coeffs, falling = [], p
+    for k in range(1, n + 1):
+        c = torch.where(falling == 0, torch.zeros((), dtype=y.dtype, device=y.device), falling * a.pow(p - k))
+        coeffs.append(c.expand(y.shape))
+        falling = falling * (p - k)
+    return coeffs
 
 
 def _polynomial(coeffs: list[int], y: torch.Tensor):
