@@ -34,7 +34,16 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
 
 
 def _std(x, dim=None, *, correction=None, keepdim=False):
-    return _var(x, dim, correction=correction, keepdim=keepdim).sqrt()
+    return _std_mean(x, dim, correction=correction, keepdim=keepdim)[0]
+
+
+def _std_mean(x, dim=None, *, correction=None, keepdim=False):
+    """√var with torch's derivative 0 (a subgradient) where the variance is 0 (a constant row):
+    the square root of 0 is taken of a 1 and dropped, where √0's inf times the variance's zero
+    derivatives gave NaN."""
+    var, mean = _var_mean(x, dim, correction=correction, keepdim=keepdim)
+    flat = var == 0
+    return torch.where(flat, 0.0, torch.where(flat, 1.0, var).sqrt()), mean
 
 
 # Core ATen turns mv and dot into an elementwise product and a sum; their derivative blocks
@@ -662,6 +671,7 @@ def _table() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten.std.correction] = _std
+    table[aten.std_mean.correction] = _std_mean
     for packet, low_precision_ok in _NO_MIXED_DTYPES.items():
         for name in packet.overloads():
             op = getattr(packet, name)
