@@ -83,6 +83,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                            f"{_at(user_frame(e.__traceback__))}") from e
 
     _replace_view_mutations(gm)
+    _renorm_in_place(gm)
     _detach_writes(gm)
     out = _output_node(gm)
     val = out.meta.get("val") if isinstance(out, fx.Node) else None
@@ -251,6 +252,35 @@ def _detach_writes(gm: fx.GraphModule) -> None:
             value.meta = dict(node.args[1].meta)
             node.args = (node.args[0], value) + tuple(node.args[2:])
     gm.recompile()
+
+
+def _renorm_in_place(gm: fx.GraphModule) -> None:
+    """F.embedding(max_norm=) renormalises the table's rows in place under no_grad: later reads
+    see the new values, and autograd still sees the table itself (derivative 1). The functional
+    graph reads ``embedding_renorm(detach(W))`` instead, a constant (all derivatives were 0): here
+    those reads get ``renorm + (W - detach(W))``, the new value with W's derivatives."""
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.embedding_renorm.default):
+            continue
+        source = node.args[0]
+        if not (isinstance(source, fx.Node) and source.target is aten.detach.default):
+            continue
+        table = source.args[0]
+        with gm.graph.inserting_after(node):
+            zero = _call(gm, aten.sub.Tensor, (table, source))
+            with gm.graph.inserting_after(zero):
+                read = _call(gm, aten.add.Tensor, (node, zero))
+        for user in list(node.users):
+            if user is not zero and user is not read and not (user.target is aten.detach.default
+                                                              and all(_writes_input(u) for u in user.users)):
+                user.replace_input_with(node, read)
+    gm.recompile()
+
+
+def _call(gm: fx.GraphModule, target, args) -> fx.Node:
+    node = gm.graph.call_function(target, args)
+    node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+    return node
 
 
 def _writes_input(node: fx.Node) -> bool:

@@ -638,6 +638,35 @@ def test_atan2_at_the_origin_and_xlogy_at_zero_follow_torch(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_std_of_a_constant_row_has_torchs_zero_derivative(mode):
+    """√var at var = 0 gave inf · 0 = NaN; torch's derivative there is 0 (a subgradient)."""
+    X = torch.tensor([[1.0, 1.0, 1.0], [1.0, 2.0, 4.0]], dtype=torch.float64)
+    check(lambda X: X.std(dim=1).sum() + torch.std_mean(X, dim=1, keepdim=True)[0].sum(), (X,), order=2,
+          mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_embedding_with_max_norm_differentiates_the_table_as_torch_does(mode):
+    """max_norm renormalises the table's rows in place under no_grad: autograd sees the table
+    itself, with the new values (every derivative was 0: the trace read a detached copy)."""
+    idx = torch.tensor([0, 2, 2, 4])
+
+    def f(W):
+        return (F.embedding(idx, W, max_norm=1.0) ** 3).sum() + (W * W).sum()
+
+    W = rand(5, 3, seed=74) * 2
+    res = hoad.compile(f, order=2, mode=mode, backend="eager")(W.clone())
+    renormed = W.clone()
+    f(renormed)  # torch's own call renormalises in place; its derivatives are those at the new table
+    g = lambda W: (W[idx] ** 3).sum() + (W * W).sum()  # noqa: E731
+    assert_close(res[0], jacrev(g)(renormed), "gradient")
+    assert_close(res[0, 0], jacfwd(jacrev(g))(renormed), "Hessian")
+    W2 = W.clone()
+    hoad.compile(f, order=1, mode=mode, backend="eager")(W2)
+    assert_close(W2, renormed, "the table renormalised in place, as torch does")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nextafter_at_equal_arguments_follows_torch(mode):
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     b = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)
