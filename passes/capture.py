@@ -23,7 +23,7 @@ from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import written_inputs
 from hoad.passes.decompositions import STRIDED_READS, FunctionOverrides, decomposition_table
-from hoad.rules import RANDOM
+from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
 aten = torch.ops.aten
@@ -108,8 +108,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 f"the function reads a tensor value into Python (.item(), float(t), int(t)){where}; the derivative "
                 "program cannot follow values through Python numbers. Keep the computation in tensor ops."
             )
-        if node.op == "call_function" and node.target in RANDOM:
-            where = locate(fn, layout, tensors, match=lambda func: func in RANDOM)
+        if node.op == "call_function" and is_random(node.target):
+            where = locate(fn, layout, tensors, match=is_random)
             raise RandomnessError(
                 f"the function draws random numbers ({node.target}){where}; a derivative program must be "
                 "deterministic. Put modules in eval() mode (dropout), or pass the noise in as an argument."

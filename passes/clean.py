@@ -11,7 +11,7 @@ import math
 import torch
 import torch.fx as fx
 
-from hoad.rules import RANDOM
+from hoad.rules import is_random
 
 aten = torch.ops.aten
 
@@ -304,11 +304,9 @@ def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:
 
 def pure(node: fx.Node) -> bool:
     """A call that neither writes into a tensor nor draws random numbers: one that may be merged
-    with its twin, folded, hoisted or moved (hoad's RANDOM list and ATen's seeded tag both)."""
+    with its twin, folded, hoisted or moved."""
     schema = getattr(node.target, "_schema", None)
-    return (node.op == "call_function" and node.target not in RANDOM
-            and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
-            and (schema is None or not schema.is_mutable))
+    return node.op == "call_function" and not is_random(node.target) and (schema is None or not schema.is_mutable)
 
 
 def clean(gm: fx.GraphModule) -> fx.GraphModule:

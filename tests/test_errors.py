@@ -288,6 +288,19 @@ def test_random_tensor():
     raises(hoad.RandomnessError, lambda: hoad.compile(f, order=1)(X), "aten.rand", "argument")
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_random_numbers_from_an_explicit_generator(backend):
+    """aten.randn.generator is only tagged as seeded: eager ran it (new noise at every call) and
+    Inductor failed to compile the generator argument."""
+    gen = torch.Generator().manual_seed(0)
+
+    def f(x):
+        return (x * torch.randn(2, 3, generator=gen, dtype=x.dtype)).sum()
+
+    msg = raises(hoad.RandomnessError, lambda: hoad.compile(f, order=1, backend=backend)(X), "randn.generator")
+    assert THIS_FILE in msg, msg
+
+
 def test_unsupported_operator():
     def f(x):
         return torch.special.bessel_j0(x.sin()).sum()

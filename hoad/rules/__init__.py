@@ -6,7 +6,7 @@ from hoad.rules import elementwise, linear, multilinear, reduction
 from hoad.rules import conv, indexing, pooling
 from hoad.rules import factorizations, linalg
 from hoad.rules.base import Ctx, Jet, merge_tables
-from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM
+from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM, is_random
 
 RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
                      conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
@@ -23,4 +23,4 @@ FAMILIES = {
 # ops with a rule registered from outside (hoad.extend): capture leaves them undecomposed
 USER_OPS: set = set()
 
-__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "PIECEWISE_CONSTANT", "RANDOM", "Ctx", "Jet"]
+__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]

@@ -28,3 +28,10 @@ RANDOM = frozenset({
     aten.uniform.default, aten.uniform_.default, aten.randperm.default, aten.multinomial.default,
     aten.exponential.default, aten.exponential_.default,
 })
+
+
+def is_random(target) -> bool:
+    """Whether an op draws random numbers: hoad's list, or ATen's seeded tag (the overloads that
+    take an explicit torch.Generator, aten.randn.generator, are only tagged)."""
+    return target in RANDOM or torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
