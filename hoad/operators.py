@@ -52,14 +52,15 @@ def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
             kwargs.pop(name, None)
         return u(*args, **kwargs)
 
-    try:
-        sig = inspect.signature(u)
+    sig = _signature(u)
+    if sig is not None:
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         tail = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
         params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in extra] + tail
-        wrapped.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        pass
+        try:
+            wrapped.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        except ValueError:  # (a parameter order the extra ones cannot join)
+            pass
     wrapped.__name__ = getattr(u, "__name__", type(u).__name__)
     return wrapped
 
@@ -108,7 +109,8 @@ class _Operator:
         else:
             x = kwargs.get(self.wrt)
             if x is None:
-                names = list(inspect.signature(self.u).parameters)
+                sig = _signature(self.u)
+                names = list(sig.parameters) if sig is not None else []
                 x = args[names.index(self.wrt)] if self.wrt in names and names.index(self.wrt) < len(args) else None
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor")
@@ -167,9 +169,7 @@ class Laplacian(_Operator):
             seeds = _matrix(factor, "factor", square=False).mT  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
         elif directions is not None:
             seeds = _directions(directions)
-            # 1/S in float64: the weights are cast to the points' dtype, never rounded to V's first
-            collapse_weights = torch.full((seeds.shape[0],), 1.0 / seeds.shape[0], dtype=torch.float64,
-                                          device=seeds.device)
+            collapse_weights = _mean_weights(seeds)
         self._identity = seeds is None
         super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
                          backend=backend, mode=mode, nestable=nestable)
@@ -193,6 +193,8 @@ class Laplacian(_Operator):
         if self._kind == "factor":
             return self._given.mT, None, "factor"
         if self._kind == "directions":
+            if self.weights.shape[0] != self._given.shape[0]:  # V resized in place: 1/S anew
+                self.weights = _mean_weights(self._given)
             return self._given, self.weights, "directions"
         return None, None, "directions"
 
@@ -217,6 +219,12 @@ class Laplacian(_Operator):
         point = x.shape[1:] if self.batch_dim is not None else x.shape
         q = self._eigenpairs()[0].to(dtype=directional.dtype, device=directional.device)  # ∇u = Q (Qᵀ ∇u)
         return (directional @ q.reshape(q.shape[0], -1)).reshape(*directional.shape[:-1], *point)
+
+
+def _mean_weights(v: torch.Tensor) -> torch.Tensor:
+    """1/S for each of the S directions, in float64: cast to the points' dtype, never rounded to
+    V's first."""
+    return torch.full((v.shape[0],), 1.0 / v.shape[0], dtype=torch.float64, device=v.device)
 
 
 def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
@@ -293,8 +301,9 @@ class Biharmonic:
 
 
 def _signature(u):
+    """u's signature; a module's is its forward's (calling a module takes ``*args, **kwargs``)."""
     try:
-        return inspect.signature(u)
+        return inspect.signature(u.forward if isinstance(u, torch.nn.Module) else u)
     except (TypeError, ValueError):
         return None
 

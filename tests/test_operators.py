@@ -158,6 +158,37 @@ def test_weighted_biharmonic_applies_the_weighted_laplacian_twice(given):
     assert_close(res.laplacian, vmap(lap_c(mlp))(X), "L_C u")
 
 
+def test_a_module_is_differentiated_with_respect_to_its_forwards_argument_by_name():
+    """inspect.signature of a module is (*args, **kwargs): its forward's names were unknown."""
+    torch.manual_seed(34)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1),
+                              torch.nn.Flatten(0)).double()
+    X = rand(3, 4, seed=35)
+    one = lambda x: net(x[None])[0]  # noqa: E731
+    for op in (hoad.laplacian, hoad.biharmonic):
+        res = op(net, wrt="input", batch_dim=0, backend="eager")(X)
+        assert_close(res.laplacian, vmap(_laplacian_of(one))(X), f"{op.__name__}: Δu")
+
+
+@pytest.mark.parametrize("op", ["laplacian", "biharmonic"])
+def test_directions_resized_in_place_take_their_new_count(op):
+    """The 1/S weights were fixed when the operator was built: a V resized after that was an
+    internal error."""
+    V = rand(4, 4, seed=36)
+    lap = getattr(hoad, op)(mlp, batch_dim=0, directions=V, backend="eager")
+    X = rand(3, 4, seed=37)
+    lap(X)
+    for S in (6, 1):
+        V.data = rand(S, 4, seed=38 + S)
+
+        def lap_v(f):
+            return lambda x: torch.einsum("sd,de,se->", V, hessian(f)(x), V) / S
+
+        got = lap(X).laplacian if op == "laplacian" else lap(X).biharmonic
+        want = vmap(lap_v(mlp))(X) if op == "laplacian" else vmap(lap_v(lap_v(mlp)))(X)
+        assert_close(got, want, f"S = {S}")
+
+
 def test_biharmonic_sees_weight_updates():
     W = rand(4, 5, seed=18)
 
