@@ -150,7 +150,37 @@ class _Parameters:
 parameters = _Parameters()
 
 
-class Compiled:
+class Rebuilt:
+    """Copies (``copy.deepcopy``, pickle) are built afresh from the constructor's arguments,
+    copied with the object, when first used: a deep copy of a module holding
+    ``hoad.laplacian(self.u)`` or ``hoad.compile(self.u)`` differentiates the copy (its programs
+    read the original's tensors, and its function was the original's), and nothing local to a
+    function is pickled. The build waits for the first use because a deep copy of a module
+    reaches this object before the module's copy is complete."""
+
+    def _keep_arguments(self, *args, **kwargs) -> None:
+        self.__dict__["_arguments"] = (args, kwargs)
+
+    def __reduce__(self):
+        return _blank, (type(self),), {"arguments": self._arguments}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__["_pending"] = state["arguments"]
+
+    def __getattr__(self, name: str):
+        pending = self.__dict__.pop("_pending", None)
+        if pending is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        args, kwargs = pending
+        self.__init__(*args, **kwargs)
+        return getattr(self, name)
+
+
+def _blank(cls):
+    return cls.__new__(cls)
+
+
+class Compiled(Rebuilt):
     """A compiled derivative function. Call it like the original; it returns :class:`Derivatives`.
 
     Programs are cached per call signature (tensor shapes, dtypes and devices, and the values
@@ -168,6 +198,9 @@ class Compiled:
                  memory_budget: float | None = None, module: torch.nn.Module | None = None,
                  operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
                  target: Target | None = None):
+        self._keep_arguments(fn, order, wrt, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
+                       chunk_size=chunk_size, memory_budget=memory_budget, module=module, operator=operator,
+                       roots=roots, nestable=nestable, target=target)
         backend = default_backend() if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget)
         if module is None and isinstance(fn, torch.nn.Module):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hoad.api import Compiled
+from hoad.api import Compiled, Rebuilt
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -71,7 +71,7 @@ def _check_wrt(wrt) -> None:
                                    f"(int >= 0) or an argument name, got {wrt!r}")
 
 
-class _Operator:
+class _Operator(Rebuilt):
     """Shared machinery: a compiled program of ``u`` over the first-order directions."""
 
     def __init__(self, u: Callable, order: int, wrt, *, batch_dim, directions, weights, collapse: int | None,
@@ -153,6 +153,8 @@ class Laplacian(_Operator):
 
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
                  mode="auto", nestable: bool = False):
+        self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                       backend=backend, mode=mode, nestable=nestable)
         given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
         if len(given) > 1:
             raise InvalidArgumentError(f"give one of weights=, factor= and directions=, got {given}")
@@ -266,7 +268,7 @@ def _directions(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-class Biharmonic:
+class Biharmonic(Rebuilt):
     """``hoad.biharmonic(u, ...)``: Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j², the Laplacian of the Laplacian.
 
     The inner Laplacian is built as an eager program; the outer Laplacian differentiates that
@@ -279,6 +281,8 @@ class Biharmonic:
 
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
                  mode="auto"):
+        self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                       backend=backend, mode=mode)
         self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                                backend="eager", mode=mode, nestable=True)
         inner = self.inner
@@ -313,6 +317,7 @@ class Taylor(_Operator):
     v (last axis S), k = 0..K."""
 
     def __init__(self, u, order: int, wrt=0, *, directions, batch_dim=None, backend=None, mode="auto"):
+        self._keep_arguments(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode)
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
         super().__init__(u, order, wrt, batch_dim=batch_dim, directions=_directions(directions), weights=None,

@@ -277,6 +277,60 @@ def test_a_method_whose_first_parameter_is_not_named_self():
         net.wrong(x)
 
 
+class HoldsOperators(nn.Module):
+    """The README's pattern: operators of ``self.u`` built in __init__."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(DT)
+        self.lap = hoad.laplacian(self.u, batch_dim=0, backend="eager")
+        self.bih = hoad.biharmonic(self.u, batch_dim=0, backend="eager")
+        self.hess = hoad.compile(self.u, order=2, batch_dim=0, backend="eager")
+
+    def u(self, x):
+        return self.net(x).squeeze(-1)
+
+
+@pytest.mark.parametrize("when", ["before the first call", "after calls and an update"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_module_differentiates_the_copy(how, when):
+    """A deep copy before the first call differentiated the original module (its program closed
+    over the original's u); after a biharmonic call deepcopy and torch.save failed (a local
+    function, a getset_descriptor)."""
+    import copy
+    import io
+
+    m, X = HoldsOperators(), rand(4, 3, seed=7)
+    if when != "before the first call":
+        m.lap(X), m.bih(X), m.hess(X)
+        with torch.no_grad():
+            m.net[0].weight.add_(0.1)
+        m.bih(X)
+    if how == "deepcopy":
+        twin = copy.deepcopy(m)
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+
+    def lap_of(module):
+        def one(x):
+            return module.u(x[None])[0]
+
+        return torch.func.vmap(lambda x: torch.func.hessian(one)(x).diagonal().sum())(X)
+
+    for module in (twin, m):
+        want = lap_of(module)
+        assert_close(module.lap(X).laplacian, want, f"{how} {when}: laplacian")
+        assert_close(module.bih(X).laplacian, want, f"{how} {when}: biharmonic's Δu")
+        assert_close(module.hess(X)[0, 0].diagonal(dim1=1, dim2=2).sum(-1), want, f"{how} {when}: Hessian")
+
+
 class SmallCNN(nn.Module):
     """Conv2d + MaxPool2d + AvgPool2d + Linear: the layer ops of issue 17 in one model."""
 
