@@ -26,6 +26,7 @@ import functools
 import inspect
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -214,6 +215,8 @@ _STEP: dict[str, Callable] = {
     "attr": getattr,
     "item": lambda c, k: c[k],
     "type": lambda o, _: type(o),
+    "modules": lambda m, _: tuple(m._modules),
+    "len": lambda c, _: len(c),
 }
 _NAMED = {"cell", "global", "param", "buffer", "module", "attr", "item", "kwdefault", "partial_kw"}
 
@@ -302,7 +305,15 @@ def _step_name(parent: Source, step: Step) -> str:
 
 
 def _same(a, b) -> bool:
-    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN is NaN
+    """Scalars (and tuples of them) by value, NaN equal to NaN; code (:func:`_is_code`) by
+    identity, a bound method by its function and instance."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, types.MethodType):
+        return a.__func__ is b.__func__ and a.__self__ is b.__self__
+    if _is_code(a):
+        return a is b
+    return a == b or (a != a and b != b)  # NaN is NaN
 
 
 def find_guards(roots: dict) -> list[Guard]:
@@ -328,8 +339,17 @@ def find_guards(roots: dict) -> list[Guard]:
                     continue  # never loaded by the code: a trainer's optimizer, logger, counters
                 if _is_scalar(child):
                     values.append((step, child))
-                else:
-                    following.append((root, child, steps + (step,)))
+                    continue
+                if _is_code(child):  # a submodule, a function: swapped for another, the code differs
+                    values.append((step, child))
+                following.append((root, child, steps + (step,)))
+            if isinstance(obj, torch.nn.Module):  # layers appended or removed; forward patched
+                values += [(("modules", None), tuple(obj._modules)), (("attr", "forward"), obj.forward)]
+            elif isinstance(obj, (list, tuple, dict)) and any(
+                    isinstance(c, torch.Tensor) or _is_code(c) for _, c in _children(obj)):
+                # layers or weights appended: the code loops over more (a list of numbers the
+                # function appends to, a log, is not watched)
+                values.append((("len", None), len(obj)))
             forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
             if isinstance(forward, types.FunctionType) and not (forward.__module__ or "").startswith("torch."):
                 # the globals a user module's forward reads (ALPHA in torch.sin(ALPHA * x))
@@ -360,6 +380,19 @@ def find_guards(roots: dict) -> list[Guard]:
         if kept:
             guards.append(Guard(source, tuple(kept)))
     return guards
+
+
+def _is_code(v) -> bool:
+    """A value whose identity decides what the traced code does: a module, a function, any
+    callable object (not a tensor or a class): compared by identity (bound methods by function
+    and instance)."""
+    if isinstance(v, (torch.Tensor, type, weakref.ref)) or not callable(v):  # (a weakref: a cache)
+        return False
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
 
 
 def _is_scalar(v) -> bool:

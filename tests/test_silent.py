@@ -673,6 +673,83 @@ def test_nextafter_at_equal_arguments_follows_torch(mode):
     check(lambda a, b: (torch.nextafter(a, b) * a).sum(), (a, b), wrt=(0, 1), order=2, mode=mode)
 
 
+def helper(x):  # rebound by the test below, as a notebook cell run again would
+    return torch.tanh(x)
+
+
+@pytest.mark.parametrize("swap", ["submodule", "function attribute", "global function", "closed-over function",
+                                  "layer appended", "forward patched", "class forward patched",
+                                  "tensor appended"])
+def test_code_swapped_after_tracing_is_traced_again(swap):
+    """A program keeps the code it traced: a submodule, function or layer list swapped after the
+    first call was silently ignored (the old program's values), under both backends."""
+    global helper
+    torch.manual_seed(75)
+
+    class Act(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(3, 3).double(), torch.tanh
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(3, 3).double()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.sum()
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    stack = Stack()
+    act, model = torch.tanh, Act()
+    Ws = [rand(3, 3, seed=76)]
+
+    def by_closure(x):
+        return act(x).sum()
+
+    def through_list(x):
+        for W in Ws:
+            x = torch.tanh(x @ W)
+        return x.sum()
+
+    fn = {"submodule": lambda x: net(x).sum(), "function attribute": model, "global function":
+          lambda x: helper(x).sum(), "closed-over function": by_closure, "layer appended":
+          lambda x: stack(x), "forward patched": lambda x: model(x).sum(),
+          "class forward patched": lambda x: model(x).sum(), "tensor appended": through_list}[swap]
+    cf = hoad.compile(fn, order=2, backend="eager")
+    x = rand(3, seed=77)
+    cf(x)
+    original_forward = Act.forward
+    try:
+        if swap == "submodule":
+            net[1] = nn.Sigmoid()
+        elif swap == "function attribute":
+            model.act = torch.sin
+        elif swap == "global function":
+            helper = torch.sin
+        elif swap == "closed-over function":
+            act = torch.sin
+        elif swap == "layer appended":
+            stack.layers.append(nn.Linear(3, 3).double())
+        elif swap == "forward patched":
+            model.forward = lambda x: torch.sin(model.lin(x))
+        elif swap == "class forward patched":
+            Act.forward = lambda self, x: torch.cos(self.lin(x))
+        else:
+            Ws.append(rand(3, 3, seed=78))
+        res = cf(x)
+        f = fn if swap != "function attribute" else (lambda x: model(x))
+        assert_close(res[0, 0], jacfwd(jacrev(f))(x), f"after the {swap}")
+    finally:
+        Act.forward = original_forward
+        helper = torch.tanh
+
+
 def test_a_counter_the_function_never_reads_traces_nothing_again():
     """A PINN class whose method is compiled keeps an iteration counter and a loss log; global
     `t` of a time loop shares its name with the method t()."""
