@@ -82,6 +82,18 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
+def _tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a parameter or buffer held under several names -> the name
+    ``named_parameters`` and ``named_buffers`` list it by (the first)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) in first and first[id(t)] != name:
+            tied[name] = first[id(t)]
+        first.setdefault(id(t), name)
+    return tied
+
+
 def _in_class_body(fn) -> bool:
     """Whether ``fn`` was defined in a class body (a method, whatever its first parameter is
     called): its qualified name is ``Class.name``, not ``name`` or ``outer.<locals>.name``."""
@@ -533,6 +545,11 @@ class Compiled(Rebuilt):
                     f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
                     f"positional arguments {tuple(self._positional)}")
             if isinstance(w, str) and w not in params and w not in state and not var_keyword:
+                tied = _tied_names(self.module).get(w) if self.module is not None else None
+                if tied is not None:
+                    raise InvalidArgumentError(
+                        f"wrt names {w!r}, which is the same parameter as {tied!r} (tied weights): the module lists "
+                        f"it once, as {tied!r}; name that, and its derivatives cover every use")
                 bound = list(params)[:1] if self.module is not None else []  # (the module itself)
                 known = tuple(n for n in params if n not in bound) + tuple(state)
                 raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function"

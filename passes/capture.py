@@ -11,6 +11,7 @@ callable caches on (:mod:`hoad.binding`). In-place ops left by decompositions ar
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,9 +98,11 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     for node in gm.graph.nodes:
         shape = getattr(node.meta.get("val"), "shape", ())
         if any(isinstance(n, torch.SymInt) for n in shape):
-            where = locate(fn, layout, tensors, node)
+            op = node.args[0] if node.target is operator.getitem else node  # (unique's values, counts)
+            where = locate(fn, layout, tensors, op)
             raise DataDependentControlFlowError(
-                f"a shape depends on tensor values ({node.target}){where}, e.g. boolean-mask indexing or nonzero(); "
+                f"a shape depends on tensor values ({op.target}){where}, e.g. boolean-mask indexing, nonzero() or "
+                "unique(); "
                 "one derivative program must serve every input value. Use torch.where(mask, x, 0) instead of x[mask]."
             )
         if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
@@ -372,10 +375,28 @@ def _read_value(t: torch.Tensor):
     return NotImplemented
 
 
+def _op_name(op) -> str:
+    """``torch.linalg.lstsq (aten.linalg_lstsq)`` for an ATen overload, else its str."""
+    name = getattr(op, "__name__", None) if not hasattr(op, "_schema") else op._schema.name.removeprefix("aten::")
+    return f"aten.{name}" if hasattr(op, "_schema") else str(name or op)
+
+
 def _raise_capture_error(e: Exception) -> None:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+    if isinstance(e, DynamicOutputShapeException) and e.args:
+        raise DataDependentControlFlowError(
+            f"{_op_name(e.args[0])} returns tensors whose shapes depend on its input's values"
+            f"{_at(user_frame(e.__traceback__))}; one derivative program must serve every input value. Compute it "
+            "with ops of fixed output shapes (for least squares: torch.linalg.solve of the normal equations, or "
+            "torch.linalg.pinv)") from e
+    if "custom_function_call" in str(e) or "autograd.Function with functorch" in str(e):
+        raise CaptureError(
+            f"the function calls a custom torch.autograd.Function{_at(user_frame(e.__traceback__))}: hoad "
+            "differentiates ATen ops by its own rules to every order and cannot use a hand-written backward. Write "
+            "its forward in torch ops, or make it a torch.library custom op and give hoad its derivatives "
+            "(hoad.register_elementwise / register_linear / register_rule: README, Adding rules)") from e
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     if isinstance(e, data_dependent) or "data-dependent" in str(e):
         line = user_frame(e.__traceback__)

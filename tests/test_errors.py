@@ -252,6 +252,49 @@ def test_values_read_out_of_torch_are_refused(way):
     assert THIS_FILE in msg, msg
 
 
+def test_a_custom_autograd_function_names_hoads_way():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * ctx.saved_tensors[0] * g
+
+    def f(x):
+        return Square.apply(x).sum()
+
+    msg = raises(hoad.CaptureError, lambda: hoad.compile(f, order=1)(X), "autograd.Function", "register_elementwise")
+    assert THIS_FILE in msg, msg
+
+
+@pytest.mark.parametrize("op", ["lstsq", "unique"])
+def test_ops_of_value_dependent_shapes_are_named(op):
+    """lstsq was reported as Python control flow, unique as <built-in function getitem>."""
+    A = torch.randn(4, 2, dtype=torch.float64)
+
+    def f(x):
+        if op == "lstsq":
+            return torch.linalg.lstsq(A, x[:4, None]).solution.sum()
+        return torch.unique(x).sum()
+
+    msg = raises(hoad.DataDependentControlFlowError, lambda: hoad.compile(f, order=1)(X.flatten()),
+                 "linalg_lstsq" if op == "lstsq" else "unique")
+    assert THIS_FILE in msg, msg
+
+
+def test_wrt_naming_a_tied_parameter_names_the_listed_one():
+    a, b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+    b.weight = a.weight
+    model = torch.nn.Sequential(a, b)
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(model, order=1, wrt="1.weight"), "same parameter as '0.weight'")
+
+
 def test_boolean_mask_indexing_is_data_dependent():
     def f(x):
         return x[x > 0].sin().sum()
