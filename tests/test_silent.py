@@ -667,6 +667,26 @@ def test_embedding_with_max_norm_differentiates_the_table_as_torch_does(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_logcumsumexp_over_a_masked_prefix_is_finite(mode):
+    """Where every entry up to i is -inf, exp(x_j - y_i) was exp(-inf + inf) = NaN and spread to
+    the row (torch.func gives NaN at the masked inputs too). The reference is the same scan with
+    the masked entries' terms held at 0: their derivatives are 0."""
+    inf = math.inf
+    x = torch.tensor([[-inf, -inf, 1.0, 2.0], [0.5, -inf, 1.0, 2.0]], dtype=torch.float64)
+    w = torch.arange(1.0, 9.0, dtype=torch.float64).reshape(2, 4)[:, 2:]
+
+    def f(x):
+        return (torch.logcumsumexp(x, 1)[:, 2:] * w).sum()
+
+    def plain(x):
+        kept = torch.isfinite(x)
+        terms = torch.where(kept, torch.where(kept, x, 0.0).exp(), 0.0)
+        return (torch.log(torch.cumsum(terms, 1))[:, 2:] * w).sum()
+
+    check(f, (x,), order=3, mode=mode, reference_fn=plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nextafter_at_equal_arguments_follows_torch(mode):
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     b = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)

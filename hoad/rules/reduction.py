@@ -153,10 +153,11 @@ def _lower_triangle(n: int, d: int, r: int, device) -> torch.Tensor:
 
 
 def _prefix_weights(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
-    """exp(x_j - y_i) for j <= i, else 0, over axes (i, j) = (d, d+1): each in [0, 1]."""
+    """exp(x_j - y_i) for j <= i, else 0, over axes (i, j) = (d, d+1): each in [0, 1]. 0 where
+    y_i = -inf (every x_j up to i is -inf, a masked prefix: -inf - -inf was NaN; torch's 0)."""
     n, r = x.shape[d], x.ndim
     u = x.unsqueeze(d) - y.unsqueeze(d + 1)
-    below = _lower_triangle(n, d, r, x.device)
+    below = _lower_triangle(n, d, r, x.device) & (y.unsqueeze(d + 1) > -math.inf)
     return torch.where(below, u, torch.full((), -math.inf, dtype=u.dtype, device=u.device)).exp()
 
 
@@ -174,6 +175,7 @@ def logcumsumexp_rule(ctx: Ctx, x: Jet, dim: int):
     e = _prefix_weights(x.primal, ctx.out, d)
     terms = Jet(e, chain(inner, spread, [e] * ctx.max_order))
     s = e.sum(d + 1)
+    s = torch.where(s == 0, torch.ones_like(s), s)  # (a masked prefix: no terms, log's 1/s kept finite)
     total = Jet(s, linear(inner, terms, lambda b: sum_out(b, r + 1, [d + 1])))
     return chain(ctx, total, log_derivatives(ctx.max_order, s, None))
 
