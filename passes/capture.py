@@ -11,6 +11,8 @@ callable caches on (:mod:`hoad.binding`). In-place ops left by decompositions ar
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +71,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     strided_before = STRIDED_READS[0]
     VALUE_READS.clear()
     try:
-        with FunctionOverrides():
+        with FunctionOverrides(), _quiet_fake_tensors():
             gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))
@@ -373,6 +375,20 @@ def _read_value(t: torch.Tensor):
         with _disable_current_modes():  # read outside the trace (not through this decomposition again)
             VALUE_READS.append((t, t.item()))
     return NotImplemented
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """The fake-tensor trace logs a traceback (at ERROR) for an op its meta function refuses
+    (mm of mismatched shapes) before raising; capture raises it as a CaptureError naming the
+    user's line, so the log is only noise on stderr."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _op_name(op) -> str:
