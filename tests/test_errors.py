@@ -297,7 +297,7 @@ def test_wrt_naming_a_tied_parameter_names_the_listed_one():
 
 def test_a_shape_mismatch_is_one_error_without_torchs_log(capfd):
     """The fake-tensor trace logged a traceback to stderr before the error was raised."""
-    W = torch.randn(3, 5, dtype=torch.float64)
+    W = torch.randn(4, 5, dtype=torch.float64)  # X is (2, 3)
     raises(hoad.CaptureError, lambda: hoad.compile(lambda x: (x @ W).sum(), order=1)(X), "reduction dim")
     assert "Traceback" not in capfd.readouterr().err
 
