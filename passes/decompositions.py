@@ -140,6 +140,21 @@ def _huber_loss(x, target, reduction=1, delta=1.0):
     return _reduce_loss(torch.where(z < delta, 0.5 * d * d, delta * (z - 0.5 * delta)), reduction)
 
 
+def _clamped_log(p):
+    """max(log p, -100), torch's clamp in binary cross-entropy, with log read at 1 where p = 0: the
+    clamped value has derivative 0 there (log's inf times it was NaN, in both modes)."""
+    positive = p > 0
+    return torch.where(positive, torch.log(torch.where(positive, p, 1.0)).clamp_min(-100.0), -100.0)
+
+
+def _binary_cross_entropy(p, target, weight=None, reduction=1):
+    """-(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch does. At p = 0 or 1 the
+    clamped log contributes no derivative and the other term its own (torch's backward divides by
+    max(p(1 - p), 1e-12) instead)."""
+    loss = -(target * _clamped_log(p) + (1 - target) * _clamped_log(1 - p))
+    return _reduce_loss(loss if weight is None else loss * weight, reduction)
+
+
 def _x_log(log):
     def x_log(a, b):
         """x·log(y) (or log1p(y)), 0 where x = 0. Core wrote where(x = 0, 0, x·log y), whose
@@ -665,6 +680,7 @@ def _table() -> dict:
     table[aten.celu.default] = lambda x, alpha=1.0: _elu(x, alpha, 1.0, 1.0 / alpha)
     table[aten.smooth_l1_loss.default] = _smooth_l1_loss
     table[aten.huber_loss.default] = _huber_loss
+    table[aten.binary_cross_entropy.default] = _binary_cross_entropy
     table[aten.xlogy.Tensor] = _x_log(torch.log)
     table[aten.special_xlog1py.default] = _x_log(torch.log1p)
     table[aten.vdot.default] = _dot

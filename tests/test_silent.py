@@ -687,6 +687,25 @@ def test_logcumsumexp_over_a_masked_prefix_is_finite(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_binary_cross_entropy_at_certain_predictions_is_finite(mode):
+    """At p = 0 (target 0) and p = 1 (target 1) the clamped log's derivative was inf · 0 = NaN.
+    There the loss is the other term alone: -log(1 - p) has slope 1 at p = 0. Elsewhere it is the
+    plain formula (torch's own backward divides by max(p(1 - p), 1e-12): 0 at the ends)."""
+    t = torch.tensor([0.0, 1.0, 1.0, 0.2], dtype=torch.float64)
+
+    def f(p):
+        return F.binary_cross_entropy(p, t, reduction="sum")
+
+    def plain(p):
+        return -(t * torch.log(p) + (1 - t) * torch.log1p(-p)).sum()
+
+    check(f, (torch.tensor([0.1, 0.7, 0.5, 0.3], dtype=torch.float64),), order=3, mode=mode, reference_fn=plain)
+    res = hoad.compile(f, order=2, mode=mode, backend="eager")(torch.tensor([0.0, 1.0, 0.5, 0.3], dtype=torch.float64))
+    assert_close(res[0][:2], torch.tensor([1.0, -1.0], dtype=torch.float64), "slopes at p = 0 and 1")
+    assert_close(res[0, 0].diagonal()[:2], torch.tensor([1.0, 1.0], dtype=torch.float64), "curvatures there")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nextafter_at_equal_arguments_follows_torch(mode):
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     b = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)
