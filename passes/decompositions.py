@@ -273,6 +273,58 @@ def _norm(d, p: float, dim: int | list[int], keepdim: bool = False):
     return n if keepdim else n.squeeze(dim)
 
 
+# a 2-norm squared (an RBF kernel's cdist(x, y) ** 2, ‖x‖² written as torch.norm(x) ** 2) is the
+# sum of squares, smooth where the norm is not: its Hessian at a zero difference is 2I, while the
+# chain rule through the norm's subgradient 0 gave 0. After capture, the square of what _norm
+# returns (through squeezes and views) is rewritten to the sum of squares it took the root of.
+_LAYOUT_OPS = (torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.default,
+               torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default)
+
+
+def squares_of_norms(gm) -> None:
+    """Rewrite, in place, ``norm ** 2`` (and ``norm * norm``) of :func:`_norm`'s p = 2 pattern
+    ``where(total = 0, 0, where(total = 0, 1, total) ** 0.5)`` to ``total``."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        total = _root_of_norm(node)
+        if total is None:
+            continue
+        chain, frontier = [], [(node, [])]
+        while frontier:
+            value, path = frontier.pop()
+            for user in list(value.users):
+                if user.target in _LAYOUT_OPS and user.args[0] is value:
+                    frontier.append((user, path + [user]))
+                elif (user.target is aten.pow.Tensor_Scalar and user.args[0] is value and user.args[1] == 2) or (
+                        user.target is aten.mul.Tensor and user.args[0] is value and user.args[1] is value):
+                    chain.append((user, path))
+        for square, path in chain:
+            with gm.graph.inserting_before(square):
+                out = total
+                for step in path:
+                    out = gm.graph.node_copy(step, lambda a, step=step, out=out: out if a is step.args[0] else a)
+            square.replace_all_uses_with(out)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _root_of_norm(node):
+    """``total`` where ``node`` is ``where(total == 0, 0, where(total == 0, 1, total) ** 0.5)``."""
+    aten = torch.ops.aten
+    if not (getattr(node, "target", None) is aten.where.self and len(node.args) == 3):
+        return None
+    empty, _zero, root = node.args
+    if not (getattr(root, "target", None) is aten.pow.Tensor_Scalar and root.args[1] == 0.5):
+        return None
+    inner = root.args[0]
+    if not (getattr(inner, "target", None) is aten.where.self and inner.args[0] is empty):
+        return None
+    total = inner.args[2]
+    if not (getattr(empty, "target", None) is aten.eq.Scalar and empty.args[0] is total and empty.args[1] == 0):
+        return None
+    return total
+
+
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     if x.is_complex():  # refused later by name; the core decomposition keeps the op's meaning
         return NotImplemented

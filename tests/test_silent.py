@@ -706,6 +706,26 @@ def test_binary_cross_entropy_at_certain_predictions_is_finite(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("form", ["rbf kernel", "norm squared", "norm times norm", "pdist squared"])
+def test_squared_distances_are_smooth_at_coincident_points(form, mode):
+    """A 2-norm squared is the sum of squares: Hessian 2I at a zero difference. Through the
+    norm's subgradient 0 it was 0 (an RBF kernel's curvature at x = x', on its diagonal)."""
+    y = torch.tensor([[1.0, 2.0], [3.0, -1.0]], dtype=torch.float64)
+    x = torch.tensor([[1.0, 2.0], [0.0, 0.0]], dtype=torch.float64)  # x[0] = y[0], and a zero row
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    fn, plain = {
+        "rbf kernel": (lambda x: torch.exp(-torch.cdist(x, y) ** 2).sum(),
+                       lambda x: torch.exp(-((x[:, None] - y[None]) ** 2).sum(-1)).sum()),
+        "norm squared": (lambda x: (torch.linalg.vector_norm(x, dim=1) ** 2 * w).sum(),
+                         lambda x: ((x * x).sum(1) * w).sum()),
+        "norm times norm": (lambda x: (lambda n: (n * n).sum())(x.norm(dim=1)), lambda x: (x * x).sum()),
+        "pdist squared": (lambda x: (F.pdist(torch.cat([x, y])) ** 2).sum(),
+                          lambda x: (lambda z: ((z[:, None] - z[None]) ** 2).sum(-1).triu(1).sum())(torch.cat([x, y]))),
+    }[form]
+    check(fn, (x,), order=3, mode=mode, reference_fn=plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nextafter_at_equal_arguments_follows_torch(mode):
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     b = torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64)
