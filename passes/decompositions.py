@@ -140,18 +140,21 @@ def _huber_loss(x, target, reduction=1, delta=1.0):
     return _reduce_loss(torch.where(z < delta, 0.5 * d * d, delta * (z - 0.5 * delta)), reduction)
 
 
-def _clamped_log(p):
-    """max(log p, -100), torch's clamp in binary cross-entropy, with log read at 1 where p = 0: the
-    clamped value has derivative 0 there (log's inf times it was NaN, in both modes)."""
-    positive = p > 0
-    return torch.where(positive, torch.log(torch.where(positive, p, 1.0)).clamp_min(-100.0), -100.0)
+def _clamped_log(p, complement: bool = False):
+    """max(log p, -100) (max(log1p(-p), -100) for the complement), torch's clamps in binary
+    cross-entropy, with the log read at a safe value where its argument is 0: the clamped value
+    has derivative 0 there (log's inf times it was NaN, in both modes)."""
+    taken = p < 1 if complement else p > 0
+    safe = torch.where(taken, p, 0.0 if complement else 1.0)
+    log = torch.log1p(-safe) if complement else torch.log(safe)
+    return torch.where(taken, log.clamp_min(-100.0), -100.0)
 
 
 def _binary_cross_entropy(p, target, weight=None, reduction=1):
     """-(t log p + (1 - t) log(1 - p)), each log clamped at -100 as torch does. At p = 0 or 1 the
     clamped log contributes no derivative and the other term its own (torch's backward divides by
     max(p(1 - p), 1e-12) instead)."""
-    loss = -(target * _clamped_log(p) + (1 - target) * _clamped_log(1 - p))
+    loss = -(target * _clamped_log(p) + (1 - target) * _clamped_log(p, complement=True))
     return _reduce_loss(loss if weight is None else loss * weight, reduction)
 
 
