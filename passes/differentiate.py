@@ -240,7 +240,7 @@ class _Interpreter:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
             p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)
-            out = node.target(*p_args, **p_kwargs)
+            out = _primal(node.target, p_args, p_kwargs)
         else:
             out = _primal_of(env[node])
         keys = self._keys(node, orders)
@@ -445,6 +445,18 @@ class _Interpreter:
                     "sample separately (e.g. eval-mode batchnorm, attention within a sample).")
         return BatchCouplingError("batch_dim=0 promises that samples are independent, but the output's derivative "
                                   "blocks mix samples; drop batch_dim to get the full blocks.")
+
+
+def _primal(target, args, kwargs):
+    """``target(*args, **kwargs)``; a view of a value that hoad's rules laid out otherwise than
+    the trace did (a nested operator's program traced again: its value is permuted) as the reshape
+    it stands for, which copies where the view cannot alias."""
+    if target is torch.ops.aten.view.default:
+        try:
+            return target(*args, **kwargs)
+        except (RuntimeError, ValueError):
+            return torch.ops.aten.reshape.default(*args, **kwargs)
+    return target(*args, **kwargs)
 
 
 def _truncated(env: dict, k: int) -> dict:

@@ -384,6 +384,36 @@ def test_a_module_loss_and_its_gradient_compile_to_one_program(backend):
     assert torch.ops.aten.bmm.default not in _programs_calls(step)
 
 
+@pytest.mark.parametrize("act", [nn.SiLU, nn.GELU])
+def test_a_biharmonic_loss_of_a_deep_smooth_net_compiles_to_one_program(act):
+    """Through two hidden SiLU or GELU layers, the nested biharmonic's program, traced again,
+    left a view of a value hoad's rules had permuted: an internal error. Checked against
+    loss.backward() through the operator (its own eager programs under autograd)."""
+
+    class Plate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(9)
+            self.net = nn.Sequential(nn.Linear(2, 8), act(), nn.Linear(8, 8), act(), nn.Linear(8, 1)).double()
+            self.op = hoad.biharmonic(self.u, batch_dim=0, backend="eager")
+
+        def u(self, X):
+            return self.net(X).squeeze(-1)
+
+        def loss(self, X):
+            return (self.op(X).biharmonic ** 2).mean()
+
+    m, X = Plate(), rand(7, 2, seed=10)
+    with torch.no_grad():
+        res = hoad.compile(m.loss, order=1, wrt=hoad.parameters, backend="eager")(X)
+    params = dict(m.named_parameters())
+    loss = m.loss(X)
+    expected = torch.autograd.grad(loss, list(params.values()), allow_unused=True)  # (the last bias: Δ² drops it)
+    assert_close(res.value, loss.detach(), "loss")
+    for (name, p), ref in zip(params.items(), expected):
+        assert_close(res[name], torch.zeros_like(p) if ref is None else ref, f"gradient of {name}")
+
+
 def test_a_laplacian_built_inside_a_compiled_loss_reads_the_traced_parameters():
     """The operator built inside the traced function, closing over that trace's tensors."""
 
