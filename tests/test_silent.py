@@ -627,12 +627,18 @@ def test_powers_at_a_zero_base_follow_torch(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_atan2_at_the_origin_and_xlogy_at_zero_follow_torch(mode):
-    """atan2's derivatives at (0, 0) are 0 in torch (0/0 before); ∂ xlogy(x, y)/∂x at x = 0 is
-    log y (it was 0), and 0 at x = y = 0 in reverse mode too (0 · log 0 = NaN before)."""
+def test_atan2_at_the_origin_is_nan_and_xlogy_at_zero_follows_torch(mode):
+    """The angle is discontinuous at the origin: its derivatives there are NaN at every order
+    (torch's 0 at order 1 let r² cos 2θ = x² - y² come out with Hessian diag(2, 2), not
+    diag(2, -2)); elsewhere torch's. ∂ xlogy(x, y)/∂x at x = 0 is log y (it was 0), and 0 at
+    x = y = 0 in reverse mode too (0 · log 0 = NaN before)."""
     a = torch.tensor([0.0, 1.0, -2.0, 0.0], dtype=torch.float64)
     b = torch.tensor([0.0, 0.5, 1.0, 2.0], dtype=torch.float64)
-    check(lambda a, b: torch.atan2(a, b).sum(), (a, b), wrt=(0, 1), order=3, mode=mode)
+    res = hoad.compile(lambda a, b: torch.atan2(a, b).sum(), order=2, wrt=(0, 1), mode=mode, backend="eager")(a, b)
+    ref = jacrev(lambda a: torch.atan2(a, b).sum())(a)
+    assert bool(res[0][0].isnan()) and bool(res[0, 0][0, 0].isnan()) and bool(res[0, 1][0, 0].isnan())
+    assert_close(res[0][1:], ref[1:], "away from the origin")
+    check(lambda a, b: torch.atan2(a, b).sum(), (a[1:], b[1:]), wrt=(0, 1), order=3, mode=mode)
     check(lambda x: torch.xlogy(x, b).sum() + torch.special.xlog1py(x, b - 1).sum(), (a.clone(),), order=2,
           mode=mode)
 

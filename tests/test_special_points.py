@@ -40,6 +40,8 @@ KNOWN = {
     "special.i1": "I1'''(0) = 3/8 from I1(x) = x/2 + x³/16 + …; torch.func gives 0",
     "special.i1e": "e^-|x| I1(x) is not three times differentiable at 0; torch.func gives 0, hoad I1's 3/8",
     "xlogy[1]": "∂ xlogy(0, y)/∂y at y = 0: torch 0/0 = NaN, hoad 0 (xlogy(0, ·) is 0 everywhere)",
+    "atan2[0]": "at the origin the angle is discontinuous: hoad NaN at every order, torch 0 at order 1",
+    "atan2[1]": "at the origin the angle is discontinuous: hoad NaN at every order, torch 0 at order 1",
     "logit": "outside [0, 1] the value is NaN; torch's derivative is NaN there too, hoad's is 1/(x(1-x))",
 }
 

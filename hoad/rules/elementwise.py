@@ -664,12 +664,14 @@ def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
 def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
     """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
     (each differs from it by a constant where defined): one branch per entry, each ratio
-    formed only where it is taken. At the origin every derivative is 0, as torch takes it. The
-    blocks are returned uncontracted, also as remainders."""
+    formed only where it is taken. At the origin, where the angle is discontinuous, every
+    derivative is NaN: torch's 0 at order 1 made a smooth composite silently wrong (r² cos 2θ =
+    x² - y² had Hessian diag(2, 2) there, not diag(2, -2)). The blocks are returned uncontracted,
+    also as remainders."""
     shape = tuple(ctx.out.shape)
     a, b = broadcast(a, shape), broadcast(b, shape)
-    first = (a.primal.abs() <= b.primal.abs()) & (b.primal != 0)
-    second = a.primal.abs() > b.primal.abs()
+    first = a.primal.abs() <= b.primal.abs()
+    second = ~first
     plain = replace(ctx, adjoint=None)
     branches = []
     for (num, den, taken), sign in (((a, b, first), 1), ((b, a, second), -1)):
@@ -718,8 +720,7 @@ def hypot_vjp(v, g: Block, a, b):
 @VJPS.register(aten.atan2.default)
 def atan2_vjp(v, g: Block, a, b):
     va, vb = _value(a), _value(b)
-    r2 = va * va + vb * vb
-    r2 = torch.where(r2 == 0, torch.ones_like(r2), r2)  # (0 at the origin, as torch)
+    r2 = va * va + vb * vb  # (0 / 0 = NaN at the origin, as in the forward rule)
     return _spread(v, g, [(a, vb / r2), (b, -va / r2)])
 
 
