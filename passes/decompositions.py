@@ -134,10 +134,12 @@ def _smooth_l1_loss(x, target, reduction=1, beta=1.0):
 
 
 def _huber_loss(x, target, reduction=1, delta=1.0):
-    """d²/2 inside |d| < δ with d² = d·d (core's |d|·|d| had Hessian 0 at d = 0, not 1)."""
+    """d²/2 inside |d| <= δ with d² = d·d (core's |d|·|d| had Hessian 0 at d = 0, not 1). At
+    |d| = δ itself the quadratic piece, whose curvature 1 torch's backward gives there (smooth L1
+    takes the linear one: its backward tests |d| < β)."""
     d = x - target
     z = d.abs()
-    return _reduce_loss(torch.where(z < delta, 0.5 * d * d, delta * (z - 0.5 * delta)), reduction)
+    return _reduce_loss(torch.where(z <= delta, 0.5 * d * d, delta * (z - 0.5 * delta)), reduction)
 
 
 def _clamped_log(p, complement: bool = False):

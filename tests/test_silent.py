@@ -600,6 +600,18 @@ def test_robust_losses_are_quadratic_at_zero_residual(loss, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_robust_losses_at_their_seam_follow_torch(mode):
+    """|d| = δ exactly (a zero-initialised output and targets ±δ): Huber's curvature there is
+    torch's 1 (it was 0, a singular Newton step), smooth L1's torch's 0."""
+    target = torch.tensor([1.0, -1.0, 0.25], dtype=torch.float64)
+    x = torch.zeros(3, dtype=torch.float64)
+    for fn in (lambda x: F.huber_loss(x, target, delta=1.0, reduction="sum"),
+               lambda x: F.smooth_l1_loss(x, target, beta=1.0, reduction="sum")):
+        res = hoad.compile(fn, order=2, mode=mode, backend="eager")(x)
+        assert_close(res[0, 0], jacrev(jacrev(fn))(x), "Hessian at the seam")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["elu", "celu", "selu"])
 def test_elu_family_at_zero_follows_torch(name, mode):
     """At x = 0 torch differentiates the negative branch once (slope s·α) and the positive one
