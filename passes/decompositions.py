@@ -94,7 +94,22 @@ def _one_hot(index, num_classes=-1):
     return out.scatter(-1, index.unsqueeze(-1), 1)
 
 
-_FUNCTIONS = {torch.nn.functional.one_hot: _one_hot}
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """torch's Gaussian negative log-likelihood without its Python check that var >= 0 (an `if` on
+    tensor values, refused as control flow). var is clamped at eps as torch does, in place under
+    no_grad: the clamp has the derivative 1 (a value with the clamp's result and var's derivatives)."""
+    if isinstance(var, float):
+        var = var * torch.ones_like(input)
+    elif var.shape != input.shape and input.shape[:-1] == var.shape:
+        var = var.unsqueeze(-1)
+    var = var + (var.clamp(min=eps) - var).detach()
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
+_FUNCTIONS = {torch.nn.functional.one_hot: _one_hot, torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss}
 
 
 # Smooth functions that core ATen writes with kinks cancelling in value only (abs, min, |d|²):

@@ -743,6 +743,15 @@ def test_squared_distances_are_smooth_at_coincident_points(form, mode):
     check(fn, (x,), order=3, mode=mode, reference_fn=plain)
 
 
+@pytest.mark.parametrize("var_shape", ["per entry", "one per row"])
+def test_gaussian_nll_loss_is_traced(var_shape):
+    """torch checks var >= 0 with a Python `if` on its values: refused as control flow before;
+    now the same loss, var clamped at eps with derivative 1 as torch's in-place clamp has it."""
+    x, t = rand(4, 3, seed=79), rand(4, 3, seed=80)
+    var = rand(4, 3, seed=81, positive=True) if var_shape == "per entry" else rand(4, seed=81, positive=True)
+    check(lambda x, v: F.gaussian_nll_loss(x, t, v, full=True), (x, var), wrt=(0, 1), order=3)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nextafter_at_equal_arguments_follows_torch(mode):
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
