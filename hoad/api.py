@@ -210,9 +210,9 @@ class Compiled(Rebuilt):
                  memory_budget: float | None = None, module: torch.nn.Module | None = None,
                  operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
                  target: Target | None = None):
-        self._keep_arguments(fn, order, wrt, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
-                       chunk_size=chunk_size, memory_budget=memory_budget, module=module, operator=operator,
-                       roots=roots, nestable=nestable, target=target)
+        self._keep_arguments(fn, order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
+                             diagonal=diagonal, chunk_size=chunk_size, memory_budget=memory_budget,
+                             module=module, operator=operator, roots=roots, nestable=nestable, target=target)
         backend = default_backend() if backend is None else backend
         _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget)
         if module is None and isinstance(fn, torch.nn.Module):

@@ -334,7 +334,8 @@ def find_guards(roots: dict) -> list[Guard]:
                 continue
             seen.add(id(obj))
             values = []
-            for step, child in _children(obj):
+            children = list(_children(obj))
+            for step, child in children:
                 if step[0] == "attr" and step[1] not in attrs:
                     continue  # never loaded by the code: a trainer's optimizer, logger, counters
                 if _is_scalar(child):
@@ -346,7 +347,7 @@ def find_guards(roots: dict) -> list[Guard]:
             if isinstance(obj, torch.nn.Module):  # layers appended or removed; forward patched
                 values += [(("modules", None), tuple(obj._modules)), (("attr", "forward"), obj.forward)]
             elif isinstance(obj, (list, tuple, dict)) and any(
-                    isinstance(c, torch.Tensor) or _is_code(c) for _, c in _children(obj)):
+                    isinstance(c, torch.Tensor) or _is_code(c) for _, c in children):
                 # layers or weights appended: the code loops over more (a list of numbers the
                 # function appends to, a log, is not watched)
                 values.append((("len", None), len(obj)))

@@ -154,7 +154,7 @@ class Laplacian(_Operator):
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
                  mode="auto", nestable: bool = False):
         self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                       backend=backend, mode=mode, nestable=nestable)
+                             backend=backend, mode=mode, nestable=nestable)
         given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
         if len(given) > 1:
             raise InvalidArgumentError(f"give one of weights=, factor= and directions=, got {given}")
@@ -282,7 +282,7 @@ class Biharmonic(Rebuilt):
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
                  mode="auto"):
         self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                       backend=backend, mode=mode)
+                             backend=backend, mode=mode)
         self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                                backend="eager", mode=mode, nestable=True)
         inner = self.inner

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
-from hoad.passes.clean import written_inputs
+from hoad.passes.clean import traced_call, written_inputs
 from hoad.passes.decompositions import STRIDED_READS, FunctionOverrides, decomposition_table, squares_of_norms
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
@@ -273,20 +273,14 @@ def _renorm_in_place(gm: fx.GraphModule) -> None:
             continue
         table = source.args[0]
         with gm.graph.inserting_after(node):
-            zero = _call(gm, aten.sub.Tensor, (table, source))
+            zero = traced_call(gm.graph, aten.sub.Tensor, (table, source))
             with gm.graph.inserting_after(zero):
-                read = _call(gm, aten.add.Tensor, (node, zero))
+                read = traced_call(gm.graph, aten.add.Tensor, (node, zero))
         for user in list(node.users):
             if user is not zero and user is not read and not (user.target is aten.detach.default
                                                               and all(_writes_input(u) for u in user.users)):
                 user.replace_input_with(node, read)
     gm.recompile()
-
-
-def _call(gm: fx.GraphModule, target, args) -> fx.Node:
-    node = gm.graph.call_function(target, args)
-    node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
-    return node
 
 
 def _writes_input(node: fx.Node) -> bool:
@@ -393,9 +387,9 @@ def _quiet_fake_tensors():
 
 
 def _op_name(op) -> str:
-    """``torch.linalg.lstsq (aten.linalg_lstsq)`` for an ATen overload, else its str."""
-    name = getattr(op, "__name__", None) if not hasattr(op, "_schema") else op._schema.name.removeprefix("aten::")
-    return f"aten.{name}" if hasattr(op, "_schema") else str(name or op)
+    """``aten.linalg_lstsq`` for an ATen overload, else its str."""
+    schema = getattr(op, "_schema", None)
+    return f"aten.{schema.name.removeprefix('aten::')}" if schema is not None else str(op)
 
 
 def _raise_capture_error(e: Exception) -> None:

@@ -297,14 +297,13 @@ def _norm(d, p: float, dim: int | list[int], keepdim: bool = False):
 # sum of squares, smooth where the norm is not: its Hessian at a zero difference is 2I, while the
 # chain rule through the norm's subgradient 0 gave 0. After capture, the square of what _norm
 # returns (through squeezes and views) is rewritten to the sum of squares it took the root of.
-_LAYOUT_OPS = (torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.default,
-               torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default)
+_LAYOUT_OPS = (aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.view.default, aten.reshape.default,
+               aten.unsqueeze.default)
 
 
 def squares_of_norms(gm) -> None:
     """Rewrite, in place, ``norm ** 2`` (and ``norm * norm``) of :func:`_norm`'s p = 2 pattern
     ``where(total = 0, 0, where(total = 0, 1, total) ** 0.5)`` to ``total``."""
-    aten = torch.ops.aten
     for node in list(gm.graph.nodes):
         total = _root_of_norm(node)
         if total is None:
@@ -330,7 +329,6 @@ def squares_of_norms(gm) -> None:
 
 def _root_of_norm(node):
     """``total`` where ``node`` is ``where(total == 0, 0, where(total == 0, 1, total) ** 0.5)``."""
-    aten = torch.ops.aten
     if not (getattr(node, "target", None) is aten.where.self and len(node.args) == 3):
         return None
     empty, _zero, root = node.args

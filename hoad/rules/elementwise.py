@@ -671,10 +671,9 @@ def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
     shape = tuple(ctx.out.shape)
     a, b = broadcast(a, shape), broadcast(b, shape)
     first = a.primal.abs() <= b.primal.abs()
-    second = ~first
     plain = replace(ctx, adjoint=None)
     branches = []
-    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, second), -1)):
+    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
         q = _ratio(ctx, num, den, taken)
         coeffs = [c * sign for c in atan(ctx.max_order, q.primal, q.primal.atan())]
         branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
