@@ -29,10 +29,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, m
 
 from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
 from hoad.algebra.block import _canonical
+from hoad.algebra.maps import select_out
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
 from hoad.algebra.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
 from hoad.rules.base import Collapse, Contracted, NodeInfo, VjpCtx, adjoint_labels, out_labels
+from hoad.rules.flat import PRODUCTS, flat_of
 from hoad.passes.capture import Captured
 from hoad.passes.decompositions import decomposition_table
 
@@ -246,7 +248,7 @@ class _Interpreter:
         keys = self._keys(node, orders)
         varies = bool(self.deps[node])
         if not keys:
-            return _constant(out, varies)
+            return _flat(_constant(out, varies), node.target, args, kwargs)
         rule = self._rule(RULES, node)
         ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
                   self.batch_dim is not None)
@@ -256,7 +258,10 @@ class _Interpreter:
         if isinstance(out, (tuple, list)):
             return tuple(Jet(o, self._checked(b, o, ctx, node), varies=varies and o.dtype.is_floating_point)
                          if isinstance(o, torch.Tensor) else o for o, b in zip(out, blocks))
-        return Jet(out, self._checked(blocks, out, ctx, node), varies=varies)
+        flat = flat_of(node.target, args, kwargs) if varies else None
+        if flat is not None and node.target in PRODUCTS:  # a product meets the other side's inf there
+            blocks = {K: select_out(b, out.ndim, ~flat) for K, b in blocks.items()}
+        return Jet(out, self._checked(blocks, out, ctx, node), varies=varies, flat=flat)
 
     def _rule(self, table: dict, node: fx.Node):
         rule = table.get(node.target)
@@ -322,6 +327,10 @@ class _Interpreter:
                 src = owner.get(id(jet))
                 if src is None or not self.deps.get(src):
                     continue
+                if jet.flat is not None and env[node].flat is not None:
+                    # the cotangent of a flat entry meets nothing that varies: make it 0, not the
+                    # 0 · inf of a product with a value that is infinite there (see hoad.rules.flat)
+                    ga = select_out(ga, jet.ndim, ~jet.flat)
                 adj[src] = ga if src not in adj else add([adj[src], ga])
         return adj
 
@@ -459,11 +468,18 @@ def _primal(target, args, kwargs):
     return target(*args, **kwargs)
 
 
+def _flat(v, target, args, kwargs):
+    """``v`` with its flat mask (see :mod:`hoad.rules.flat`) when it is one varying tensor."""
+    if isinstance(v, Jet) and v.varies:
+        v.flat = flat_of(target, args, kwargs)
+    return v
+
+
 def _truncated(env: dict, k: int) -> dict:
     """The environment with every jet cut to orders below ``k`` (remainders of order k)."""
     def cut(v):
         if isinstance(v, Jet):
-            return Jet(v.primal, {K: b for K, b in v.blocks.items() if len(K) < k}, v.varies)
+            return Jet(v.primal, {K: b for K, b in v.blocks.items() if len(K) < k}, v.varies, v.flat)
         if isinstance(v, tuple):
             return tuple(cut(x) for x in v)
         return v

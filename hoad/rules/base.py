@@ -22,14 +22,17 @@ from hoad.algebra.multiindex import MultiIndex, closure
 class Jet:
     """A primal value with its derivative blocks (absent multi-index = structural zero)."""
 
-    __slots__ = ("primal", "blocks", "varies")
+    __slots__ = ("primal", "blocks", "varies", "flat")
 
-    def __init__(self, primal: Any, blocks: dict[MultiIndex, Block] | None = None, varies: bool | None = None):
+    def __init__(self, primal: Any, blocks: dict[MultiIndex, Block] | None = None, varies: bool | None = None,
+                 flat: torch.Tensor | None = None):
         self.primal = primal
         self.blocks = blocks if blocks is not None else {}
         # Whether the value depends on a wrt input: known statically, even when no blocks are
         # carried (the first-order reverse sweep propagates no forward blocks at all).
         self.varies = bool(self.blocks) if varies is None else varies
+        # Entries where a rule chose a constant, so every block is 0 there (hoad.rules.flat).
+        self.flat = flat
 
     def __getitem__(self, K: MultiIndex) -> Block | None:
         if not K:

@@ -32,6 +32,7 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
     """
     o = out_labels(u.ndim)
     lead, r = _lead(ctx, o)
+    coeffs = off_flat(u, coeffs)
     result = {}
     for K in ctx.keys:
         terms = []
@@ -55,6 +56,14 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
         if terms:
             result[K] = _finish(ctx, add(terms))
     return result
+
+
+def off_flat(u: Jet, coeffs: Sequence[Coefficient]) -> list:
+    """``coeffs`` set to 0 on u's flat entries, where every term's factor of u's blocks is 0: an
+    infinite φ^(m) there (sqrt after relu) must give 0, not inf · 0 = NaN (see hoad.rules.flat)."""
+    if u.flat is None:
+        return list(coeffs)
+    return [torch.where(u.flat, 0.0, c) if isinstance(c, torch.Tensor) else c for c in coeffs]
 
 
 def _lazy(ctx: Ctx, K) -> bool:

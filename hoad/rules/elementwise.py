@@ -15,7 +15,8 @@ import torch
 
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.algebra import Block
-from hoad.rules.combinators import broadcast, chain, leibniz, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.combinators import broadcast, chain, leibniz, off_flat, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.flat import FLAT, unary
 from hoad.rules.linear import _select, _select_vjp, _spread
 
 aten = torch.ops.aten
@@ -30,7 +31,7 @@ def elementwise_pair(derivs):
         return chain(ctx, x, derivs(ctx.max_order, x.primal, ctx.out, *args, **kwargs))
 
     def vjp(v, g: Block, x: Jet, *args, **kwargs):
-        first = derivs(1, x.primal, v.out, *args, **kwargs)[0]
+        (first,) = off_flat(x, derivs(1, x.primal, v.out, *args, **kwargs)[:1])
         return [] if first is None else [(x, scale_out(g, first, x.shape))]
 
     rule.__name__ = rule.__qualname__ = derivs.__name__ + "_rule"
@@ -46,6 +47,8 @@ def derivatives(*ops):
         rule, vjp = elementwise_pair(derivs)
         RULES.register(*ops)(rule)
         VJPS.register(*ops)(vjp)
+        for op in ops:
+            FLAT.setdefault(op, unary)  # relu and clamp choose constants: theirs stay
         return derivs
 
     return deco

@@ -1,0 +1,144 @@
+"""Flat entries: where a value's derivatives are zero because a rule chose a constant there.
+
+relu below 0, clamp outside its bounds, ``where`` picking a constant: hoad's rules give such
+entries no derivative at all orders, by selection. An op after them with an infinite derivative
+at the constant (``sqrt(relu(x))``, ``acos(clamp(c, -1, 1))``, ``relu(σ - r) ** 2.5``) would
+multiply that infinity by the zero blocks, and Faà di Bruno's ``inf · 0`` is NaN where the true
+derivative is 0 (the function is constant there). :func:`hoad.rules.combinators.chain` therefore
+zeroes its coefficients on a jet's ``flat`` mask: every one of its terms has a factor of the
+argument's blocks, which are exactly 0 there, so only an ``inf · 0`` changes.
+
+The mask is a value's flat entries as a bool tensor, or None where none are known. It spreads
+through ops whose result stays constant where their varying arguments are: elementwise ops of
+one argument, sums and products, and view ops. ``x ** 4`` at 0 is not flat (its higher blocks
+are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hoad.rules.base import Jet
+from hoad.rules.linear import _branches, _clamp_branches
+
+aten = torch.ops.aten
+
+FLAT: dict = {}  # op -> f(*args, **kwargs) giving the result's flat mask (or None)
+# products: their blocks multiply one side's blocks by the other's value, which may be infinite
+# on the flat entries, so the differentiate pass zeroes their blocks there
+PRODUCTS = {aten.mul.Tensor, aten.div.Tensor}
+SOURCES = {aten.relu.default, aten.clamp.default, aten.clamp.Tensor, aten.where.self, aten.maximum.default,
+           aten.minimum.default}  # ops that can choose a constant; the rest only pass masks on
+
+
+def flat_of(target, args, kwargs) -> torch.Tensor | None:
+    """The flat mask of ``target(*args, **kwargs)`` from its arguments (jets)."""
+    f = FLAT.get(target)
+    if f is None or (target not in SOURCES and not any(isinstance(a, Jet) and a.flat is not None for a in args)):
+        return None
+    return f(*args, **kwargs)
+
+
+def _mask(x):
+    """True for a constant (a number, a jet that does not vary), the jet's mask, else None."""
+    if not isinstance(x, Jet) or x.constant:
+        return True
+    return x.flat
+
+
+def _all(*xs):
+    """Flat where every argument is."""
+    out = True
+    for x in xs:
+        m = _mask(x)
+        if m is None:
+            return None
+        if m is not True:
+            out = m if out is True else out & m
+    return None if out is True else out
+
+
+def _selected(branches) -> torch.Tensor | None:
+    """Flat where the chosen branch is: the union of (taken and flat) over (mask, taken) pairs."""
+    out = None
+    for m, taken in branches:
+        if m is None:
+            continue
+        part = taken if m is True else taken & m
+        out = part if out is None else out | part
+    return out
+
+
+def _chosen(branches) -> torch.Tensor | None:
+    return _selected([(_mask(x), taken) for x, taken in branches])
+
+
+def _either(x, chosen: torch.Tensor) -> torch.Tensor | None:
+    """Flat where ``chosen`` (a constant was picked) or where x is."""
+    m = _mask(x)
+    return chosen if m is None or m is True else chosen | m
+
+
+def _register(*ops):
+    def deco(f):
+        for op in ops:
+            FLAT[op] = f
+        return f
+
+    return deco
+
+
+def unary(x, *args, **kwargs):
+    """An elementwise function of x: constant where x is."""
+    return x.flat
+
+
+_register(aten.relu.default)(lambda x: _either(x, ~(x.primal > 0)))
+
+
+@_register(aten.clamp.default)
+def _clamp(x, min=None, max=None):
+    inside = torch.ones_like(x.primal, dtype=torch.bool)
+    if min is not None:
+        inside = inside & (x.primal >= min)
+    if max is not None:
+        inside = inside & (x.primal <= max)
+    return _either(x, ~inside)
+
+
+_register(aten.clamp.Tensor)(lambda x, min=None, max=None: _chosen(_clamp_branches(x, min, max)))
+_register(aten.where.self)(lambda cond, a, b: _chosen(_branches(cond, a, b)))
+
+
+def _extremum(greater: bool):
+    """maximum/minimum: the larger (smaller) side; a tie takes from both, as the rules do."""
+    def f(a, b):
+        va = a.primal if isinstance(a, Jet) else a
+        vb = b.primal if isinstance(b, Jet) else b
+        first = va > vb if greater else va < vb
+        second = va < vb if greater else va > vb
+        return _selected([(_mask(a), first), (_mask(b), second), (_all(a, b), va == vb)])
+
+    return f
+
+
+FLAT[aten.maximum.default] = _extremum(True)
+FLAT[aten.minimum.default] = _extremum(False)
+_register(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
+          aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.rsub.Scalar)(lambda *args, **kwargs: _all(*args))
+
+
+def _same_view(target):
+    """A view op: the same view of the mask (a reshape for a view: the mask may not be laid out
+    as the value is)."""
+    def f(x, *args, **kwargs):
+        return None if x.flat is None else target(x.flat, *args, **kwargs)
+
+    return f
+
+
+for _op in (aten.reshape.default, aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
+            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int,
+            aten.slice.Tensor, aten.alias.default, aten.clone.default):
+    FLAT[_op] = _same_view(_op)
+FLAT[aten.view.default] = FLAT[aten._unsafe_view.default] = _same_view(aten.reshape.default)

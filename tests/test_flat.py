@@ -1,0 +1,119 @@
+"""Flat regions: an op with an infinite derivative after relu, clamp or a where that picked a
+constant (``sqrt(relu(x))``, ``acos(clamp(c, -1, 1))``, Hertzian ``relu(σ - r) ** 2.5``).
+
+The function is constant there, so every derivative is 0; Faà di Bruno multiplies the infinite
+coefficient by the zero blocks, and ``inf · 0`` was NaN. The reference is nested ``jacrev``:
+torch's reverse mode masks at the relu before the infinity can meet a zero.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import jacrev
+
+import hoad
+
+DT = torch.float64
+MODES = ["forward", "reverse"]
+X = torch.tensor([-0.5, 0.7, 2.0, -0.2, -1.5, 0.3], dtype=DT)  # none on a kink (see the last test)
+
+FUNCTIONS = {
+    "sqrt-relu": lambda x: torch.sqrt(torch.relu(x)),
+    "pow-relu": lambda x: torch.relu(1.0 - x) ** 2.5,
+    "pow-relu-1.5": lambda x: torch.relu(x) ** 1.5,
+    "acos-clamp": lambda x: torch.acos(torch.clamp(1.5 * x, -1, 1)),
+    "log-relu": lambda x: torch.log(torch.relu(x)),
+    "reciprocal-relu": lambda x: 1 / torch.relu(x),
+    "sqrt-clamp-min": lambda x: torch.sqrt(torch.clamp_min(x, 0)),
+    "sqrt-where": lambda x: torch.sqrt(torch.where(x > 0, x, 0.0)),
+    "sqrt-maximum": lambda x: torch.sqrt(torch.maximum(x, torch.zeros((), dtype=DT))),
+    "sqrt-clamp-tensor": lambda x: torch.sqrt(torch.clamp(x, torch.zeros(6, dtype=DT), torch.ones(6, dtype=DT))),
+    "rsqrt-hardtanh": lambda x: torch.rsqrt(F.hardtanh(x, 0.0, 1.0)),
+    "through-affine-and-views": lambda x: torch.sqrt(3 * torch.relu(x).reshape(2, 3).t() + 0).reshape(-1),
+    "product-of-two-flat": lambda x: torch.sqrt(torch.relu(x) * torch.relu(x + 0.2)),
+    "times-x": lambda x: torch.sqrt(torch.relu(x)) * x,
+}
+
+# sqrt(relu(x)) · x is 0 for x < 0; torch's product rule meets sqrt's inf there from order 2
+TORCH_NAN = {"times-x"}
+
+
+def _nested_jacrev(f, x, order):
+    g = f
+    for _ in range(order):
+        g = jacrev(g)
+    return g(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_flat_region_derivatives_are_zero_not_nan(name, mode):
+    fn = FUNCTIONS[name]
+    f = lambda x: (fn(x) * torch.linspace(0.5, 1.5, 6, dtype=DT)).sum()  # noqa: E731
+    res = hoad.compile(f, order=3, backend="eager", mode=mode)(X)
+    for k in (1, 2, 3):
+        got, want = res[(0,) * k], _nested_jacrev(f, X, k)
+        known = want.isfinite()
+        assert got.isfinite().all(), (k, got)
+        torch.testing.assert_close(got[known], want[known], rtol=1e-10, atol=1e-12)
+        if not known.all():  # torch's own inf · 0, on the flat entries only
+            assert name in TORCH_NAN and got[~known].eq(0).all(), (k, got, want)
+
+
+def test_hertzian_contact_energy_third_order():
+    """Pair energy Σ relu(σ - r_ij)^(5/2) of particles, some out of contact: order 3 was all NaN."""
+    torch.manual_seed(0)
+    x = torch.tensor([[0.0, 0.0], [0.8, 0.1], [2.5, 0.3], [0.4, 0.9]], dtype=DT)
+    i, j = torch.triu_indices(4, 4, 1)
+
+    def energy(x):
+        r = (x[i] - x[j]).pow(2).sum(-1).sqrt()
+        return (torch.relu(1.0 - r) ** 2.5).sum()
+
+    for mode in MODES:
+        res = hoad.compile(energy, order=3, backend="eager", mode=mode)(x)
+        for k in (1, 2, 3):
+            want = _nested_jacrev(energy, x, k)
+            assert res[(0,) * k].isfinite().all()
+            torch.testing.assert_close(res[(0,) * k], want, rtol=1e-10, atol=1e-12)
+
+
+def test_flat_masks_compile_with_inductor():
+    f = lambda x: (torch.acos(torch.clamp(1.5 * x, -1, 1)) + torch.relu(x) ** 1.5).sum()  # noqa: E731
+    got, want = hoad.compile(f, order=2)(X)[0, 0], _nested_jacrev(f, X, 2)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_vanishing_blocks_without_a_flat_region_stay_nan():
+    """sqrt(x⁴) = x² at 0: x⁴'s blocks to order 2 are 0 there, but x⁴ is not constant near 0, so
+    the truth is 2 and zeroing the infinite coefficient would be silently wrong. NaN stays."""
+    res = hoad.compile(lambda x: torch.sqrt(x ** 4).sum(), order=2, backend="eager")(torch.zeros(1, dtype=DT))
+    assert res[0, 0].isnan().all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_on_the_kink_the_selection_decides_as_in_torch(mode):
+    """At 0, relu and where take their constant (flat: 0), a maximum tie takes half of each side
+    (not flat: inf), as torch's reverse mode does."""
+    x = torch.tensor([0.0, 1.0], dtype=DT)
+    for name in ("sqrt-relu", "sqrt-where", "sqrt-maximum"):
+        f = lambda x: FUNCTIONS[name](x).sum()  # noqa: E731
+        torch.testing.assert_close(hoad.compile(f, order=1, backend="eager", mode=mode)(x)[0], jacrev(f)(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_biharmonic_differentiates_the_flat_laplacian_program(mode):
+    """The outer Laplacian differentiates the inner one's program, whose coefficients are inf on
+    the flat entries: its products and its reverse sweep must not turn them into NaN."""
+    torch.manual_seed(0)
+    W = torch.randn(3, 8, dtype=DT)
+    u = lambda x: torch.sqrt(torch.relu(x @ W)).sum(-1)  # noqa: E731
+    X = torch.randn(5, 3, dtype=DT)
+    got = hoad.biharmonic(u, batch_dim=0, mode=mode, backend="eager")(X).biharmonic
+
+    def bih(x):
+        f = lambda y: u(y[None])[0]  # noqa: E731
+        return torch.einsum("iijj->", jacrev(jacrev(jacrev(jacrev(f))))(x))
+
+    torch.testing.assert_close(got, torch.stack([bih(x) for x in X]), rtol=1e-9, atol=1e-9)
