@@ -248,7 +248,7 @@ class _Interpreter:
         keys = self._keys(node, orders)
         varies = bool(self.deps[node])
         if not keys:
-            return _flat(_constant(out, varies), node.target, args, kwargs)
+            return _flat(_constant(out, varies), node, args, kwargs)
         rule = self._rule(RULES, node)
         ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
                   self.batch_dim is not None)
@@ -258,7 +258,7 @@ class _Interpreter:
         if isinstance(out, (tuple, list)):
             return tuple(Jet(o, self._checked(b, o, ctx, node), varies=varies and o.dtype.is_floating_point)
                          if isinstance(o, torch.Tensor) else o for o, b in zip(out, blocks))
-        flat = flat_of(node.target, args, kwargs) if varies else None
+        flat = flat_of(node, args, kwargs) if varies else None
         if flat is not None and node.target in PRODUCTS:  # a product meets the other side's inf there
             blocks = {K: select_out(b, out.ndim, ~flat) for K, b in blocks.items()}
         return Jet(out, self._checked(blocks, out, ctx, node), varies=varies, flat=flat)
@@ -468,10 +468,10 @@ def _primal(target, args, kwargs):
     return target(*args, **kwargs)
 
 
-def _flat(v, target, args, kwargs):
+def _flat(v, node, args, kwargs):
     """``v`` with its flat mask (see :mod:`hoad.rules.flat`) when it is one varying tensor."""
     if isinstance(v, Jet) and v.varies:
-        v.flat = flat_of(target, args, kwargs)
+        v.flat = flat_of(node, args, kwargs)
     return v
 
 

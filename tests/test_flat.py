@@ -117,3 +117,13 @@ def test_biharmonic_differentiates_the_flat_laplacian_program(mode):
         return torch.einsum("iijj->", jacrev(jacrev(jacrev(jacrev(f))))(x))
 
     torch.testing.assert_close(got, torch.stack([bih(x) for x in X]), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_constant_chosen_at_a_point_is_not_flat(mode):
+    """‖x‖ is where(total = 0, 0, √total): at 0 the where picks its constant on an equality, a
+    point, and ‖x‖ is not constant near it. ‖x‖^1.5 and 1/‖x‖ have no finite Hessian there: NaN,
+    not the 0 a flat region would give."""
+    x = torch.zeros(3, dtype=DT)
+    for f in (lambda x: x.norm() ** 1.5, lambda x: 1 / x.norm()):
+        assert hoad.compile(f, order=2, backend="eager", mode=mode)(x)[0, 0].isnan().all()

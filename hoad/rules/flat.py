@@ -11,7 +11,8 @@ argument's blocks, which are exactly 0 there, so only an ``inf · 0`` changes.
 The mask is a value's flat entries as a bool tensor, or None where none are known. It spreads
 through ops whose result stays constant where their varying arguments are: elementwise ops of
 one argument, sums and products, and view ops. ``x ** 4`` at 0 is not flat (its higher blocks
-are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN.
+are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN; nor is a constant a ``where`` picks on an
+equality (``‖x‖`` at 0), which is a point, not a region.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ SOURCES = {aten.relu.default, aten.clamp.default, aten.clamp.Tensor, aten.where.
            aten.minimum.default}  # ops that can choose a constant; the rest only pass masks on
 
 
-def flat_of(target, args, kwargs) -> torch.Tensor | None:
-    """The flat mask of ``target(*args, **kwargs)`` from its arguments (jets)."""
+# a where on an equality picks its constant at points, not on a region: norm's where(total = 0, 0,
+# √total) is not constant near 0, and 1/‖x‖ there must stay NaN, not become 0
+POINTS = {aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor}
+
+
+def flat_of(node, args, kwargs) -> torch.Tensor | None:
+    """The flat mask of ``node`` (an FX call) from its arguments (jets)."""
+    target = node.target
     f = FLAT.get(target)
     if f is None or (target not in SOURCES and not any(isinstance(a, Jet) and a.flat is not None for a in args)):
         return None
+    if target is aten.where.self and getattr(node.args[0], "target", None) in POINTS:
+        return _selected([(None if _mask(x) is True else x.flat, taken) for x, taken in _branches(*args)])
     return f(*args, **kwargs)
 
 
