@@ -327,7 +327,7 @@ class _Interpreter:
                 src = owner.get(id(jet))
                 if src is None or not self.deps.get(src):
                     continue
-                if jet.flat is not None and env[node].flat is not None:
+                if jet.flat is not None and getattr(env[node], "flat", None) is not None:
                     # the cotangent of a flat entry meets nothing that varies: make it 0, not the
                     # 0 · inf of a product with a value that is infinite there (see hoad.rules.flat)
                     ga = select_out(ga, jet.ndim, ~jet.flat)

@@ -127,3 +127,12 @@ def test_a_constant_chosen_at_a_point_is_not_flat(mode):
     x = torch.zeros(3, dtype=DT)
     for f in (lambda x: x.norm() ** 1.5, lambda x: 1 / x.norm()):
         assert hoad.compile(f, order=2, backend="eager", mode=mode)(x)[0, 0].isnan().all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flat_value_into_an_op_with_several_outputs(mode):
+    """max(dim) returns (values, indices): the reverse sweep reads no mask off the tuple."""
+    f = lambda x: torch.relu(x.reshape(2, 3)).sqrt().max(dim=0).values.sum()  # noqa: E731
+    res = hoad.compile(f, order=2, backend="eager", mode=mode)(X)
+    torch.testing.assert_close(res[0], _nested_jacrev(f, X, 1))
+    torch.testing.assert_close(res[0, 0], _nested_jacrev(f, X, 2))
