@@ -136,3 +136,15 @@ def test_flat_value_into_an_op_with_several_outputs(mode):
     res = hoad.compile(f, order=2, backend="eager", mode=mode)(X)
     torch.testing.assert_close(res[0], _nested_jacrev(f, X, 1))
     torch.testing.assert_close(res[0, 0], _nested_jacrev(f, X, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_distance_to_a_box_is_flat_inside(mode):
+    """√(Σ relu(x - 1)²) per row (and √ of the mean), a penalty for leaving a box: 0 on rows
+    inside the box, through the sum and the mean."""
+    x = torch.tensor([[0.5, 0.2, -0.3], [1.5, 0.2, 2.0]], dtype=DT)
+    for f in (lambda x: torch.sqrt(torch.relu(x - 1).pow(2).sum(-1)).sum(),
+              lambda x: torch.sqrt(torch.relu(x[:1] - 1).pow(2).mean()) + x[1].sum() ** 2):
+        res = hoad.compile(f, order=3, backend="eager", mode=mode)(x)
+        for k in (1, 2, 3):
+            torch.testing.assert_close(res[(0,) * k], _nested_jacrev(f, x, k), rtol=1e-10, atol=1e-12)

@@ -10,9 +10,9 @@ argument's blocks, which are exactly 0 there, so only an ``inf · 0`` changes.
 
 The mask is a value's flat entries as a bool tensor, or None where none are known. It spreads
 through ops whose result stays constant where their varying arguments are: elementwise ops of
-one argument, sums and products, and view ops. ``x ** 4`` at 0 is not flat (its higher blocks
-are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN; nor is a constant a ``where`` picks on an
-equality (``‖x‖`` at 0), which is a point, not a region.
+one argument, sums and products, reductions by sum or mean, and view ops. ``x ** 4`` at 0 is not
+flat (its higher blocks are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN; nor is a
+constant a ``where`` picks on an equality (``‖x‖`` at 0), which is a point, not a region.
 """
 
 from __future__ import annotations
@@ -135,6 +135,20 @@ FLAT[aten.maximum.default] = _extremum(True)
 FLAT[aten.minimum.default] = _extremum(False)
 _register(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
           aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.rsub.Scalar)(lambda *args, **kwargs: _all(*args))
+
+
+def _reduced(x, dim=None, keepdim=False, *args, **kwargs):
+    """A sum or mean: constant where every entry it adds up is."""
+    if x.flat is None:
+        return None
+    m = x.flat.expand(x.shape)
+    dims = list(range(x.ndim)) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else dim
+    return m.all(dim=dims, keepdim=keepdim) if x.ndim else m
+
+
+for _op in (aten.sum.dim_IntList, aten.mean.dim):
+    FLAT[_op] = _reduced
+FLAT[aten.sum.default] = FLAT[aten.mean.default] = lambda x, *args, **kwargs: _reduced(x)
 
 
 def _same_view(target):
