@@ -258,7 +258,7 @@ class _Interpreter:
         if isinstance(out, (tuple, list)):
             return tuple(Jet(o, self._checked(b, o, ctx, node), varies=varies and o.dtype.is_floating_point)
                          if isinstance(o, torch.Tensor) else o for o, b in zip(out, blocks))
-        flat = flat_of(node, args, kwargs) if varies else None
+        flat = flat_of(node, args, kwargs, out) if varies else None
         if flat is not None and node.target in PRODUCTS:  # a product meets the other side's inf there
             blocks = {K: select_out(b, out.ndim, ~flat) for K, b in blocks.items()}
         return Jet(out, self._checked(blocks, out, ctx, node), varies=varies, flat=flat)
@@ -471,7 +471,7 @@ def _primal(target, args, kwargs):
 def _flat(v, node, args, kwargs):
     """``v`` with its flat mask (see :mod:`hoad.rules.flat`) when it is one varying tensor."""
     if isinstance(v, Jet) and v.varies:
-        v.flat = flat_of(node, args, kwargs)
+        v.flat = flat_of(node, args, kwargs, v.primal)
     return v
 
 

@@ -16,6 +16,8 @@ import hoad
 DT = torch.float64
 MODES = ["forward", "reverse"]
 X = torch.tensor([-0.5, 0.7, 2.0, -0.2, -1.5, 0.3], dtype=DT)  # none on a kink (see the last test)
+C23 = torch.tensor([[0.2, 0.3, 0.4], [0.5, 0.5, 0.5]], dtype=DT)
+KEEP = torch.tensor([[True, False, True], [False, True, True]])
 
 FUNCTIONS = {
     "sqrt-relu": lambda x: torch.sqrt(torch.relu(x)),
@@ -32,6 +34,15 @@ FUNCTIONS = {
     "through-affine-and-views": lambda x: torch.sqrt(3 * torch.relu(x).reshape(2, 3).t() + 0).reshape(-1),
     "product-of-two-flat": lambda x: torch.sqrt(torch.relu(x) * torch.relu(x + 0.2)),
     "times-x": lambda x: torch.sqrt(torch.relu(x)) * x,
+    "flip": lambda x: torch.sqrt(torch.relu(x).flip(0)),
+    "roll": lambda x: torch.sqrt(torch.relu(x).roll(2)),
+    "cat": lambda x: torch.sqrt(torch.cat([torch.relu(x[:3]), torch.relu(-x[3:])])),
+    "index": lambda x: torch.sqrt(torch.relu(x)[[1, 0, 3, 2, 5, 4]]),
+    "gather": lambda x: torch.sqrt(torch.relu(x).gather(0, torch.tensor([5, 4, 3, 2, 1, 0]))),
+    # the broadcast mask of relu(x) + C must be C's shape before a row is taken: the rows differ
+    "broadcast-then-row": lambda x: torch.sqrt(torch.relu(x.reshape(2, 3)[:1]) + C23)[1].repeat(2),
+    "where-broadcast-then-transpose": lambda x: torch.sqrt(torch.where(KEEP, x.reshape(2, 3)[:1].exp(), 0.0)
+                                                           * C23).t().reshape(-1),
 }
 
 # sqrt(relu(x)) · x is 0 for x < 0; torch's product rule meets sqrt's inf there from order 2
@@ -148,3 +159,37 @@ def test_distance_to_a_box_is_flat_inside(mode):
         res = hoad.compile(f, order=3, backend="eager", mode=mode)(x)
         for k in (1, 2, 3):
             torch.testing.assert_close(res[(0,) * k], _nested_jacrev(f, x, k), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_product_with_a_flat_zero_is_flat(mode):
+    """√(relu(x)·|y|) is 0 for every y where x < 0: d/dx is 0 there, not inf · 0."""
+    x, y = X, torch.tensor([0.5, 0.3, -2.0, 1.5, 0.7, -0.4], dtype=DT)
+    f = lambda x, y: torch.sqrt(torch.relu(x) * y.abs()).sum()  # noqa: E731
+    res = hoad.compile(f, order=2, wrt=(0, 1), backend="eager", mode=mode)(x, y)
+    live = x > 0
+    for got, want in ((res[0], jacrev(f, 0)(x, y)), (res[1], jacrev(f, 1)(x, y)),
+                      (res[0, 0], jacrev(jacrev(f, 0), 0)(x, y)), (res[0, 1], jacrev(jacrev(f, 0), 1)(x, y))):
+        assert got.isfinite().all()
+        if got.ndim == 2:  # a sum over entries: the blocks are diagonal
+            assert got.equal(got.diagonal().diag())
+            got, want = got.diagonal(), want.diagonal()
+        torch.testing.assert_close(got[live], want[live])  # torch: ∂/∂y = inf · 0 where x < 0
+        assert got[~live].eq(0).all()
+
+
+def test_a_mask_that_loses_the_sample_axis_reshapes_per_sample():
+    """Under batch_dim a where with a fixed feature mask (no sample axis) then a per-sample
+    reshape: the flat mask is kept at the value's shape, so the reshape applies to it too."""
+    torch.manual_seed(0)
+    valid = torch.tensor([True, True, False, True])
+    W = torch.randn(2, 3, dtype=DT)
+
+    def u(X):
+        h = torch.where(valid, X, 0.0).reshape(X.shape[0], 2, 2)
+        return torch.tanh(h.transpose(1, 2) @ W).sum((1, 2))
+
+    X = torch.randn(5, 4, dtype=DT)
+    got = hoad.laplacian(u, batch_dim=0, backend="eager")(X).laplacian
+    want = torch.stack([jacrev(jacrev(lambda x: u(x[None])[0]))(x).trace() for x in X])
+    torch.testing.assert_close(got, want)

@@ -10,7 +10,7 @@ argument's blocks, which are exactly 0 there, so only an ``inf · 0`` changes.
 
 The mask is a value's flat entries as a bool tensor, or None where none are known. It spreads
 through ops whose result stays constant where their varying arguments are: elementwise ops of
-one argument, sums and products, reductions by sum or mean, and view ops. ``x ** 4`` at 0 is not
+one argument, sums and products, reductions by sum or mean, views, cat and indexing. ``x ** 4`` at 0 is not
 flat (its higher blocks are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN; nor is a
 constant a ``where`` picks on an equality (``‖x‖`` at 0), which is a point, not a region.
 """
@@ -37,15 +37,26 @@ SOURCES = {aten.relu.default, aten.clamp.default, aten.clamp.Tensor, aten.where.
 POINTS = {aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor}
 
 
-def flat_of(node, args, kwargs) -> torch.Tensor | None:
-    """The flat mask of ``node`` (an FX call) from its arguments (jets)."""
+def flat_of(node, args, kwargs, out: torch.Tensor) -> torch.Tensor | None:
+    """The flat mask of ``node`` (an FX call whose value is ``out``) from its arguments (jets),
+    at ``out``'s shape: a view of it later must find its entries where the value has them."""
     target = node.target
     f = FLAT.get(target)
-    if f is None or (target not in SOURCES and not any(isinstance(a, Jet) and a.flat is not None for a in args)):
+    if f is None or (target not in SOURCES and not any(_jets_with_masks(args))):
         return None
     if target is aten.where.self and getattr(node.args[0], "target", None) in POINTS:
-        return _selected([(None if _mask(x) is True else x.flat, taken) for x, taken in _branches(*args)])
-    return f(*args, **kwargs)
+        m = _selected([(None if _mask(x) is True else x.flat, taken) for x, taken in _branches(*args)])
+    else:
+        m = f(*args, **kwargs)
+    return m if m is None or m.shape == out.shape else m.expand(out.shape)
+
+
+def _jets_with_masks(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _jets_with_masks(a)
+        elif isinstance(a, Jet) and a.flat is not None:
+            yield a
 
 
 def _mask(x):
@@ -133,15 +144,28 @@ def _extremum(greater: bool):
 
 FLAT[aten.maximum.default] = _extremum(True)
 FLAT[aten.minimum.default] = _extremum(False)
-_register(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
-          aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.rsub.Scalar)(lambda *args, **kwargs: _all(*args))
+_register(aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar,
+          aten.div.Scalar, aten.neg.default, aten.rsub.Scalar)(lambda *args, **kwargs: _all(*args))
+
+
+@_register(aten.mul.Tensor)
+def _product(a, b):
+    """Flat where both factors are, or where a varying one is flat at 0: every Leibniz term then
+    has a factor of 0, that factor's value or its blocks. (A constant 0 factor is not looked
+    for: every product with a weight would carry a mask.)"""
+    out = _all(a, b)
+    for x in (a, b):
+        if isinstance(x, Jet) and x.varies and x.flat is not None:
+            zero = x.flat & (x.primal == 0)
+            out = zero if out is None else out | zero
+    return out
 
 
 def _reduced(x, dim=None, keepdim=False, *args, **kwargs):
     """A sum or mean: constant where every entry it adds up is."""
     if x.flat is None:
         return None
-    m = x.flat.expand(x.shape)
+    m = x.flat
     dims = list(range(x.ndim)) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else dim
     return m.all(dim=dims, keepdim=keepdim) if x.ndim else m
 
@@ -152,16 +176,41 @@ FLAT[aten.sum.default] = FLAT[aten.mean.default] = lambda x, *args, **kwargs: _r
 
 
 def _same_view(target):
-    """A view op: the same view of the mask (a reshape for a view: the mask may not be laid out
-    as the value is)."""
+    """An op that moves entries (a view, a copy, an index): the same op on the mask (a reshape
+    for a view: the mask may not be laid out as the value is)."""
     def f(x, *args, **kwargs):
-        return None if x.flat is None else target(x.flat, *args, **kwargs)
+        if x.flat is None:
+            return None
+        args, kwargs = _primals(args), _primals(kwargs)
+        return target(x.flat, *args, **kwargs)
 
     return f
 
 
+def _primals(a):
+    if isinstance(a, Jet):
+        return a.primal
+    if isinstance(a, (list, tuple)):
+        return type(a)(_primals(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _primals(v) for k, v in a.items()}
+    return a
+
+
 for _op in (aten.reshape.default, aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
             aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int,
-            aten.slice.Tensor, aten.alias.default, aten.clone.default):
+            aten.slice.Tensor, aten.alias.default, aten.clone.default, aten.flip.default, aten.roll.default,
+            aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.repeat.default):
     FLAT[_op] = _same_view(_op)
 FLAT[aten.view.default] = FLAT[aten._unsafe_view.default] = _same_view(aten.reshape.default)
+
+
+@_register(aten.cat.default)
+def _cat(tensors, dim=0):
+    """Each part's mask in its place; a constant part is flat, one that varies without a mask is not."""
+    parts = []
+    for t in tensors:
+        m = _mask(t)
+        value = t.primal if isinstance(t, Jet) else t
+        parts.append(torch.full_like(value, m is True, dtype=torch.bool) if m is None or m is True else m)
+    return torch.cat(parts, dim)
