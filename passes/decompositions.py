@@ -753,6 +753,9 @@ def _table() -> dict:
     table[aten.binary_cross_entropy.default] = _binary_cross_entropy
     table[aten.xlogy.Tensor] = _x_log(torch.log)
     table[aten.special_xlog1py.default] = _x_log(torch.log1p)
+    # with y a number: x · log 2 at x = 0 has derivative log 2, not core's where(x = 0, 0, …)'s 0
+    table[aten.xlogy.Scalar_Other] = lambda a, b: _x_log(torch.log)(a, torch.full_like(a, b))
+    table[aten.special_xlog1py.other_scalar] = lambda a, b: _x_log(torch.log1p)(a, torch.full_like(a, b))
     table[aten.vdot.default] = _dot
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var

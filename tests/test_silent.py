@@ -653,6 +653,9 @@ def test_atan2_at_the_origin_is_nan_and_xlogy_at_zero_follows_torch(mode):
     check(lambda a, b: torch.atan2(a, b).sum(), (a[1:], b[1:]), wrt=(0, 1), order=3, mode=mode)
     check(lambda x: torch.xlogy(x, b).sum() + torch.special.xlog1py(x, b - 1).sum(), (a.clone(),), order=2,
           mode=mode)
+    # with y a number (another overload): x · log 2 has derivative log 2 at x = 0 too
+    check(lambda x: torch.xlogy(x, 2.0).sum() + torch.special.xlog1py(x, 1.0).sum(), (a.clone(),), order=2,
+          mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
