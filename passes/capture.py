@@ -71,7 +71,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     strided_before = STRIDED_READS[0]
     VALUE_READS.clear()
     try:
-        with FunctionOverrides(), _quiet_fake_tensors():
+        with FunctionOverrides(), _quiet_fake_tensors(), torch.enable_grad():  # only no_grad inside fn counts
             gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))

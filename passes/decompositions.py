@@ -71,7 +71,25 @@ class FunctionOverrides(TorchFunctionMode):
                 "them (numpy, Python lists) is invisible to the trace, and the program would keep the values of "
                 "one call. Keep the computation in torch ops (torch.sin for np.sin, ...)")
         replacement = _FUNCTIONS.get(func)
-        return (replacement or func)(*args, **(kwargs or {}))
+        out = (replacement or func)(*args, **(kwargs or {}))
+        if _detached(func):
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        return out
+
+
+def _detached(func) -> bool:
+    """Whether autograd would see ``func``'s result as a constant: ``.data``, or any op but an
+    in-place write run under ``torch.no_grad()`` / ``set_grad_enabled(False)`` inside the
+    function (capture itself runs with grad enabled). The write keeps its target's derivatives,
+    as autograd does (embedding's max_norm renorm)."""
+    if getattr(func, "__self__", None) is torch._C.TensorBase.data:
+        return True
+    if torch.is_grad_enabled():
+        return False
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or (
+        name.startswith("__i") and name.endswith("__"))
+    return not in_place
 
 
 # ways out of torch for a tensor's values: a traced (fake) tensor's .numpy() is uninitialised

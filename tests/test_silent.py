@@ -871,3 +871,38 @@ def test_a_counter_the_function_never_reads_traces_nothing_again():
 
 
 t = 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_grad_and_data_inside_the_function_are_constants_as_in_autograd(mode):
+    """What the function computes under no_grad / set_grad_enabled(False), or reads through
+    .data, has no derivative in autograd; hoad differentiated through it. A call made under
+    no_grad from outside still gets every derivative (only the function's own blocks count)."""
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+
+    def under_no_grad(x):
+        with torch.no_grad():
+            shift = (x ** 2).sum()
+        return shift * x.sin().sum()
+
+    def switched_off(x):
+        torch.set_grad_enabled(False)
+        shift = (x ** 2).sum()
+        torch.set_grad_enabled(True)
+        return shift * x.sin().sum()
+
+    def through_data(x):
+        return (x.data ** 2).sum() * x.sin().sum()
+
+    def detached(x):  # the reference: the same function with detach
+        return (x.detach() ** 2).sum() * x.sin().sum()
+
+    want = hoad.compile(detached, order=2, backend="eager", mode=mode)(x)
+    assert_close(want[0], jacrev(detached)(x), "reference")
+    for f in (under_no_grad, switched_off, through_data):
+        got = hoad.compile(f, order=2, backend="eager", mode=mode)(x)
+        assert_close(got[0], want[0], f.__name__)
+        assert_close(got[0, 0], want[0, 0], f.__name__)
+    with torch.no_grad():
+        outside = hoad.compile(lambda x: (x ** 2).sum() * x.sin().sum(), order=1, backend="eager", mode=mode)(x)
+    assert_close(outside[0], jacrev(lambda x: (x ** 2).sum() * x.sin().sum())(x), "called under no_grad")
