@@ -25,6 +25,7 @@ import dis
 import functools
 import inspect
 import logging
+import math
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -305,14 +306,21 @@ def _step_name(parent: Source, step: Step) -> str:
 
 
 def _same(a, b) -> bool:
-    """Scalars (and tuples of them) by value, NaN equal to NaN; code (:func:`_is_code`) by
-    identity, a bound method by its function and instance."""
+    """Scalars (and tuples of them) by value, NaN equal to NaN; numpy arrays by shape, dtype and
+    values; code (:func:`_is_code`) by identity, a bound method by its function and instance."""
     if type(a) is not type(b):
         return False
+    if _is_array(a):
+        import numpy
+
+        return a.shape == b.shape and a.dtype == b.dtype and bool(
+            numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
     if isinstance(a, types.MethodType):
         return a.__func__ is b.__func__ and a.__self__ is b.__self__
     if _is_code(a):
         return a is b
+    if isinstance(a, float):  # -0.0 is not 0.0 (atan2, copysign tell them apart); NaN is NaN
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
     return a == b or (a != a and b != b)  # NaN is NaN
 
 
@@ -340,6 +348,9 @@ def find_guards(roots: dict) -> list[Guard]:
                     continue  # never loaded by the code: a trainer's optimizer, logger, counters
                 if _is_scalar(child):
                     values.append((step, child))
+                    continue
+                if _is_array(child):  # torch.from_numpy(charges) bakes its values in: compared by value
+                    values.append((step, child.copy()))
                     continue
                 if _is_code(child):  # a submodule, a function: swapped for another, the code differs
                     values.append((step, child))
@@ -408,12 +419,21 @@ def _is_scalar(v) -> bool:
         return False
 
 
+def _is_array(v) -> bool:
+    """A numpy array a guard can watch by value (copied when traced): numbers, up to 2^16 entries."""
+    return type(v).__name__ == "ndarray" and type(v).__module__ == "numpy" and v.dtype.kind in "biufc" \
+        and v.size <= 1 << 16
+
+
 def _attributes_read(objects: list) -> set[str]:
     """The attribute names loaded by the code of ``objects``: functions, modules' ``forward``, and
     the methods (and properties) of any object's class that code names, to a fixed point."""
     codes = [o.__code__ for o in objects if isinstance(o, types.FunctionType)]
     codes += [f.__code__ for o in objects if isinstance(o, torch.nn.Module)
               for f in [getattr(type(o), "forward", None)] if isinstance(f, types.FunctionType)]
+    # a callable object of the user's (not a module): what its __call__ reads
+    codes += [f.__code__ for o in objects if not isinstance(o, (torch.nn.Module, types.FunctionType, type))
+              for f in [getattr(type(o), "__call__", None)] if isinstance(f, types.FunctionType)]
     names: set[str] = set()
     done: set = set()
     classes = {type(o) for o in objects if not isinstance(o, (types.FunctionType, types.MethodType))}

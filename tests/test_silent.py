@@ -6,6 +6,7 @@ in plain ops where torch.func has no answer), in both directions.
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -837,6 +838,54 @@ def test_code_swapped_after_tracing_is_traced_again(swap):
     finally:
         Act.forward = original_forward
         helper = torch.tanh
+
+
+CHARGES = np.array([1.0, -2.0, 0.5])  # read with torch.from_numpy by the test below; rebound by it
+SIGN = 0.0
+
+
+@pytest.mark.parametrize("change", ["callable attribute", "numpy in place", "numpy rebound",
+                                    "numpy attribute", "signed zero", "signed zero via .data"])
+def test_values_read_from_objects_and_arrays_are_watched(change):
+    """A plain callable object's number attribute, a numpy array the function turns into a tensor
+    (torch.from_numpy, torch.as_tensor), and the sign of a zero (atan2 reads it) were baked into
+    the program: after a change the old result came back."""
+    global CHARGES, SIGN
+    x = rand(3, seed=90)
+
+    class Model:  # not an nn.Module: its __call__ is the code that reads .scale and .k
+        def __init__(self):
+            self.scale, self.k = 1.0, np.array([0.5, 1.0, 2.0])
+
+        def __call__(self, x):
+            return (self.scale * torch.as_tensor(self.k) * x).sin().sum()
+
+    m, W = Model(), torch.tensor([0.0], dtype=torch.float64)
+    fn = {"callable attribute": m, "numpy attribute": m,
+          "numpy in place": lambda x: (torch.from_numpy(CHARGES) * x ** 2).sum() ** 2,
+          "numpy rebound": lambda x: (torch.from_numpy(CHARGES) * x ** 2).sum() ** 2,
+          "signed zero": lambda x: (x ** 2 * math.atan2(SIGN, -1.0)).sum(),
+          "signed zero via .data": lambda x: (x ** 2 * torch.atan2(W, torch.tensor(-1.0, dtype=torch.float64))).sum(),
+          }[change]
+    cf = hoad.compile(fn, order=2, backend="eager")
+    cf(x)
+    try:
+        if change == "callable attribute":
+            m.scale = 2.0
+        elif change == "numpy attribute":
+            m.k = np.array([3.0, 1.0, -1.0])
+        elif change == "numpy in place":
+            CHARGES *= 2
+        elif change == "numpy rebound":
+            CHARGES = np.array([0.1, 0.2, 0.3])
+        elif change == "signed zero":
+            SIGN = -0.0
+        else:
+            W.data[0] = -0.0
+        res = cf(x)
+        assert_close(res[0, 0], jacfwd(jacrev(fn))(x), f"after the {change}")
+    finally:
+        CHARGES, SIGN = np.array([1.0, -2.0, 0.5]), 0.0
 
 
 def test_a_counter_the_function_never_reads_traces_nothing_again():
