@@ -230,9 +230,12 @@ def _mean_weights(v: torch.Tensor) -> torch.Tensor:
 
 
 def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
-    if not isinstance(m, torch.Tensor) or m.ndim != 2 or not m.dtype.is_floating_point:
+    if not isinstance(m, torch.Tensor) or m.ndim != 2:
         raise InvalidArgumentError(f"{name} must be a floating-point matrix, got "
                                    f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+    if not m.dtype.is_floating_point:
+        raise InvalidArgumentError(f"{name} must be a floating-point matrix, got one of {m.dtype} "
+                                   f"(pass {name}.double() or .float())")
     if square and m.shape[0] != m.shape[1]:
         raise InvalidArgumentError(f"{name} must be square (D, D), got {tuple(m.shape)}")
     if not bool(torch.isfinite(m).all()):

@@ -277,6 +277,7 @@ def test_training_through_a_laplacian():
     (dict(weights=torch.eye(4, dtype=DT), directions=torch.ones(2, 4, dtype=DT)), "one of"),
     (dict(weights=torch.full((4, 4), float("nan"), dtype=DT)), "NaN"),
     (dict(weights=torch.eye(4, dtype=DT).requires_grad_(True)), "factor=L"),
+    (dict(weights=torch.eye(4, dtype=torch.long)), "torch.int64"),
 ])
 def test_bad_operator_arguments(bad, match):
     with pytest.raises(hoad.InvalidArgumentError, match=match):
