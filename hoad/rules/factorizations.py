@@ -39,6 +39,8 @@ from dataclasses import replace
 import torch
 
 from hoad.algebra import Block, add, contract, force, map_out
+from hoad.algebra.block import _canonical
+from hoad.algebra.maps import along
 from hoad.algebra.multiindex import closure
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import chain, leibniz, scaled, sum_blocks
@@ -366,7 +368,8 @@ def _diagonal(blocks: dict, r: int) -> dict:
     def fn(t):
         return torch.diagonal(t, 0, r - 2, r - 1).movedim(-1, r - 2)
 
-    return {K: map_out(blk, r, fn, list(blk.shape[:r - 1])) for K, blk in blocks.items()}
+    batch = {a: a for a in range(r - 2)}  # acted on one matrix at a time: samples stay apart
+    return {K: map_out(blk, r, fn, list(blk.shape[:r - 1]), batch) for K, blk in blocks.items()}
 
 
 def _forced(blocks: dict, top: int) -> dict:
@@ -489,14 +492,16 @@ def svd_vh_rule(ctx: Ctx, A: Jet):
 
 
 # ----------------------------------------------------------------------------- VJP wrappers
-def _on_rest(g: Block, r: int, fn) -> Block:
+def _on_rest(g: Block, r: int, fn, new_out, nb: int) -> Block:
     """``fn`` (a cotangent formula over batch axes) applied to every program-output entry of a
-    cotangent block: those axes move in front as batch axes and back after."""
-    t = g.materialize()
-    rest = t.ndim - r
-    t = t.movedim(list(range(r, t.ndim)), list(range(rest)))
-    res = fn(t)
-    return Block.dense(res.movedim(list(range(rest)), list(range(res.ndim - rest, res.ndim))))
+    cotangent block: those axes move in front as batch axes and back after. The ``nb`` batch
+    axes of the matrices keep their ties (one matrix per sample under batch_dim stays one)."""
+    def on_entries(t):
+        rest = t.ndim - r
+        res = fn(t.movedim(list(range(r, t.ndim)), list(range(rest))))
+        return res.movedim(list(range(rest)), list(range(res.ndim - rest, res.ndim)))
+
+    return map_out(g, r, on_entries, list(new_out), {a: a for a in range(nb)})
 
 
 def _value(x):
@@ -508,7 +513,7 @@ def _vjp_of(grad):
     def vjp(v, g: Block, A: Jet, *args, **kwargs):
         args = [_value(a) for a in args]
         kwargs = {key: _value(a) for key, a in kwargs.items()}
-        return [(A, _on_rest(g, v.out.ndim, lambda t: grad(A.primal, t, *args, **kwargs)))]
+        return [(A, _on_rest(g, v.out.ndim, lambda t: grad(A.primal, t, *args, **kwargs), A.shape, A.ndim - 2))]
 
     vjp.__name__ = grad.__name__.replace("_grad", "_vjp")
     return vjp
@@ -538,7 +543,7 @@ def _narrow(blocks: dict, r: int, axis: int, start: int, length: int) -> dict:
     for K, blk in blocks.items():
         shape = list(blk.shape[:r])
         shape[a] = length
-        out[K] = map_out(blk, r, fn, shape)
+        out[K] = map_out(blk, r, fn, shape, along(r, [a]))
     return out
 
 
@@ -558,7 +563,7 @@ def _padded(blocks: dict, r: int, axis: int, before: int, after: int) -> dict:
     for K, blk in blocks.items():
         shape = list(blk.shape[:r])
         shape[a] += before + after
-        out[K] = map_out(blk, r, fn, shape)
+        out[K] = map_out(blk, r, fn, shape, along(r, [a]))
     return out
 
 
@@ -773,10 +778,13 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
     b, i, _k, j = _labels(nb)
     batch = tuple(A.shape[:-2])
     full = replace(ctx, collapse=None)
+    tie = _sample_axis(ctx, A, nb)
     result = {}
     for K in ctx.keys:
         o = len(K)
-        sizes = [math.prod(ctx.slot_shapes[k]) for k in K]
+        # a slot's entries: all of them, or (one matrix per sample) those of its own sample
+        kept = [ctx.slot_shapes[k][1:] if tie is not None else ctx.slot_shapes[k] for k in K]
+        sizes = [math.prod(d) for d in kept]
         grid = batch + tuple(sizes)
 
         def entry(S: int, T: int):
@@ -788,7 +796,8 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
             blk = A.blocks.get(tuple(K[p] for p in mine))
             if blk is None:
                 return A.primal.new_zeros(()).expand(grid + (n, n))
-            t = blk.materialize().reshape(batch + (n, n) + tuple(sizes[p] for p in mine))
+            groups = [] if tie is None else [[tie] + _slot_starts(ctx, tuple(K[p] for p in mine), A.ndim)]
+            t = blk.materialize(groups).reshape(batch + (n, n) + tuple(sizes[p] for p in mine))
             t = t.movedim((nb, nb + 1), (-2, -1))
             shape = batch + tuple(sizes[p] if p in mine else 1 for p in range(o)) + (n, n)
             return t.reshape(shape).expand(grid + (n, n))
@@ -796,13 +805,47 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
         rows = [torch.cat([entry(S, T) for T in range(2 ** o)], -1) for S in range(2 ** o)]
         E = torch.ops.hoad_linalg.matrix_exp(torch.cat(rows, -2))
         corner = E[..., :n, (2 ** o - 1) * n:].movedim((-2, -1), (nb, nb + 1))
-        slot_dims = tuple(d for k in K for d in ctx.slot_shapes[k])
-        dense = Block.dense(corner.reshape(batch + (n, n) + slot_dims))
+        data = corner.reshape(batch + (n, n) + tuple(d for dims in kept for d in dims))
+        if tie is None:
+            blk = Block.dense(data)
+        else:  # each slot's sample axis is the tied batch axis's class
+            dims, c = list(range(nb + 2)), nb + 2
+            for k in K:
+                dims.append(tie)
+                dims += range(c, c + len(ctx.slot_shapes[k]) - 1)
+                c += len(ctx.slot_shapes[k]) - 1
+            blk = _canonical(data, dims, batch + (n, n) + tuple(d for k in K for d in ctx.slot_shapes[k]))
         out = b + [i, j] + ctx.slots(K)
-        result[K] = contract(ctx.weigh([(dense, b + [i, j] + full.slots(K))], out), out, target=ctx.target)
+        result[K] = contract(ctx.weigh([(blk, b + [i, j] + full.slots(K))], out), out, target=ctx.target)
     return result
+
+
+def _slot_starts(ctx: Ctx, sub, r: int) -> list[int]:
+    """The first axis of each slot of a block of key ``sub`` whose output has ``r`` axes."""
+    starts, at = [], r
+    for k in sub:
+        starts.append(at)
+        at += len(ctx.slot_shapes[k])
+    return starts
+
+
+def _sample_axis(ctx: Ctx, A: Jet, nb: int) -> int | None:
+    """Under batch_dim, the batch axis of A that every block ties to the first axis of each of
+    its slots (one matrix per sample), or None (then every entry pairs with every other)."""
+    if not ctx.batched or ctx.collapse is not None or not A.blocks:
+        return None
+    tie = None
+    for sub, blk in A.blocks.items():
+        blk = force(blk)
+        for start in _slot_starts(ctx, sub, A.ndim):
+            c = blk.dims[start]
+            axes = [a for a in range(A.ndim) if blk.dims[a] == c]
+            if c is None or len(axes) != 1 or axes[0] >= nb or tie not in (None, axes[0]):
+                return None
+            tie = axes[0]
+    return tie
 
 
 @VJPS.register(torch.ops.hoad_linalg.matrix_exp.default)
 def matrix_exp_vjp(v, g: Block, A: Jet):
-    return [(A, _on_rest(g, v.out.ndim, lambda t: matrix_exp_grad(A.primal, t)))]
+    return [(A, _on_rest(g, v.out.ndim, lambda t: matrix_exp_grad(A.primal, t), A.shape, A.ndim - 2))]
