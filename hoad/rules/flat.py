@@ -3,16 +3,18 @@
 relu below 0, clamp outside its bounds, ``where`` picking a constant: hoad's rules give such
 entries no derivative at all orders, by selection. An op after them with an infinite derivative
 at the constant (``sqrt(relu(x))``, ``acos(clamp(c, -1, 1))``, ``relu(σ - r) ** 2.5``) would
-multiply that infinity by the zero blocks, and Faà di Bruno's ``inf · 0`` is NaN where the true
-derivative is 0 (the function is constant there). :func:`hoad.rules.combinators.chain` therefore
-zeroes its coefficients on a jet's ``flat`` mask: every one of its terms has a factor of the
-argument's blocks, which are exactly 0 there, so only an ``inf · 0`` changes.
+multiply that infinity by the zero blocks, and ``inf · 0`` is NaN where the true derivative is 0
+(the function is constant there). So, on a jet's ``flat`` mask: :func:`hoad.rules.combinators.chain`
+zeroes its coefficients (every Faà di Bruno term has a factor of the argument's blocks, exactly 0
+there); the differentiate pass zeroes a product's blocks (the other factor's value may be the
+infinity) and, in the adjoint sweep, the cotangents of flat entries (they meet nothing that varies).
 
-The mask is a value's flat entries as a bool tensor, or None where none are known. It spreads
-through ops whose result stays constant where their varying arguments are: elementwise ops of
-one argument, sums and products, reductions by sum or mean, views, cat and indexing. ``x ** 4`` at 0 is not
-flat (its higher blocks are not zero), so ``sqrt(x ** 4)`` keeps its honest NaN; nor is a
-constant a ``where`` picks on an equality (``‖x‖`` at 0), which is a point, not a region.
+The mask is a value's flat entries as a bool tensor at the value's shape, or None where none are
+known. It spreads through ops whose result stays constant where their varying arguments are:
+elementwise ops of one argument, sums and products, reductions by sum or mean, views, cat and
+indexing. ``x ** 4`` at 0 is not flat (its higher blocks are not zero), so ``sqrt(x ** 4)`` keeps
+its honest NaN; nor is a constant a ``where`` picks on an equality (``‖x‖`` at 0), which is a
+point, not a region.
 """
 
 from __future__ import annotations
