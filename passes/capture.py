@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import traced_call, written_inputs
-from hoad.passes.decompositions import STRIDED_READS, FunctionOverrides, decomposition_table, squares_of_norms
+from hoad.passes.decompositions import (STRIDED_READS, FunctionOverrides, decomposition_table, safe_branches,
+                                        squares_of_norms)
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
@@ -88,6 +89,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     _replace_view_mutations(gm)
     _renorm_in_place(gm)
     squares_of_norms(gm)
+    safe_branches(gm)
     _detach_writes(gm)
     out = _output_node(gm)
     val = out.meta.get("val") if isinstance(out, fx.Node) else None

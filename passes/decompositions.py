@@ -345,6 +345,121 @@ def squares_of_norms(gm) -> None:
     gm.recompile()
 
 
+# where(c, a, b) whose untaken entries compute an infinity (where(eye, 0, 1 / r) with r_ii = 0, a
+# masked Coulomb sum; where(x > 0, log x, 0)): the values are right and forward mode selects, but
+# the adjoint form's first sweep multiplies the untaken entries' zero cotangent by that infinity
+# (NaN, as torch's own backward). The singular ops of a branch read a safe value on the entries
+# the where does not take, as the double-where idiom writes by hand: the same function, exactly.
+_SAFE = {aten.reciprocal.default: 1.0, aten.log.default: 1.0, aten.log2.default: 1.0, aten.log10.default: 1.0,
+         aten.sqrt.default: 1.0, aten.rsqrt.default: 1.0, aten.acos.default: 0.0, aten.asin.default: 0.0,
+         aten.atanh.default: 0.0, aten.div.Tensor: 1.0, aten.pow.Tensor_Scalar: 1.0}
+_POINTWISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
+              aten.add.Scalar, aten.mul.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar)
+
+
+def safe_branches(gm) -> None:
+    """Rewrite, in place, each singular op in a branch of a ``where`` (a region of pointwise ops
+    of the where's shape that only the where reads) to read ``where(taken, u, safe)``."""
+    from hoad.rules import elementwise
+
+    pointwise = set(_POINTWISE) | set(elementwise.RULES)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.where.self:
+            continue
+        cond, *branches = node.args
+        for k, branch in enumerate(branches):
+            region = _branch_region(branch, node, pointwise)
+            for op in region:
+                for i in _singular_inputs(op):
+                    u = op.args[i]
+                    if _already_safe(u, cond, k) or not _fits(cond, u) or order.get(cond, len(order)) > order[op]:
+                        continue  # (a condition computed after the branch: the NaN guard of xlogy)
+                    op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
+                    changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _where_safe(graph, op, cond, k: int, u, value: float):
+    """``where(taken, u, value)`` before ``op``, with the values (meta) later passes read:
+    taken is ``cond`` for the where's first branch, ``¬cond`` for its second."""
+    val = u.meta["val"]
+    with graph.inserting_before(op):
+        taken = cond
+        if k == 1:
+            taken = graph.call_function(aten.logical_not.default, (cond,))
+            taken.meta["val"] = cond.meta["val"]
+        scalar = graph.call_function(aten.scalar_tensor.default, (value,), {"dtype": val.dtype, "device": val.device})
+        scalar.meta["val"] = torch.empty((), dtype=val.dtype, device="meta")
+        safe = graph.call_function(aten.where.self, (taken, u, scalar))
+        safe.meta["val"] = val
+    return safe
+
+
+def _branch_region(branch, where, pointwise) -> list:
+    """The pointwise nodes of ``where``'s shape that compute ``branch`` and that nothing but the
+    region and the where reads (a value read elsewhere must keep its entries)."""
+    if not (hasattr(branch, "op") and branch.op == "call_function"):
+        return []
+    shape = _shape(where)
+    region, todo = [], [branch]
+    while todo:
+        node = todo.pop()
+        if node in region or node.target not in pointwise or _shape(node) != shape or shape is None:
+            continue
+        region.append(node)
+        todo += [a for a in node.all_input_nodes if a.op == "call_function"]
+    inside = set(region) | {where}
+    while True:  # drop nodes read from outside, and what only they led to
+        outside = [n for n in region if not set(n.users) <= inside]
+        if not outside:
+            return region
+        for n in outside:
+            region.remove(n)
+            inside.discard(n)
+
+
+def _singular_inputs(op) -> list[int]:
+    """Positions of ``op``'s arguments at which it can be infinite (its singular points)."""
+    if op.target not in _SAFE:
+        return []
+    if op.target is aten.div.Tensor:
+        return [1] if hasattr(op.args[1], "op") else []
+    if op.target is aten.pow.Tensor_Scalar:
+        p = op.args[1]
+        return [0] if isinstance(p, (int, float)) and (p < 0 or p != int(p)) else []
+    return [0]
+
+
+def _already_safe(u, cond, k: int) -> bool:
+    """u is where(cond, x, …) for the first branch, where(cond, …, x) or where(¬cond, x, …) for the second."""
+    if getattr(u, "target", None) is not aten.where.self:
+        return False
+    c = u.args[0]
+    if k == 0:
+        return c is cond
+    return c is cond or (getattr(c, "target", None) is aten.logical_not.default and c.args[0] is cond)
+
+
+def _fits(cond, u) -> bool:
+    """where(cond, u, safe) has u's shape."""
+    a, b = _shape(cond), _shape(u)
+    if a is None or b is None:
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(a, b)) == tuple(b)
+    except RuntimeError:
+        return False
+
+
+def _shape(node):
+    val = getattr(node, "meta", {}).get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
 def _root_of_norm(node):
     """``total`` where ``node`` is ``where(total == 0, 0, where(total == 0, 1, total) ** 0.5)``."""
     if not (getattr(node, "target", None) is aten.where.self and len(node.args) == 3):
