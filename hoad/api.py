@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import logging
@@ -20,7 +21,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError
+from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names)
 from hoad.algebra import Target
@@ -45,7 +46,8 @@ MODES = ("auto", "forward", "reverse")
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
             mode: str = "auto", batch_dim: int | None = None, diagonal: bool = False,
-            chunk_size: int | None = None, memory_budget: float | None = None) -> Compiled | Callable[[Callable], Compiled]:
+            chunk_size: int | None = None, memory_budget: float | None = None,
+            **unknown) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
     ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple (or list) of them;
@@ -74,6 +76,16 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
                    memory_budget=memory_budget)
+    if unknown:
+        name = next(iter(unknown))
+        close = difflib.get_close_matches(name, ["order", "wrt", *options], n=1)
+        raise InvalidArgumentError(f"hoad.compile has no option {name!r}"
+                                   f"{f'; did you mean {close[0]!r}?' if close else ''} (its options: order, wrt, "
+                                   f"{', '.join(options)})")
+    if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise OutputError(f"{getattr(fn, '__name__', 'the function')} is a generator or coroutine function: it "
+                          "yields or awaits instead of returning; hoad differentiates a function that returns one "
+                          "tensor")
     if fn is None:
         _check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
         return lambda f: Compiled(f, order, wrt, **options)

@@ -456,3 +456,18 @@ def test_sparse_input_is_refused_up_front():
     x = torch.eye(3, dtype=torch.float64).to_sparse()
     raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")(x),
            "'x'", "sparse_coo", "to_dense()")
+
+
+def test_a_misspelt_option_names_the_close_one():
+    with pytest.raises(hoad.InvalidArgumentError, match="did you mean 'chunk_size'"):
+        hoad.compile(lambda x: x.sum(), order=1, chunksize=4)
+    with pytest.raises(hoad.InvalidArgumentError, match="no option 'colour'"):
+        hoad.compile(order=1, colour="red")
+
+
+def test_a_generator_function_is_an_output_error():
+    def gen(x):
+        yield x.sum()
+
+    with pytest.raises(hoad.OutputError, match="generator"):
+        hoad.compile(gen, order=1)
