@@ -168,6 +168,9 @@ class _Interpreter:
                     f"{node.target} (node {node.name}){self.where(node)} computes complex values from a "
                     "differentiated input; hoad differentiates real floating-point programs only. Write the "
                     "computation with real and imaginary parts as separate real tensors.")
+            if inputs and node in live and "val" not in node.meta:  # a rewrite's node: no dtype to go by
+                raise HoadInternalError(f"node {node.name} ({node.target}) has no traced value (meta['val']); "
+                                        "its derivatives would be taken as 0")
             if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")) or node not in live:
                 inputs = frozenset()
             deps[node] = inputs
