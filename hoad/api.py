@@ -494,7 +494,7 @@ class Compiled(Rebuilt):
         elif tried:
             family.tried = True  # the structure depends on the number of samples: one program per count
         elif family.first is None:
-            family.first = (entry.build.program.gm, entry.build.captured.out_shape[0])
+            family.first = (entry.build.program.gm, entry.build.captured.out_shape[0], entry.build.program.prefix)
 
     def _compile(self, args: tuple, kwargs: dict, config: Config) -> _Entry:
         stateful = self.module is not None
@@ -638,7 +638,7 @@ class _Family:
 
     def __init__(self, wrt: list[int]):
         self.wrt = wrt
-        self.first: tuple | None = None   # (main program, its number of samples) of the first build
+        self.first: tuple | None = None   # (main program, its number of samples, its prefix) of the first build
         self.tried = False                # a second build showed the structure depends on the count
         self.entry: _Entry | None = None  # the program for every number of samples
 

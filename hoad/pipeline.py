@@ -26,7 +26,7 @@ from hoad.passes.clean import clean, fold_broadcasts
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
-from hoad.passes.dynamic import generalize
+from hoad.passes.dynamic import generalize, same_program
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
@@ -54,7 +54,8 @@ class Config:
     chunk_size: int | None = None       # samples per run under batch_dim (the program is built for them)
     # under batch_dim: the program of this function built for another number of samples; when the
     # two differ only in sample counts, the compiled program serves every count (passes/dynamic.py)
-    sized: tuple[fx.GraphModule, int] | None = None
+    # (main program, its number of samples, its hoisted prefix)
+    sized: tuple[fx.GraphModule, int, fx.GraphModule | None] | None = None
 
     def resolve_target(self) -> Target:
         """The program's target. For Inductor this prepares hoad's kernel library, so that a
@@ -230,8 +231,9 @@ def _compile(b: Build) -> Build:
             hoisted = b.prefix(dense[n_user:])
     samples = b.samples = []
     if b.config.sized is not None:
-        other, count = b.config.sized
-        general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0])
+        other, count, other_prefix = b.config.sized
+        general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0]) \
+            if same_program(other_prefix, p.prefix) else None
         if general is not None:
             p.gm = general
             samples += b.wrt_leaves

@@ -71,6 +71,29 @@ def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batch
     return gm
 
 
+def same_program(gm1: fx.GraphModule | None, gm2: fx.GraphModule | None) -> bool:
+    """The two programs are the same node for node, every argument equal (the hoisted prefix of
+    two builds: it reads no batched input, so a size in it cannot follow the count; weights
+    repeated per sample, as instance norm does, make it differ)."""
+    if gm1 is None or gm2 is None:
+        return gm1 is gm2
+    n1, n2 = list(gm1.graph.nodes), list(gm2.graph.nodes)
+    if len(n1) != len(n2):
+        return False
+    pairs = dict(zip(n1, n2))
+    try:
+        for a, b in pairs.items():
+            if a.op != b.op or a.target != b.target:
+                return False
+            if a.op == "get_attr" and _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
+                return False
+            if _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, 1, 1)[1]:
+                return False
+    except _Differs:
+        return False
+    return True
+
+
 class _Affine:
     """An integer that is ``a·B + c``."""
 

@@ -209,6 +209,27 @@ def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
     assert len(cf._cache) == 3
 
 
+@pytest.mark.parametrize("layer", ["instance norm", "attention"])
+def test_weights_repeated_per_sample_keep_one_program_per_count(layer):
+    """Instance norm repeats its weight B times, attention splits B·heads rows: those sizes sat in
+    the hoisted prefix, which reads no batched input and kept the second count's size, so a third
+    count failed (ExecutionError). The prefix must match too before one program serves all."""
+    torch.manual_seed(93)
+    if layer == "instance norm":
+        norm = torch.nn.InstanceNorm1d(3, affine=True).double()
+        f = lambda X: norm(X).tanh().sum((1, 2))  # noqa: E731
+        shape, mode = (3, 4), "reverse"
+    else:
+        mha = torch.nn.MultiheadAttention(4, 2, batch_first=True).double()
+        f = lambda X: mha(X, X, X, need_weights=False)[0].tanh().sum((1, 2))  # noqa: E731
+        shape, mode = (3, 4), "forward"
+    cf = hoad.compile(f, order=1, batch_dim=0, mode=mode, backend="eager")
+    for count in (2, 3, 4):
+        X = rand(count, *shape, seed=390 + count)
+        want = torch.stack([torch.func.jacrev(lambda x: f(x[None])[0])(x) for x in X])
+        assert_close(cf(X)[0], want, f"{count} samples")
+
+
 def test_samples_over_budget_with_the_general_program_are_refused():
     cf = hoad.compile(mlp, order=2, batch_dim=0)
     cf(rand(4, 3, seed=380))
