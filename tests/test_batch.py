@@ -349,3 +349,30 @@ def test_factorizations_of_one_matrix_per_sample_are_per_sample(name, mode):
     res = hoad.compile(f, order=2, batch_dim=0, backend="eager", mode=mode)(X)
     assert_close(res[0], vmap(jacrev(f))(X), f"{name} gradient")
     assert_close(res[0, 0], torch.stack([jacrev(jacrev(f))(x) for x in X]), f"{name} Hessian")
+
+
+_DST = torch.tensor([0, 2, 2, 4, 1, 0, 3])
+_SRC = torch.tensor([1, 0, 3, 2, 4, 4, 0])
+SCATTERS = {  # GNN messages x[:, src] -> nodes dst, per sample: (B, N, F)
+    "index_add": lambda x: torch.zeros_like(x).index_add(1, _DST, x[:, _SRC].sin()),
+    "scatter_add": lambda x: torch.zeros_like(x).scatter_add(1, _DST[None, :, None].expand(x.shape[0], -1, 2),
+                                                             x[:, _SRC].sin()),
+    "scatter_reduce amax": lambda x: torch.zeros_like(x).scatter_reduce(
+        1, _DST[None, :, None].expand(x.shape[0], -1, 2), x[:, _SRC].sin(), "amax", include_self=False),
+    "scatter_reduce mean": lambda x: x.scatter_reduce(1, _DST[None, :, None].expand(x.shape[0], -1, 2),
+                                                      x[:, _SRC].sin(), "mean"),
+    "index_put accumulate": lambda x: torch.ops.aten.index_put(x, [None, _DST], x[:, _SRC].sin(), True),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("name", list(SCATTERS))
+def test_scatters_along_a_feature_axis_are_per_sample(name, mode):
+    """Scatters along dim 1 of (B, N, F) act on each sample alone; their rules untied the sample
+    axis (a BatchCouplingError for batched GNN message passing)."""
+    f = lambda x: SCATTERS[name](x).pow(2).sum((1, 2))  # noqa: E731
+    X = rand(3, 5, 2, seed=94)
+    res = hoad.compile(f, order=2, batch_dim=0, backend="eager", mode=mode)(X)
+    one = lambda x: f(x[None])[0]  # noqa: E731
+    assert_close(res[0], torch.stack([jacrev(one)(x) for x in X]), f"{name} gradient")
+    assert_close(res[0, 0], torch.stack([jacrev(jacrev(one))(x) for x in X]), f"{name} Hessian")

@@ -85,6 +85,17 @@ def _indexed_shape(shape, idx: list) -> list[int]:
     return bshape + [n for a, n in enumerate(shape) if a not in adv]
 
 
+def _passing(r: int, idx: list, n_values: int) -> dict[int, int]:
+    """Output axis -> axis of ``x[idx]`` for the axes no index acts on (a sample axis indexed by
+    a full slice stays one: ``x[:, dst] += m`` per sample)."""
+    adv = [a for a, i in enumerate(idx) if i is not None]
+    plain = [a for a in range(r) if a not in adv]
+    nb = n_values - len(plain)  # the broadcast index axes of x[idx]
+    if adv == list(range(adv[0], adv[-1] + 1)):  # in place of the indexed axes
+        return {a: (a if a < adv[0] else a - len(adv) + nb) for a in plain}
+    return {a: nb + j for j, a in enumerate(plain)}  # in front
+
+
 def _index_list(indices) -> list:
     idx = [None if i is None else _value(i) for i in indices]
     if any(i is not None and i.dtype == torch.bool for i in idx):
@@ -129,9 +140,10 @@ def index_put_rule(ctx: Ctx, x, indices, values, accumulate: bool = False):
         ishape = _indexed_shape(new, idx)
         won = None if accumulate else _put_winners(ctx.out, idx, ishape)
         vb = broadcast(values, ishape)
+        keep = {v: a for a, v in _passing(r, idx, len(ishape)).items()}
         parts.append(linear(ctx, vb, lambda b: map_out(
             b, len(ishape), lambda t: aten.index_put(t.new_zeros(list(new) + list(t.shape[len(ishape):])), idx,
-                                                     _masked(t, won), True), new)))
+                                                     _masked(t, won), True), new, keep)))
     return sum_blocks(*parts)
 
 
@@ -150,7 +162,7 @@ def index_put_vjp(v, g: Block, x, indices, values, accumulate: bool = False):
     if _varies(values):
         ishape = _indexed_shape(v.out.shape, idx)
         won = None if accumulate else _put_winners(v.out, idx, ishape)
-        got = map_out(g, r, lambda t: _masked(aten.index.Tensor(t, idx), won), ishape)
+        got = map_out(g, r, lambda t: _masked(aten.index.Tensor(t, idx), won), ishape, _passing(r, idx, len(ishape)))
         pairs.append((values, unbroadcast(got, len(ishape), values.shape)))
     return pairs
 
@@ -208,7 +220,13 @@ def _src_blocks(ctx: Ctx, src: Jet, d: int, index: torch.Tensor, c_src) -> dict:
             s = s * c_src.reshape(list(c_src.shape) + [1] * len(rest))
         return t.new_zeros(list(new) + rest).scatter_add(d, _expand_index(index, rest), s)
 
-    return linear(ctx, src, lambda b: map_out(b, r, fn, new))
+    return linear(ctx, src, lambda b: map_out(b, r, fn, new, _alongside(new, d, index, src.shape)))
+
+
+def _alongside(out_shape, d: int, index: torch.Tensor, src_shape) -> dict[int, int]:
+    """The axes a scatter or gather along ``d`` maps one to one (index, src and output of one
+    size there): a sample axis of a per-sample scatter (GNN messages into (B, N, F)) stays one."""
+    return {a: a for a in range(len(out_shape)) if a != d and out_shape[a] == index.shape[a] == src_shape[a]}
 
 
 def _scatter(ctx: Ctx, x, dim: int, index, src, reduce: str | None, include_self: bool = True) -> dict:
@@ -245,7 +263,7 @@ def _scatter_vjp(v, g: Block, x, dim: int, index, src, reduce: str | None, inclu
                 spec += [0, sv.shape[a] - idx.shape[a]]
             return aten.constant_pad_nd(s, spec, 0.0) if any(spec) else s
 
-        pairs.append((src, map_out(g, r, fn, sv.shape)))
+        pairs.append((src, map_out(g, r, fn, sv.shape, _alongside(out.shape, d, idx, sv.shape))))
     return pairs
 
 
