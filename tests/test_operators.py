@@ -3,7 +3,7 @@ Taylor coefficients against nested jvp, the biharmonic against nested Hessians; 
 
 import pytest
 import torch
-from torch.func import hessian, jvp, vmap
+from torch.func import hessian, jacrev, jvp, vmap
 
 import hoad
 from helpers import assert_close, rand
@@ -387,3 +387,16 @@ def test_weights_made_to_require_grad_later_are_refused():
     C.requires_grad_(True)
     with pytest.raises(hoad.InvalidArgumentError, match="factor=L"):
         lap(rand(3, 4))
+
+
+def test_biharmonic_of_a_recurrent_layer_per_sample():
+    """The inner Laplacian's program pads with (0, 0) pairs on the sample axis; the pad rule took
+    every axis of its spec as acted on and untied the samples (BatchCouplingError)."""
+    torch.manual_seed(95)
+    gru = torch.nn.GRU(2, 3, batch_first=True).double()
+    u = lambda x: gru(x)[0].sum((1, 2)).sin()  # noqa: E731   (B, T=3, 2) -> (B,)
+    X = rand(2, 3, 2, seed=96)
+    one = lambda x: u(x[None])[0]  # noqa: E731
+    lap = lambda x: torch.trace(jacrev(jacrev(one))(x).reshape(6, 6))  # noqa: E731
+    want = torch.stack([torch.trace(jacrev(jacrev(lap))(x).reshape(6, 6)) for x in X])
+    assert_close(hoad.biharmonic(u, batch_dim=0, backend="eager")(X).biharmonic, want, "biharmonic")

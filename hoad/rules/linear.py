@@ -111,10 +111,16 @@ def flip_rule(ctx: Ctx, x: Jet, dims):
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.flip(ds), x.shape, along(r, ds)))
 
 
+def _padded_axes(r: int, pad) -> list[int]:
+    """The axes a pad spec grows or cuts: (before, after) pairs from the last axis back; a (0, 0)
+    pair leaves its axis alone (a sample axis keeps its tie)."""
+    return [r - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
+
+
 @RULES.register(aten.constant_pad_nd.default)
 def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
     r, new = x.ndim, tuple(ctx.out.shape)
-    padded = range(r - len(pad) // 2, r)
+    padded = _padded_axes(r, pad)
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + list(pad), 0.0),
                                             new, along(r, padded)))
 
@@ -505,7 +511,7 @@ def flip_vjp(v, g: Block, x: Jet, dims):
 @VJPS.register(aten.constant_pad_nd.default)
 def pad_vjp(v, g: Block, x: Jet, pad, value=0):
     r = x.ndim
-    padded = range(r - len(pad) // 2, r)
+    padded = _padded_axes(r, pad)
     return [(x, map_out(g, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0), x.shape,
                         along(r, padded)))]
 
