@@ -393,7 +393,7 @@ def _where_safe(graph, op, cond, k: int, u, value: float):
             taken = graph.call_function(aten.logical_not.default, (cond,))
             taken.meta["val"] = cond.meta["val"]
         scalar = graph.call_function(aten.scalar_tensor.default, (value,), {"dtype": val.dtype, "device": val.device})
-        scalar.meta["val"] = torch.empty((), dtype=val.dtype, device="meta")
+        scalar.meta["val"] = torch.empty((), dtype=val.dtype, device=val.device)
         safe = graph.call_function(aten.where.self, (taken, u, scalar))
         safe.meta["val"] = val
     return safe
