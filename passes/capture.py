@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
-from hoad.passes.clean import traced_call, written_inputs
+from hoad.passes.clean import cse, traced_call, written_inputs
 from hoad.passes.decompositions import (STRIDED_READS, FunctionOverrides, decomposition_table, safe_branches,
                                         squares_of_norms)
 from hoad.rules import is_random
@@ -88,6 +88,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
 
     _replace_view_mutations(gm)
     _renorm_in_place(gm)
+    cse(gm)  # one node per repeated call (x.norm() * x.norm() is then a square)
     squares_of_norms(gm)
     safe_branches(gm)
     _detach_writes(gm)

@@ -758,7 +758,7 @@ def test_binary_cross_entropy_at_certain_predictions_is_finite(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("form", ["rbf kernel", "norm squared", "norm times norm", "pdist squared"])
+@pytest.mark.parametrize("form", ["rbf kernel", "norm squared", "norm times norm", "two norm calls", "pdist squared"])
 def test_squared_distances_are_smooth_at_coincident_points(form, mode):
     """A 2-norm squared is the sum of squares: Hessian 2I at a zero difference. Through the
     norm's subgradient 0 it was 0 (an RBF kernel's curvature at x = x', on its diagonal)."""
@@ -771,6 +771,7 @@ def test_squared_distances_are_smooth_at_coincident_points(form, mode):
         "norm squared": (lambda x: (torch.linalg.vector_norm(x, dim=1) ** 2 * w).sum(),
                          lambda x: ((x * x).sum(1) * w).sum()),
         "norm times norm": (lambda x: (lambda n: (n * n).sum())(x.norm(dim=1)), lambda x: (x * x).sum()),
+        "two norm calls": (lambda x: (x.norm(dim=1) * x.norm(dim=1)).sum(), lambda x: (x * x).sum()),
         "pdist squared": (lambda x: (F.pdist(torch.cat([x, y])) ** 2).sum(),
                           lambda x: (lambda z: ((z[:, None] - z[None]) ** 2).sum(-1).triu(1).sum())(torch.cat([x, y]))),
     }[form]
