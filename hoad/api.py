@@ -94,6 +94,15 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     return Compiled(fn, order, wrt, **options)
 
 
+def _var_positional(fn) -> str | None:
+    """The name of ``fn``'s ``*args`` parameter, if it has one."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+
+
 def _tied_names(module: torch.nn.Module) -> dict[str, str]:
     """Each further name of a parameter or buffer held under several names -> the name
     ``named_parameters`` and ``named_buffers`` list it by (the first)."""
@@ -583,6 +592,9 @@ class Compiled(Rebuilt):
             place, value = Positional(self._positional.index(w)), args[self._positional.index(w)]
         elif layout.leaf(StateEntry(w)) is not None:
             return layout.leaf(StateEntry(w))
+        elif _var_positional(self.fn) == w:
+            raise InvalidArgumentError(f"wrt names {w!r}, the function's *{w}: its entries have no names of their "
+                                       f"own; name them by position (wrt=0, wrt=(0, 1), ...)")
         else:
             raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
         if not isinstance(value, torch.Tensor):

@@ -471,3 +471,9 @@ def test_a_generator_function_is_an_output_error():
 
     with pytest.raises(hoad.OutputError, match="generator"):
         hoad.compile(gen, order=1)
+
+
+def test_naming_a_star_args_parameter_says_to_use_positions():
+    x = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(hoad.InvalidArgumentError, match="by position"):
+        hoad.compile(lambda *a: (a[0] * a[1]).sum(), order=1, wrt="a", backend="eager")(x, x)
