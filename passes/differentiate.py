@@ -405,6 +405,8 @@ class _Interpreter:
         for K in self.keys:
             with fx_traceback.annotate({"hoad": "output"}):
                 t = self._output_block(blocks[K], K, value.ndim)
+                if t.dtype != value.dtype and t.dtype.is_floating_point:  # every block in the value's dtype
+                    t = t.to(value.dtype)
             _remember(self.names, t, f"d{len(K)}_f_{key_name(K, self.wrt_names)}", "output", K)
             outputs.append(t)
         return tuple(outputs)

@@ -486,3 +486,10 @@ def test_malloc_left_alone_when_asked(monkeypatch):
     monkeypatch.setattr(malloc, "_malloc_tuned", None)
     monkeypatch.setenv("HOAD_MALLOC", "system")
     assert not malloc.keep_freed_memory()
+
+
+def test_blocks_of_mixed_dtype_inputs_share_the_value_dtype():
+    """x float64, y float32: the (x, y) block came back float32 while every other was float64."""
+    x, y = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float32)
+    res = hoad.compile(lambda x, y: (x * y.sin()).sum(), order=2, wrt=(0, 1), backend="eager")(x, y)
+    assert {res[k].dtype for k in res} == {torch.float64}
