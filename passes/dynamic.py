@@ -29,26 +29,11 @@ class _Differs(Exception):
 def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batched: int) -> fx.GraphModule | None:
     """``gm1`` (built for ``b1`` samples) with its sample-count integers read from placeholder
     ``batched``'s dim 0, or None when ``gm2`` (built for ``b2``) shows the structure depends on B."""
-    n1, n2 = list(gm1.graph.nodes), list(gm2.graph.nodes)
-    if len(n1) != len(n2) or b1 == b2:
-        return None
-    pairs = dict(zip(n1, n2))
-    rewrites: dict[fx.Node, tuple] = {}
-    try:
-        for a, b in pairs.items():
-            if a.op != b.op or a.target != b.target:
-                raise _Differs
-            if a.op == "get_attr":
-                if _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
-                    raise _Differs
-                continue
-            args, changed = _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, b1, b2)
-            if changed:
-                rewrites[a] = args
-    except _Differs:
+    rewrites = _matched(gm1, b1, gm2, b2) if b1 != b2 else None
+    if rewrites is None:
         return None
     gm = fx.GraphModule(gm1, gm1.graph.__deepcopy__())
-    nodes = dict(zip(n1, gm.graph.nodes))
+    nodes = dict(zip(gm1.graph.nodes, gm.graph.nodes))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_after(placeholders[-1]):
         samples = gm.graph.call_function(aten.sym_size.int, (placeholders[batched], 0))
@@ -77,21 +62,31 @@ def same_program(gm1: fx.GraphModule | None, gm2: fx.GraphModule | None) -> bool
     repeated per sample, as instance norm does, make it differ)."""
     if gm1 is None or gm2 is None:
         return gm1 is gm2
+    return _matched(gm1, 1, gm2, 1) is not None  # (one sample each: any integer that differs, differs)
+
+
+def _matched(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> dict | None:
+    """{node of gm1: its arguments with the sample-count integers as _Affine} for the nodes that
+    have any, or None when the programs differ in more than those integers."""
     n1, n2 = list(gm1.graph.nodes), list(gm2.graph.nodes)
     if len(n1) != len(n2):
-        return False
+        return None
     pairs = dict(zip(n1, n2))
+    rewrites: dict[fx.Node, tuple] = {}
     try:
         for a, b in pairs.items():
             if a.op != b.op or a.target != b.target:
-                return False
-            if a.op == "get_attr" and _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
-                return False
-            if _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, 1, 1)[1]:
-                return False
+                raise _Differs
+            if a.op == "get_attr":
+                if _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
+                    raise _Differs
+                continue
+            args, changed = _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, b1, b2)
+            if changed:
+                rewrites[a] = args
     except _Differs:
-        return False
-    return True
+        return None
+    return rewrites
 
 
 class _Affine:
