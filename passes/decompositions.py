@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from hoad.errors import DataDependentControlFlowError, InvalidArgumentError
+from hoad.passes.clean import traced_call
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 
@@ -388,15 +389,9 @@ def _where_safe(graph, op, cond, k: int, u, value: float):
     taken is ``cond`` for the where's first branch, ``¬cond`` for its second."""
     val = u.meta["val"]
     with graph.inserting_before(op):
-        taken = cond
-        if k == 1:
-            taken = graph.call_function(aten.logical_not.default, (cond,))
-            taken.meta["val"] = cond.meta["val"]
-        scalar = graph.call_function(aten.scalar_tensor.default, (value,), {"dtype": val.dtype, "device": val.device})
-        scalar.meta["val"] = torch.empty((), dtype=val.dtype, device=val.device)
-        safe = graph.call_function(aten.where.self, (taken, u, scalar))
-        safe.meta["val"] = val
-    return safe
+        taken = cond if k == 0 else traced_call(graph, aten.logical_not.default, (cond,))
+        scalar = traced_call(graph, aten.scalar_tensor.default, (value,), {"dtype": val.dtype, "device": val.device})
+        return traced_call(graph, aten.where.self, (taken, u, scalar))
 
 
 def _branch_region(branch, where, pointwise) -> list:
