@@ -822,11 +822,7 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
 
 def _slot_starts(ctx: Ctx, sub, r: int) -> list[int]:
     """The first axis of each slot of a block of key ``sub`` whose output has ``r`` axes."""
-    starts, at = [], r
-    for k in sub:
-        starts.append(at)
-        at += len(ctx.slot_shapes[k])
-    return starts
+    return list(itertools.accumulate(ctx.slot_ranks(sub)[:-1], initial=r))
 
 
 def _sample_axis(ctx: Ctx, A: Jet, nb: int) -> int | None:
