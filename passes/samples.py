@@ -53,9 +53,11 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
             elif node.target in _VIEWS:
                 changed |= _stack_of_cat(gm, node, varies)
             elif node.target is aten.permute.default:
-                changed |= _merge_after_permute(gm, node, varies)
+                changed |= _merge_after_permute(gm, node)
             elif node.target is aten.clone.default:
                 changed |= _merge_after_clone(gm, node, varies)
+            elif node.target is aten.cat.default:
+                changed |= _sink_run_past_cat(gm, node, varies)
         changed |= fold_layout(gm)
         gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -225,13 +227,13 @@ def _atoms_of(s0: list, s1: list) -> tuple[list, list] | None:
     return atoms, groups
 
 
-def _merge_after_permute(gm: fx.GraphModule, perm: fx.Node, varies: set) -> bool:
+def _merge_after_permute(gm: fx.GraphModule, perm: fx.Node) -> bool:
     """``permute(view(z, s1), p)`` whose view merges axes, as ``view(permute(view(z, atoms), q))``:
     the merge moved past the permute, toward a product or a view that undoes it (multi-head
     attention with its weights: [L, B, E] viewed [L, B·heads, d], transposed to [B·heads, L, d]
-    for its bmm)."""
+    for its bmm). Constants too: a fixed key meets the varying query at that bmm."""
     inner = perm.args[0]
-    shapes = _view_shapes(inner, varies)
+    shapes = _view_shapes(inner, None)
     if shapes is None:
         return False
     found = _atoms_of(list(shapes[0]), list(shapes[1]))
@@ -393,6 +395,36 @@ def _sink_run_past_pointwise(gm: fx.GraphModule, node: fx.Node, varies: set) -> 
         return _call_before(gm, node, aten.view.default, (a, list(sa[:j]) + split + list(sa[j + 1:])))
 
     return _rebuild_pointwise(gm, node, operand, out)
+
+
+def _sink_run_past_cat(gm: fx.GraphModule, cat: fx.Node, varies: set) -> bool:
+    """``cat([view(z), c], d)`` -> ``view(cat([z, c split], d'))`` where the views merge the same
+    run of axes into an axis other than d and every other piece is a constant, split there as the
+    run (attention's ``add_zero_attn`` joins a zero key to [B·heads, S, d])."""
+    pieces = cat.args[0]
+    d = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    out = shape_of(cat)
+    merged = {a: _merged_run(a, None, first=0) for a in pieces}
+    merged = {a: r for a, r in merged.items() if r is not None}
+    if (out is None or not any(a in varies for a in merged)
+            or len({(i, run) for i, run, _old in merged.values()}) != 1):
+        return False
+    i, run, _old = next(iter(merged.values()))
+    d %= len(out)
+    if d == i or any(len(shape_of(a) or ()) != len(out) or (a not in merged and a in varies) for a in pieces):
+        return False
+    split = []
+    for a in pieces:
+        if a in merged:
+            split.append(_unmerged(gm, cat, a, merged[a][2]))
+        else:
+            sa = list(shape_of(a))
+            split.append(_call_before(gm, cat, aten.view.default, (a, sa[:i] + list(run) + sa[i + 1:])))
+    with gm.graph.inserting_before(cat):
+        new = _call(gm, cat, aten.cat.default, (split, d if d < i else d + len(run) - 1))
+        view = _call(gm, cat, aten.view.default, (new, list(out)))
+    cat.replace_all_uses_with(view)
+    return True
 
 
 # reductions that keep their axes (keepdim=True) and may move past a merging view

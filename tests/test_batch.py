@@ -245,6 +245,37 @@ def test_multi_head_attention_within_each_sample_is_per_sample(weights, mode):
     check(f, (rand(3, 4, 6, seed=34),), order=2, batch_dim=0, mode=mode, reference_fn=_math_attention(f))
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("kind", ["fixed memory", "kdim vdim", "zero attention", "memory wrt"])
+def test_cross_attention_is_per_sample(kind, mode):
+    """Keys and values that do not vary (a fixed memory, kdim/vdim) are viewed [S, B·heads, d]
+    and transposed for attention's bmm; add_zero_attn joins a zero key to [B·heads, S, d]. The
+    sample pass keeps B apart in both (they were false BatchCouplingErrors)."""
+    from helpers import check
+
+    torch.manual_seed(3)
+    dims = {"kdim": 5, "vdim": 4} if kind == "kdim vdim" else {}
+    mha = torch.nn.MultiheadAttention(6, 2, batch_first=True, add_zero_attn=kind == "zero attention",
+                                      dtype=torch.float64, **dims).eval()
+    k, v = rand(1, 5, dims.get("kdim", 6), seed=43), rand(1, 5, dims.get("vdim", 6), seed=44)
+    X = rand(3, 4, 6, seed=45)
+    if kind == "memory wrt":
+        def f(X, M):
+            return mha(X, M, M)[0].tanh().sum((1, 2))
+
+        check(f, (X, rand(3, 5, 6, seed=46)), wrt=(0, 1), order=2, batch_dim=0, mode=mode,
+              reference_fn=_math_attention(f))
+        return
+
+    def f(X):
+        if kind == "zero attention":
+            return mha(X, X, X)[0].tanh().sum((1, 2))
+        B = X.shape[0]
+        return mha(X, k.expand(B, -1, -1), v.expand(B, -1, -1))[0].tanh().sum((1, 2))
+
+    check(f, (X,), order=2, batch_dim=0, mode=mode, reference_fn=_math_attention(f))
+
+
 def test_a_transformer_encoder_layer_is_per_sample():
     from helpers import check
 
