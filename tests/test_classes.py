@@ -169,6 +169,56 @@ def test_prod_all_dims_with_exact_zero(zeros):
         assert_close(res[(0,) * k], _prod_reference(x, k), f"order {k}")
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_prod_along_a_dim_with_exact_zeros(mode):
+    """Lines with one and two exact zeros, keepdim: the derivative tensors of the product are
+    formed without division (torch.func is wrong at a zero from order 3, so the reference is the
+    closed form, line by line)."""
+    x = rand(3, 4, seed=50)
+    x[1, 2] = 0.0
+    x[2, 0] = x[2, 3] = 0.0
+    res = hoad.compile(lambda t: t.prod(1, keepdim=True), order=4, mode=mode)(x)
+    for k in range(1, 5):
+        expected = torch.zeros((3, 1) + (3, 4) * k, dtype=x.dtype)
+        for row in range(3):
+            block = _prod_reference(x[row], k)  # (4,) * k
+            index = (row, 0) + (row, slice(None)) * k
+            expected[index] = block
+        assert_close(res[(0,) * k], expected, f"order {k}")
+
+
+def test_prod_over_a_wide_line_of_few_inputs():
+    """A product over 40 entries that depend on 2 inputs: built as a tree of pairwise products
+    (the derivative tensors would be 40^k per entry against 2^k slots)."""
+    W = rand(2, 40, seed=51)
+    check(lambda x: (1.0 + 0.1 * torch.tanh(x @ W)).prod(-1), (rand(3, 2, seed=52),), order=3)
+
+
+def test_prod_order_3_needs_memory_near_its_result():
+    """Order 3 of a product of 100 entries per sample: its results take 15 MB. A tree of pairwise
+    products made [50, 100, 100, 100] blocks (an estimated 6.7 GB); the derivative tensors fit in
+    200 MB."""
+    X = rand(2, 100, seed=55)
+    cf = hoad.compile(lambda X: X.sin().prod(-1), order=3, batch_dim=0, backend="eager", memory_budget=200e6)
+    res = cf(X)
+    one = torch.func.jacfwd(torch.func.jacfwd(torch.func.jacrev(lambda x: x.sin().prod())))(X[1])
+    assert_close(res[0, 0, 0][1], one, "order 3, sample 1")
+
+
+def test_prod_per_sample_and_in_a_laplacian():
+    """A PINN's hard boundary factor Π x_i (1 - x_i) times a network, per sample."""
+    W = rand(3, 5, seed=53)
+
+    def u(X):
+        return (X * (1 - X)).prod(-1) * torch.tanh(X @ W).sum(-1)
+
+    X = rand(4, 3, seed=54)
+    check(u, (X,), order=4, batch_dim=0)
+    lap = hoad.laplacian(u, batch_dim=0)(X).laplacian
+    hess = torch.func.vmap(torch.func.hessian(lambda x: u(x[None])[0]))(X)
+    assert_close(lap, hess.diagonal(dim1=1, dim2=2).sum(-1), "laplacian")
+
+
 def test_prod_all_dims_of_nonlinear():
     check(lambda t: (t.sin() + 1.5).prod(), (rand(2, 3),), order=3)
 

@@ -24,28 +24,38 @@ from hoad.rules.base import Contracted, Ctx, Jet, VjpCtx, adjoint_labels, out_la
 Coefficient = torch.Tensor | float | int | None
 
 
-def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient]) -> dict:
+def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient], axis: int | None = None, keepdim: bool = False) -> dict:
     """Blocks of φ(u) for elementwise φ, from ``coeffs[m-1] = φ^(m)(u)`` (None: a structural zero).
 
     Faà di Bruno with terms grouped by the multiset partition of the slots: each distinct product
     φ^(m)(u) ⊙ Π D^{K_B}u is contracted once and its slot permutations are added.
+
+    With ``axis``, φ maps each line of u along that axis to one number (a reduction, the axis
+    kept with size 1 where ``keepdim``): ``coeffs[m-1]`` is a tensor with the output's axes then
+    m axes of the line's length, and each factor's line axis gets the label of one of them.
     """
-    o = out_labels(u.ndim)
+    o = out_labels(u.ndim if axis is None else ctx.out.ndim)
     lead, r = _lead(ctx, o)
-    coeffs = off_flat(u, coeffs)
+    if axis is None:
+        coeffs = off_flat(u, coeffs)
     result = {}
     for K in ctx.keys:
         terms = []
         for term in partition_terms(K):
-            coeff = coeffs[len(term.parts) - 1]
+            m = len(term.parts)
+            coeff = coeffs[m - 1]
             if coeff is None:
                 continue
             factors = [u.blocks.get(sub) for sub in term.sub_indices(K)]
             if any(f is None for f in factors):
                 continue
-            operands = [(f, o + ctx.slots(K, part)) for f, part in zip(factors, term.parts)]
+            lines = [("l", j) for j in range(m)]
+            labels = [o] * m if axis is None else [o[:axis] + [line] + o[axis + keepdim:] for line in lines]
+            operands = [(f, ul + ctx.slots(K, part)) for f, ul, part in zip(factors, labels, term.parts)]
             scalar = 1.0
-            if isinstance(coeff, torch.Tensor):
+            if axis is not None:
+                operands.insert(0, (Block.dense(coeff), o + lines))
+            elif isinstance(coeff, torch.Tensor):
                 operands.insert(0, (_on_output(coeff, u.shape), o))
             else:
                 scalar = coeff

@@ -3,7 +3,10 @@ cumulative sums (cumprod, logcumsumexp, cummax/cummin)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 
 import torch
 
@@ -55,13 +58,66 @@ def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
 @on_0d(reduces=True)
 def prod_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     out_shape = tuple(ctx.out.shape)
+    if dtype is not None and dtype != x.primal.dtype:
+        x = Jet(x.primal.to(dtype), {K: b.to(dtype) for K, b in x.blocks.items()}, x.varies, x.flat)
+    d = 0 if dim is None else dim % max(x.ndim, 1)
     if dim is None:  # all elements: flatten first
-        flat = Jet(x.primal.reshape(-1), linear(ctx.inner(x.primal), x, lambda b: reshape_out(b, x.ndim, [x.primal.numel()])))
-        p = _tree_product(ctx, flat, 0)
-    else:
-        p = _tree_product(ctx, x, dim % max(x.ndim, 1))
-    r = p.ndim
-    return {K: reshape_out(b, r, out_shape).to(ctx.out.dtype) for K, b in p.blocks.items() if K in ctx.keys}
+        x = Jet(x.primal.reshape(-1), linear(ctx.inner(x.primal), x, lambda b: reshape_out(b, x.ndim, [x.primal.numel()])))
+    if _by_derivatives(ctx, x.shape[d]):
+        keep = keepdim and dim is not None
+        return chain(ctx, x, _product_derivatives(x.primal, d, ctx.max_order, keep), axis=d, keepdim=keep)
+    p = _tree_product(ctx, x, d)
+    return {K: reshape_out(b, p.ndim, out_shape) for K, b in p.blocks.items() if K in ctx.keys}
+
+
+def _by_derivatives(ctx: Ctx, n: int) -> bool:
+    """Whether a product of ``n`` entries is cheaper from its derivative tensors (Faà di Bruno:
+    about n^k products per output entry at order k) than as a tree of pairwise products (about
+    n·S^k for slots of S entries, 2^k Leibniz terms each): the tensors win unless the slots are
+    much smaller than the line (a product over a wide hidden layer of a few inputs)."""
+    sizes = [math.prod(s[1:] if ctx.batched else s) for s in ctx.slot_shapes]
+    return n >= 1 and (ctx.max_order <= 1 or n <= 2 * max(sizes, default=1))
+
+
+def _product_derivatives(x: torch.Tensor, d: int, order: int, keepdim: bool) -> list:
+    """∂^m Π_l x_l along axis ``d`` for m = 1..order, at every output entry: tensors with the
+    output's axes then m axes of the line, holding Π_{l ∉ {i1..im}} x_l at distinct indices and
+    0 at repeated ones (None past the line's length, where a product of n entries has no terms).
+
+    No division (exact where x has zeros): for i1 < ... < im the entry is the product of the runs
+    between the indices, L[i1] · M[i1, i2] ··· M[i(m-1), im] · R[im], with L and R the products
+    before and after an index and M[i, j] the product strictly between; the other orders of the
+    indices are permutations of it."""
+    line = x.movedim(d, -1)
+    n, rest = line.shape[-1], line.shape[:-1]
+    ones = torch.ones_like(line.narrow(-1, 0, 1))
+    before = torch.cat([ones, line.narrow(-1, 0, n - 1)], -1).cumprod(-1)
+    after = torch.cat([line.flip(-1).narrow(-1, 0, n - 1).cumprod(-1).flip(-1), ones], -1)
+    idx = torch.arange(n, device=x.device)
+    past = idx[None, :] > idx[:, None]                                          # [i, l]: l > i
+    if order >= 2:  # M[i, j] for i < j, else 0
+        upto = torch.where(past, line.unsqueeze(-2), 1.0).cumprod(-1)          # Π_{i < l' <= l}
+        between = torch.cat([ones.unsqueeze(-1).expand(*line.shape, 1), upto.narrow(-1, 0, n - 1)], -1)
+        between = torch.where(past, between, 0.0)
+    coeffs = []
+    for m in range(1, order + 1):
+        if m > n:
+            coeffs.append(None)
+            continue
+
+        def on_axes(t: torch.Tensor, axes: list[int]) -> torch.Tensor:  # t's line axes onto these of m
+            return t.reshape(*rest, *[n if a in axes else 1 for a in range(m)])  # noqa: B023
+
+        # multiplied small first, so only one product has all m axes
+        runs = [on_axes(between, [k - 1, k]) for k in range(1, m)] or [torch.ones_like(ones)]
+        runs[0] = on_axes(before, [0]) * runs[0]
+        runs[-1] = runs[-1] * on_axes(after, [m - 1])
+        rising = functools.reduce(operator.mul, runs)
+        lead = len(rest)
+        coeff = functools.reduce(operator.add, (rising.permute(*range(lead), *[lead + p for p in perm])
+                                                for perm in itertools.permutations(range(m))))
+        coeffs.append(coeff.unsqueeze(d) if keepdim else coeff)
+    return coeffs
 
 
 def _select_max(ctx: Ctx, x: Jet, dims: list[int], keepdim: bool, mask: torch.Tensor) -> dict:
