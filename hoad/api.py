@@ -21,7 +21,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
+from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names)
 from hoad.algebra import Target
@@ -291,7 +291,27 @@ class Compiled(Rebuilt):
         # one state entry, named once by named_parameters; the traced value must replace it in
         # every place, or the other uses read the live tensor as a constant (derivatives wrong)
         with _reparametrize_module(self.module, state, tie_weights=True):
-            return self.fn(self.module, *args, **kwargs)
+            out = self.fn(self.module, *args, **kwargs)
+            self._write_back_assigned(state)
+            return out
+
+    def _write_back_assigned(self, state: dict) -> None:
+        """A buffer the function assigns a new tensor to (``self.ema = 0.9 * self.ema + ...``)
+        gets that value written into its state entry, which the program replays at every call
+        as it replays in-place updates (torch's module then holds the new value, as after a
+        plain call; reparametrization would otherwise drop it)."""
+        for name, t in state.items():
+            path, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(path)
+            now = owner._buffers.get(attr, t) if attr in owner._buffers else t
+            if now is t or now is None:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != t.shape or now.dtype != t.dtype:
+                raise CaptureError(
+                    f"the function assigns to the buffer {name!r} a value of another shape, dtype or type "
+                    f"({getattr(now, 'shape', type(now).__name__)}, was {tuple(t.shape)} {t.dtype}); a derivative "
+                    "program can replay updates of a buffer only in place: keep its shape and dtype")
+            t.copy_(now)
 
     # ------------------------------------------------------------------------------- calling
     def __call__(self, *args, **kwargs) -> Derivatives:

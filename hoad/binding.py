@@ -217,6 +217,7 @@ _STEP: dict[str, Callable] = {
     "item": lambda c, k: c[k],
     "type": lambda o, _: type(o),
     "modules": lambda m, _: tuple(m._modules),
+    "hooks": lambda m, _: _hooks(m),
     "len": lambda c, _: len(c),
 }
 _NAMED = {"cell", "global", "param", "buffer", "module", "attr", "item", "kwdefault", "partial_kw"}
@@ -296,6 +297,10 @@ class Guard:
                 same = bool(_same(now, was))
             except Exception:  # noqa: BLE001
                 return step, f"{_step_name(self.parent, step)} is gone or cannot be compared"
+            if not same and step[0] == "hooks":
+                counts = lambda hooks: sum(map(len, hooks))  # noqa: E731
+                return step, (f"the forward hooks of {_step_name(self.parent, step) or 'the module'} changed "
+                              f"({counts(was)} -> {counts(now)}, its own and global ones)")
             if not same:
                 return step, f"{_step_name(self.parent, step)} changed ({was!r} -> {now!r})"
         return None
@@ -356,7 +361,8 @@ def find_guards(roots: dict) -> list[Guard]:
                     values.append((step, child))
                 following.append((root, child, steps + (step,)))
             if isinstance(obj, torch.nn.Module):  # layers appended or removed; forward patched
-                values += [(("modules", None), tuple(obj._modules)), (("attr", "forward"), obj.forward)]
+                values += [(("modules", None), tuple(obj._modules)), (("attr", "forward"), obj.forward),
+                           (("hooks", None), _hooks(obj))]
             elif isinstance(obj, (list, tuple, dict)) and any(
                     isinstance(c, torch.Tensor) or _is_code(c) for _, c in children):
                 # layers or weights appended: the code loops over more (a list of numbers the
@@ -392,6 +398,16 @@ def find_guards(roots: dict) -> list[Guard]:
         if kept:
             guards.append(Guard(source, tuple(kept)))
     return guards
+
+
+def _hooks(m: torch.nn.Module) -> tuple:
+    """The forward hooks that run when ``m`` is called: its own and the global ones (a hook added
+    or removed after a trace changes what the function computes)."""
+    from torch.nn.modules import module as torch_module
+
+    tables = (m._forward_pre_hooks, m._forward_hooks, torch_module._global_forward_pre_hooks,
+              torch_module._global_forward_hooks)
+    return tuple(tuple(t.values()) for t in tables)
 
 
 def _is_code(v) -> bool:
@@ -486,20 +502,27 @@ def _loads(code: types.CodeType) -> tuple[frozenset, frozenset]:
 
 @contextlib.contextmanager
 def untouched(roots: dict):
-    """Tensors reachable from ``roots`` as they were, after the block (a trace) ran.
+    """Tensors reachable from ``roots`` as they were, after the block (a trace) ran; yields the
+    list of :class:`Rebinding` s the block made, filled when it ends.
 
     Tracing runs the function's Python: an in-place update of a tensor it reaches (batch norm's
     ``num_batches_tracked.add_(1)`` in training mode) runs for real on that tensor, while the
     program replays the same write at every call: one update too many. Small tensors that are not
     parameters are copied first and written back if the trace changed them; a parameter or a large
-    tensor changed by the trace is refused."""
+    tensor changed by the trace is refused.
+
+    A tensor the trace stores on an object (``self.ema = ...``, a hook's ``features[name] = out``,
+    spectral norm's ``self._u = normalize(..., out=self._u)``) is one of the trace's stand-ins: the
+    object gets its old value back, and the caller decides what the store means."""
     tensors: dict[int, torch.Tensor] = {}
     for obj in _reachable(roots):
         if isinstance(obj, torch.Tensor) and not obj.is_inference():
             tensors.setdefault(id(obj), obj)
+    holders = [(obj, table, table.copy()) for obj in _reachable(roots, into_hoad=False) for table in _tables(obj)]
     before = [(t, t._version, t.detach().clone() if _copied(t) else None) for t in tensors.values()]
+    rebound: list[Rebinding] = []
     try:
-        yield
+        yield rebound
     finally:
         lost = []
         for t, version, copy in before:
@@ -509,6 +532,8 @@ def untouched(roots: dict):
                 else:
                     with torch.no_grad():
                         t.copy_(copy)
+        for obj, table, old in holders:
+            rebound += _restore_stores(obj, table, old)
     if lost:
         t = lost[0]
         raise CaptureError(
@@ -517,12 +542,63 @@ def untouched(roots: dict):
             "the trace's own write only for small buffers. Move the update out of the function")
 
 
+@dataclass(frozen=True)
+class Rebinding:
+    """A tensor the trace stored on an object: ``where`` names it, ``old`` is the value it had
+    (None where the entry is new), ``buffer`` says whether it is a module's registered state."""
+
+    where: str
+    old: object
+    buffer: bool
+
+
+def _tables(obj) -> list:
+    """The dicts and lists through which code stores values on ``obj``: a module's attributes and
+    its parameter and buffer tables, an object's ``__dict__``, or the container itself."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj.__dict__, obj._parameters, obj._buffers]
+    if isinstance(obj, (dict, list)):
+        return [obj]
+    if isinstance(obj, (types.FunctionType, types.MethodType, types.ModuleType, type, functools.partial)):
+        return []
+    try:
+        attrs = getattr(obj, "__dict__", None)
+    except Exception:  # noqa: BLE001 - a __dict__ property that raises: nothing stored there
+        return []
+    return [attrs] if isinstance(attrs, dict) else []
+
+
+def _restore_stores(obj, table, old: dict | list) -> list[Rebinding]:
+    """Put back the entries of ``table`` the trace set to values holding tensors; one
+    :class:`Rebinding` each."""
+    holds = lambda v: any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))  # noqa: E731
+    owner = type(obj).__name__
+    if isinstance(table, list):
+        if len(table) == len(old) and all(a is b for a, b in zip(table, old)):
+            return []
+        added = [v for v in table if not any(v is o for o in old)]
+        if not any(holds(v) for v in added):
+            return []
+        table[:] = old
+        return [Rebinding(f"a list of {owner}" if obj is not table else "a list", None, False)]
+    changed = [k for k, v in table.items() if (k not in old or old[k] is not v) and holds(v)]
+    for k in changed:
+        if k in old:
+            table[k] = old[k]
+        else:
+            del table[k]
+    buffer = isinstance(obj, torch.nn.Module) and table is not obj.__dict__
+    name = (lambda k: f"{owner}.{k}") if obj is not table else (lambda k: f"a dict's entry {k!r}")
+    return [Rebinding(name(k), old.get(k), buffer) for k in changed]
+
+
 def _copied(t: torch.Tensor) -> bool:
     return not isinstance(t, torch.nn.Parameter) and t.numel() <= 1 << 20
 
 
-def _reachable(roots: dict) -> Iterator[object]:
-    """Every object the search for free tensors reaches from ``roots``, each once."""
+def _reachable(roots: dict, into_hoad: bool = True) -> Iterator[object]:
+    """Every object the search for free tensors reaches from ``roots``, each once (hoad's own
+    objects, a nested program, and what they hold only where ``into_hoad``)."""
     seen: set[int] = set()
     frontier = list(roots.values())
     for _depth in range(MAX_DEPTH + 1):
@@ -531,6 +607,8 @@ def _reachable(roots: dict) -> Iterator[object]:
             if id(obj) in seen or isinstance(obj, SCALARS):
                 continue
             seen.add(id(obj))
+            if not into_hoad and type(obj).__module__.startswith("hoad."):
+                continue
             yield obj
             if not isinstance(obj, torch.Tensor):
                 following += [child for _, child in _children(obj)]

@@ -22,7 +22,7 @@ from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
-from hoad.passes.clean import clean, fold_broadcasts
+from hoad.passes.clean import clean, fold_broadcasts, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
@@ -112,9 +112,10 @@ def _capture(b: Build) -> Build:
         b.sources = find_sources(b.roots, free)
         return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
 
-    with untouched(b.roots):
+    with untouched(b.roots) as rebound:
         b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free)
     b.tensors = list(b.tensors) + b.captured.free
+    _check_stores(b, rebound)
     if b.config.batch_dim is not None:
         out = b.captured.out_shape
         if not out:
@@ -137,6 +138,35 @@ def _capture(b: Build) -> Build:
         keep_samples_apart(b.captured.gm, b.captured.wrt_leaves)
     fold_broadcasts(b.captured.gm, b.captured.wrt_leaves)
     return b
+
+
+def _check_stores(b: Build, rebound: list) -> None:
+    """Tensors the trace stored on objects (see :func:`hoad.binding.untouched`), now restored. A
+    store into a tensor the program writes in place (spectral norm's ``out=self._u``) is replayed
+    at every call. Assigning a new tensor to a buffer (``self.ema = 0.9 * self.ema + ...``) is
+    state the program would drop: refused. Any other store (a hook's features, a cached
+    activation) is a value of the trace's Python, which calls do not run: a warning."""
+    from hoad.errors import CaptureError
+
+    n = len(b.tensors) - len(b.captured.free)
+    written = {id(b.tensors[i]) for i in written_inputs(b.captured.gm) if i >= n}
+    left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
+    buffers = [r.where for r in left if r.buffer]
+    if buffers:
+        raise CaptureError(
+            f"the function assigns a new tensor to the module state {', '.join(buffers)}; a derivative program "
+            "replays in-place updates of buffers (as batch norm's running statistics) but not assignments. Update "
+            "it in place, e.g. self.ema.mul_(0.9).add_(0.1 * value.detach()), or outside the compiled function")
+    if left:
+        log.warning("hoad: tracing %s stored tensors on objects (%s); hoad put the old values back, since its "
+                    "program does not run the function's Python: values saved that way (a hook's features, a cached "
+                    "activation) are not updated by its calls", _name_of(b.fn), ", ".join(r.where for r in left))
+
+
+def _name_of(fn) -> str:
+    """The user's function (or module class) behind ``fn``, which may be hoad's wrapper method."""
+    fn = getattr(getattr(fn, "__self__", None), "fn", fn)
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _differentiate(b: Build) -> Build:

@@ -421,3 +421,95 @@ def test_tied_weights_count_every_use(mode):
         res = hoad.compile(m, order=2, wrt=wrt, backend="eager", mode=mode)(ids)
         assert_close(res["emb.weight"], jacrev(plain)(E), "gradient")
         assert_close(res["emb.weight", "emb.weight"], jacfwd(jacrev(plain))(E), "Hessian")
+
+
+# --------------------------------------------------------------- state the function stores
+def _plain_tensors(module: nn.Module) -> bool:
+    return all(type(t) in (torch.Tensor, nn.Parameter) for t in [*module.parameters(), *module.buffers()])
+
+
+def test_spectral_norm_keeps_real_buffers_and_steps_like_a_plain_call():
+    """Spectral norm assigns its power-iteration vectors (``self._u = normalize(..., out=self._u)``):
+    the trace left its stand-ins in the module (printing, deepcopy and a plain call then failed).
+    They are put back, and the program's in-place replay advances them as a plain call does."""
+    import copy
+
+    torch.manual_seed(4)
+    sn = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4, dtype=torch.float64))
+    twin = copy.deepcopy(sn)
+    x = rand(6, 4, seed=56)
+    cf = hoad.compile(lambda x: sn(x).tanh().sum(), order=2, backend="eager")
+    for _ in range(2):
+        cf(x)
+        twin(x).tanh().sum()
+    assert _plain_tensors(sn)
+    u = sn.parametrizations.weight[0]._u
+    assert_close(u, twin.parametrizations.weight[0]._u, "_u after two calls")
+    copy.deepcopy(sn)
+    assert type(sn(x)) is torch.Tensor
+
+
+class _Smoothed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3, dtype=torch.float64)
+        self.register_buffer("ema", torch.zeros(3, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)   # an assignment, not in place
+        return h.tanh().sum()
+
+
+def test_a_buffer_assigned_in_forward_is_updated_at_every_call():
+    """It stayed at zero under hoad (the trace's assignment was dropped); compiled as a module
+    the assignment is replayed as an in-place write of the buffer."""
+    torch.manual_seed(5)
+    m, twin = _Smoothed(), _Smoothed()
+    twin.load_state_dict(m.state_dict())
+    x = rand(5, 4, seed=57)
+    cf = hoad.compile(m, order=2, backend="eager")
+    for _ in range(3):
+        res = cf(x)
+        expected = twin(x)
+    assert_close(m.ema, twin.ema, "ema after 3 calls")
+    assert_close(res.value, expected, "value")
+    assert _plain_tensors(m)
+
+
+def test_a_buffer_assigned_by_a_closed_over_module_is_refused():
+    """Reached through a closure, the module's buffer is a tensor the program reads; an
+    assignment cannot be replayed there, so it is a CaptureError, not a dropped update."""
+    m = _Smoothed()
+    with pytest.raises(hoad.CaptureError, match=r"_Smoothed\.ema.*in place"):
+        hoad.compile(lambda x: m(x), order=2, backend="eager")(rand(5, 4, seed=58))
+    assert _plain_tensors(m) and m.ema.abs().sum() == 0
+
+
+def test_values_saved_by_a_hook_are_put_back_with_a_warning(caplog):
+    """A forward hook saving features held a trace stand-in after the call (its .item() returned
+    a symbol); the dict gets its old content back and a warning says why."""
+    net = nn.Sequential(nn.Linear(4, 3, dtype=torch.float64), nn.Tanh(), nn.Linear(3, 1, dtype=torch.float64))
+    feats = {"fc0": None}
+    net[0].register_forward_hook(lambda mod, inp, out: feats.__setitem__("fc0", out.detach()))
+    with caplog.at_level("WARNING", logger="hoad"):
+        hoad.compile(lambda x: net(x).sum(), order=2, backend="eager")(rand(5, 4, seed=59))
+    assert feats == {"fc0": None}
+    assert "stored tensors on objects (a dict's entry 'fc0')" in caplog.text
+
+
+def test_a_hook_added_or_removed_after_a_call_is_traced_again():
+    """Hooks change what a call computes; a program traced before one was added kept running."""
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(4, 3, dtype=torch.float64), nn.Tanh(), nn.Linear(3, 1, dtype=torch.float64))
+
+    def f(x):
+        return net(x).sum()
+
+    cf = hoad.compile(f, order=2, backend="eager")
+    x = rand(2, 4, seed=60)
+    cf(x)
+    handle = net[0].register_forward_pre_hook(lambda mod, inp: (inp[0] * 2,))
+    assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "with the hook")
+    handle.remove()
+    assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "hook removed")
