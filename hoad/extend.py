@@ -23,8 +23,9 @@ from collections.abc import Callable
 import torch
 
 from hoad.algebra import map_out
-from hoad.errors import InvalidArgumentError
+from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
 from hoad.rules import FAMILIES, RULES, USER_OPS, VJPS
+from hoad.rules.base import Jet
 from hoad.rules.combinators import linear
 from hoad.rules.elementwise import elementwise_pair
 
@@ -82,12 +83,13 @@ def register_elementwise(op, derivatives: Callable | None = None, *, override: b
     the op's output. Usable as a decorator: ``@hoad.register_elementwise(torch.ops.mylib.f.default)``."""
     def register(fn: Callable) -> Callable:
         def checked(n, x, y, *args, **kwargs):
-            got = list(fn(n, x, y, *args, **kwargs))
+            args, kwargs = _constants(op, "register_elementwise", args, kwargs)
+            got = list(_functional(lambda x, y: fn(n, x, y, *args, **kwargs))(x, y))
             if len(got) < n:
                 raise InvalidArgumentError(
                     f"the derivatives registered for {op} returned {len(got)} entries where order {n} needs {n} "
                     "(return [φ', …, φ^(n)], None for a structural zero)")
-            return got[:n]
+            return [_derivative(op, k + 1, d, x) for k, d in enumerate(got[:n])]
 
         checked.__name__ = getattr(fn, "__name__", "user")
         rule, vjp = elementwise_pair(checked)
@@ -108,16 +110,67 @@ def register_linear(op, transpose: Callable, *, override: bool = False) -> None:
         raise InvalidArgumentError("register_linear needs the op's transpose (a callable)")
 
     def rule(ctx, x, *args, **kwargs):
+        args, kwargs = _constants(op, "register_linear", args, kwargs)
         r, new = x.ndim, tuple(ctx.out.shape)
         return linear(ctx, x, lambda b: map_out(b, r, _batched(lambda t: op(t, *args, **kwargs), r, new), new))
 
     def vjp(vctx, g, x, *args, **kwargs):
+        args, kwargs = _constants(op, "register_linear", args, kwargs)
         shape = tuple(x.shape)
-        back = _batched(lambda t: transpose(t, shape, *args, **kwargs), len(vctx.out.shape), shape)
-        return [(x, map_out(g, len(vctx.out.shape), back, shape))]
+
+        def back(t):
+            out = _functional(lambda t: transpose(t, shape, *args, **kwargs))(t)
+            want = (t.shape[0], *shape)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+                raise InvalidArgumentError(
+                    f"the transpose registered for {op} returned {_described(out)} for a cotangent of shape "
+                    f"{tuple(t.shape)}; it must return (*batch, *x.shape) = {want}")
+            return out
+
+        return [(x, map_out(g, len(vctx.out.shape), _batched(back, len(vctx.out.shape), shape), shape))]
 
     rule.__name__ = vjp.__name__ = f"user_linear_{op}"
     register_rule(op, rule, vjp, override=override)
+
+
+def _constants(op, how: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The op's arguments after the first as the tensors they hold: a registration by
+    ``register_elementwise`` or ``register_linear`` differentiates the first argument only, so an
+    argument that depends on a differentiated input is refused (its derivatives would be lost)."""
+    def value(a):
+        if not isinstance(a, Jet):
+            return a
+        if a.varies:
+            raise UnsupportedOperatorError(
+                f"{op} is registered by {how}, which differentiates its first argument only, but another tensor "
+                "argument depends on the inputs being differentiated too, and its derivatives would be lost. Register "
+                "the op with hoad.register_rule (a rule over every argument's blocks), or make that argument a constant")
+        return a.primal
+
+    return tuple(value(a) for a in args), {k: value(v) for k, v in kwargs.items()}
+
+
+def _derivative(op, k: int, d, x: torch.Tensor):
+    """The k-th derivative a user's function gave, checked: None, a number, or a tensor shaped
+    like x (cast to x's dtype)."""
+    if d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)):
+        return d
+    if isinstance(d, torch.Tensor) and (d.ndim == 0 or tuple(d.shape) == tuple(x.shape)):
+        return d.to(x.dtype)
+    raise InvalidArgumentError(
+        f"the derivatives registered for {op} gave {_described(d)} as derivative {k}; each must be None, a Python "
+        f"number, or a tensor shaped like the op's first argument {tuple(x.shape)}")
+
+
+def _described(v) -> str:
+    return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+
+
+def _functional(fn: Callable) -> Callable:
+    """``fn`` with its in-place writes (``out[..., 2:] += g`` into a fresh buffer) traced as
+    out-of-place ops: hoad's passes merge equal nodes and reorder them, which a write into a
+    buffer two calls share would not survive."""
+    return torch.func.functionalize(fn, remove="mutations")
 
 
 def _batched(fn: Callable, r: int, new: tuple) -> Callable:

@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, m
 from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
 from hoad.algebra.block import _canonical
 from hoad.algebra.maps import select_out
-from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, UnsupportedOperatorError
+from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, InvalidArgumentError, UnsupportedOperatorError
 from hoad.algebra.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
 from hoad.rules.base import Collapse, Contracted, NodeInfo, VjpCtx, adjoint_labels, out_labels
@@ -269,11 +269,12 @@ class _Interpreter:
     def _rule(self, table: dict, node: fx.Node):
         rule = table.get(node.target)
         if rule is None:
-            raise UnsupportedOperatorError(
-                f"no derivative rule for {node.target} (node {node.name}){self.where(node)}. "
-                "Add a rule to the matching family in hoad/rules/ (elementwise ops only need their scalar "
-                "derivatives), or rewrite the function with supported ops; see the supported-op table in the README."
-            )
+            how = ("Register one with hoad.register_elementwise (its scalar derivatives), hoad.register_linear (its "
+                   "transpose) or hoad.register_rule" if getattr(node.target, "namespace", "aten") != "aten" else
+                   "Rewrite the function with supported ops (see the supported-op table in the README), or register a "
+                   "rule with hoad.register_elementwise, hoad.register_linear or hoad.register_rule")
+            raise UnsupportedOperatorError(f"no derivative rule for {node.target} (node {node.name}){self.where(node)}. "
+                                           f"{how}.")
         return rule
 
     def _call(self, rule, node: fx.Node, ctx, args, kwargs):
@@ -282,7 +283,11 @@ class _Interpreter:
                 return rule(ctx, *args, **kwargs)
         except HoadError:
             raise
-        except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug; name the node
+        except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug (or the user's); name the node
+            if FAMILIES.get(node.target) == "user":
+                raise InvalidArgumentError(
+                    f"the rule registered for {node.target} failed on node {node.name}{self.where(node)}: "
+                    f"{type(e).__name__}: {e}; check the functions given to hoad.register_*") from e
             raise HoadInternalError(f"the {FAMILIES.get(node.target)} rule {rule.__name__} for {node.target} failed on "
                                     f"node {node.name}{self.where(node)}: {type(e).__name__}: {e}") from e
 
