@@ -67,8 +67,10 @@ class Explanation:
         stages = []
         for name, st in b.stats.items():
             if isinstance(st, dict) and "seconds" in st:
-                nodes = st["nodes"]
-                if isinstance(nodes, dict):
+                nodes = st.get("nodes")
+                if nodes is None:  # Inductor's compile: no ATen graph of its own
+                    nodes = "(kernels from the cache)" if st.get("cache_hit") else "(kernels compiled)"
+                elif isinstance(nodes, dict):
                     nodes = ", ".join(f"{d}: {n}" for d, n in nodes.items())
                 stages.append([name, f"{st['seconds'] * 1e3:.1f} ms", nodes])
         lines += ["", tabulate(stages, headers=["stage", "time", "ATen calls after"])]

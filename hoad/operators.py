@@ -93,6 +93,10 @@ class _Operator(Rebuilt):
         return self.compiled.graph
 
     def explain(self, *args, **kwargs):
+        """:meth:`hoad.compile(...).explain <hoad.api.Compiled.explain>` of the operator's program,
+        for these arguments (or the last call)."""
+        if not args and not kwargs:
+            return self.compiled.explain()
         return self.compiled.explain(*args, **self._extra(args, kwargs))
 
     def _point(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -302,6 +306,10 @@ class Biharmonic(Rebuilt):
     def graph(self):
         return self.outer.graph
 
+    def explain(self, *args, **kwargs):
+        """The outer Laplacian's explanation (its program runs the inner one's)."""
+        return self.outer.explain(*args, **kwargs)
+
     def __call__(self, *args, **kwargs) -> OperatorResult:
         res = self.outer(*args, **kwargs)
         return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
@@ -351,6 +359,9 @@ class TaylorResult:
 
     def __len__(self) -> int:
         return self.order + 1
+
+    def __repr__(self) -> str:
+        return f"TaylorResult(order={self.order}, shapes={[tuple(self[k].shape) for k in range(self.order + 1)]})"
 
 
 def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,

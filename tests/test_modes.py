@@ -70,6 +70,26 @@ def test_explain_lists_blocks_costs_and_stages():
     assert rows["(x, x, x)"][2] == 125 and rows["(x, x, x)"][3] == 5  # diagonal: 5 stored of 125
 
 
+def test_explain_under_inductor_and_of_operators():
+    """explain() raised KeyError under Inductor, the default backend; an operator's explain()
+    without arguments and hoad.explain of a biharmonic failed; a Taylor result had no repr."""
+    x = rand(5, seed=7)
+    text = str(hoad.compile(lambda x: x.sin().sum(), order=2, backend="inductor").explain(x))
+    assert "inductor" in text and "kernels" in text
+    W = rand(5, 3, seed=8)
+    X = rand(4, 5, seed=9)
+
+    def u(X):
+        return torch.tanh(X @ W).sum(-1)
+
+    lap = hoad.laplacian(u, batch_dim=0, backend="eager")
+    lap(X)
+    assert "diagonal" in str(lap.explain())
+    assert "batch_dim=0" in str(hoad.explain(hoad.biharmonic(u, batch_dim=0, backend="eager"), X))
+    taylor = hoad.taylor(lambda x: u(x[None])[0], order=2, directions=rand(3, 5, seed=10), backend="eager")(X[0])
+    assert repr(taylor) == "TaylorResult(order=2, shapes=[(), (3,), (3,)])"
+
+
 def test_non_scalar_output_reverse_sweep_is_batched():
     def f(x):
         return torch.stack([x.sin().sum(), (x * x).prod(), x.exp().mean()])
