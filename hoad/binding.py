@@ -26,6 +26,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -625,6 +626,12 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
             if not name.startswith("__") and not callable(value) and not hasattr(value, "__get__"):
                 yield ("attr", name), value
         return
+    if isinstance(obj, types.ModuleType) and _user_module(obj):
+        # a config module's tensors (cfg.W, rebound by cfg.W = ...); its other names are code
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, torch.Tensor) and not name.startswith("__"):
+                yield ("attr", name), value
+        return
     if isinstance(obj, (types.ModuleType, type, str, bytes, int, float, complex, bool)) or obj is None:
         return
     if isinstance(obj, torch.nn.Module):
@@ -660,9 +667,18 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
     yield from _attributes(obj)
 
 
+_LIBRARIES = ("builtins", "torch", "hoad", "numpy", "typing", "enum", "abc", "collections", "functools")
+
+
 def _user_class(cls: type) -> bool:
-    return (cls.__module__ or "builtins").split(".")[0] not in ("builtins", "torch", "hoad", "numpy", "typing", "enum",
-                                                                 "abc", "collections", "functools")
+    return (cls.__module__ or "builtins").split(".")[0] not in _LIBRARIES
+
+
+def _user_module(module: types.ModuleType) -> bool:
+    """A module of the user's (a config file), not a library's or the standard library's."""
+    path = getattr(module, "__file__", None) or ""
+    return module.__name__.split(".")[0] not in _LIBRARIES and bool(path) and "site-packages" not in path \
+        and not path.startswith(sys.prefix) and not path.startswith(getattr(sys, "base_prefix", sys.prefix))
 
 
 def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:

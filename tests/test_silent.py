@@ -514,6 +514,25 @@ def test_values_read_through_classes_and_globals_of_modules_are_watched():
         ALPHA = 1.0
 
 
+def test_a_tensor_of_a_config_module_is_live(tmp_path, monkeypatch):
+    """cfg.W of an imported module of the user's, rebound: the old tensor was kept (no module's
+    attributes were searched; its floats were watched)."""
+    import importlib
+
+    (tmp_path / "hoad_test_config.py").write_text("import torch\nW = torch.ones(3, dtype=torch.float64)\nk = 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = importlib.import_module("hoad_test_config")
+
+    def f(x):
+        return (cfg.W * x * cfg.k).sin().sum()
+
+    cf = hoad.compile(f, order=2, backend="eager")
+    x = rand(3, seed=68)
+    cf(x)
+    cfg.W = rand(3, seed=69)
+    assert_close(cf(x)[0, 0], torch.func.hessian(f)(x), "Hessian after cfg.W = ...")
+
+
 class _Consts:  # class attributes read through the class itself, as a config
     T = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     k = 2.0
