@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from hoad.algebra import map_out
+from hoad.algebra import along, map_out
 from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
 from hoad.rules import FAMILIES, RULES, USER_OPS, VJPS
 from hoad.rules.base import Jet
@@ -100,19 +100,34 @@ def register_elementwise(op, derivatives: Callable | None = None, *, override: b
     return register if derivatives is None else register(derivatives)
 
 
-def register_linear(op, transpose: Callable, *, override: bool = False) -> None:
+def register_linear(op, transpose: Callable, *, acts_on: int | None = None, override: bool = False) -> None:
     """An op linear in its first argument, ``y = op(x, *args)``, that treats dims before x's own
     as a batch (``op(x_batch, *args)[i] == op(x_batch[i], *args)``); ``transpose(g, x_shape,
     *args)`` is its adjoint with the same batch convention: a cotangent ``g`` shaped like
-    ``(*batch, *y.shape)`` goes back to ``(*batch, *x.shape)``."""
+    ``(*batch, *y.shape)`` goes back to ``(*batch, *x.shape)``.
+
+    ``acts_on=k``: the op acts on the last k dims of x only, and x's dims before them pass
+    through to y's leading dims (a stencil along the last dim: ``acts_on=1``). Those dims then
+    keep their ties, so samples stay apart under ``batch_dim=0``; by default every dim of x is
+    acted on."""
     _check_op(op)
     if not callable(transpose):
         raise InvalidArgumentError("register_linear needs the op's transpose (a callable)")
+    if acts_on is not None and (isinstance(acts_on, bool) or not isinstance(acts_on, int) or acts_on < 0):
+        raise InvalidArgumentError(f"acts_on must be a number of trailing dims (an int >= 0), got {acts_on!r}")
+
+    def passing(r: int) -> dict | None:  # the leading axes of an r-axis value the op leaves alone
+        return None if acts_on is None else along(r, range(max(r - acts_on, 0), r))
 
     def rule(ctx, x, *args, **kwargs):
         args, kwargs = _constants(op, "register_linear", args, kwargs)
         r, new = x.ndim, tuple(ctx.out.shape)
-        return linear(ctx, x, lambda b: map_out(b, r, _batched(lambda t: op(t, *args, **kwargs), r, new), new))
+        keep = passing(r)
+        if keep and new[:len(keep)] != x.shape[:len(keep)]:
+            raise InvalidArgumentError(
+                f"{op} is registered with acts_on={acts_on}, but its output {new} does not keep the leading dims "
+                f"{x.shape[:len(keep)]} of its input {x.shape}")
+        return linear(ctx, x, lambda b: map_out(b, r, _batched(lambda t: op(t, *args, **kwargs), r, new), new, keep))
 
     def vjp(vctx, g, x, *args, **kwargs):
         args, kwargs = _constants(op, "register_linear", args, kwargs)
@@ -127,7 +142,8 @@ def register_linear(op, transpose: Callable, *, override: bool = False) -> None:
                     f"{tuple(t.shape)}; it must return (*batch, *x.shape) = {want}")
             return out
 
-        return [(x, map_out(g, len(vctx.out.shape), _batched(back, len(vctx.out.shape), shape), shape))]
+        r = len(vctx.out.shape)
+        return [(x, map_out(g, r, _batched(back, r, shape), shape, passing(len(shape))))]  # (y's leading axes)
 
     rule.__name__ = vjp.__name__ = f"user_linear_{op}"
     register_rule(op, rule, vjp, override=override)

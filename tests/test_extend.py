@@ -227,3 +227,26 @@ def test_user_functions_of_the_wrong_shape_are_named():
     finally:
         hoad.unregister_rule(SCALED_BY)
         hoad.unregister_rule(APPLY_MATRIX)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_linear_op_acting_on_trailing_dims_stays_per_sample(mode):
+    """acts_on=1: the stencil acts along the last dim, so dim 0 keeps its ties. Without it the op
+    was one opaque map of all of x's dims, a false BatchCouplingError under batch_dim=0."""
+    hoad.register_linear(STENCIL, _stencil_transpose, acts_on=1)
+    try:
+        def u(X):
+            return (STENCIL(X.sin()) ** 2).sum(-1).mul(0.3).exp()
+
+        def plain(X):
+            return (_plain_stencil(X.sin()) ** 2).sum(-1).mul(0.3).exp()
+
+        X = rand(3, 6, seed=419)
+        check(u, (X,), order=3, batch_dim=0, mode=mode, reference_fn=plain)
+        lap = hoad.laplacian(u, batch_dim=0, mode=mode)(X).laplacian
+        hess = torch.func.vmap(hessian(lambda x: plain(x[None])[0]))(X)
+        assert_close(lap, hess.diagonal(dim1=1, dim2=2).sum(-1), "laplacian")
+    finally:
+        hoad.unregister_rule(STENCIL)
+    with pytest.raises(hoad.InvalidArgumentError, match="acts_on"):
+        hoad.register_linear(STENCIL, _stencil_transpose, acts_on=-1)
