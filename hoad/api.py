@@ -25,6 +25,7 @@ from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgument
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names)
 from hoad.algebra import Target
+from hoad.rules import EDITS
 from hoad.passes.memory import human
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
@@ -262,6 +263,7 @@ class Compiled(Rebuilt):
         # values change so that changing them back (net.eval(), then net.train()) traces nothing
         self._twins: dict[tuple, _Entry] = {}
         self._wrt_leaves: dict[Hashable, list[int]] = {}
+        self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: _Entry | None = None
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -389,6 +391,14 @@ class Compiled(Rebuilt):
                 f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
                 "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
         nested = get_proxy_mode() is not None  # inside another hoad.compile's trace
+        if self._edits != EDITS[0]:  # a rule was registered or removed: every program may change
+            if self._cache:
+                log.info("hoad: %s: derivative rules were registered or removed; tracing again",
+                         getattr(self.fn, "__name__", "function"))
+            self._cache.clear()
+            self._twins.clear()
+            self._families.clear()
+            self._edits = EDITS[0]
         if (not nested and self.module is None and all(type(a) is torch.Tensor for a in args)
                 and all(type(v) is torch.Tensor for v in kwargs.values())):
             # fast path: tensors only, no pytree needed (~20 us per call less); keyword ones are

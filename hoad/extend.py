@@ -10,9 +10,9 @@ Three ways to give a rule, from the least to the most work:
 - :func:`register_rule`: a forward rule and a VJP over hoad's blocks (``hoad.rules.base``), as
   hoad's own rules are written.
 
-A registration applies to programs built afterwards, in every compiled function; the op stays out
-of the decompositions capture applies, so it reaches its rule. :func:`unregister_rule` restores
-what was there before.
+A registration applies to every compiled function: programs built before it are built again at
+their next call. The op stays out of the decompositions capture applies, so it reaches its rule.
+:func:`unregister_rule` restores what was there before.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from hoad.algebra import along, map_out
 from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
-from hoad.rules import FAMILIES, RULES, USER_OPS, VJPS
+from hoad.rules import EDITS, FAMILIES, RULES, USER_OPS, VJPS
 from hoad.rules.base import Jet
 from hoad.rules.combinators import linear
 from hoad.rules.elementwise import elementwise_pair
@@ -60,6 +60,7 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
         _saved[op] = (RULES[op], VJPS[op], FAMILIES[op]) if op in RULES else None
     RULES[op], VJPS[op], FAMILIES[op] = rule, vjp, "user"
     USER_OPS.add(op)
+    EDITS[0] += 1
 
 
 def unregister_rule(op) -> None:
@@ -69,6 +70,7 @@ def unregister_rule(op) -> None:
         raise InvalidArgumentError(f"{op} has no registered rule to remove")
     before = _saved.pop(op)
     USER_OPS.discard(op)
+    EDITS[0] += 1
     if before is None:
         for table in (RULES, VJPS, FAMILIES):
             table.pop(op, None)

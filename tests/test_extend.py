@@ -250,3 +250,21 @@ def test_a_linear_op_acting_on_trailing_dims_stays_per_sample(mode):
         hoad.unregister_rule(STENCIL)
     with pytest.raises(hoad.InvalidArgumentError, match="acts_on"):
         hoad.register_linear(STENCIL, _stencil_transpose, acts_on=-1)
+
+
+def test_a_registration_rebuilds_programs_built_before_it():
+    """A function compiled before an override kept hoad's rule, and one compiled while it was
+    active kept it after unregister_rule."""
+    def f(x):
+        return x.sin().sum()
+
+    cf = hoad.compile(f, order=2)
+    x = rand(3, seed=420)
+    true = jacrev(jacrev(f))(x)
+    assert_close(cf(x)[0, 0], true, "hoad's rule")
+    hoad.register_elementwise(aten.sin.default, lambda n, x, y: [10 * x.cos(), -10 * y][:n], override=True)
+    try:
+        assert_close(cf(x)[0, 0], 10 * true, "the override")
+    finally:
+        hoad.unregister_rule(aten.sin.default)
+    assert_close(cf(x)[0, 0], true, "hoad's rule again")

@@ -22,5 +22,7 @@ FAMILIES = {
 
 # ops with a rule registered from outside (hoad.extend): capture leaves them undecomposed
 USER_OPS: set = set()
+# registrations so far (hoad.extend): a program built before the last one may use another rule
+EDITS = [0]
 
-__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]
+__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]
