@@ -418,6 +418,8 @@ class Compiled(Rebuilt):
         if self.module is not None:
             args = (self._state(),) + args
             extra = tuple(m.training for m in self.module.modules())
+            if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
+                extra += (self._expanded_wrt(),)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
         config = self.config

@@ -117,6 +117,21 @@ def test_all_parameters_shorthand_and_loss_with_labels():
             assert_close(res[a, b], ref[2][i][j], f"{a}, {b}")
 
 
+def test_all_parameters_follow_requires_grad_at_each_call():
+    """hoad.parameters was expanded at the first call: a parameter frozen later stayed in wrt."""
+    m = Classifier(seed=1)
+    x, y = rand(6, 3), torch.tensor([0, 1, 1, 0, 1, 0])
+    first = next(iter(m.parameters()))
+    names = [n for n, _ in m.named_parameters()]
+    assert m.loss(x, y).wrt == names
+    first.requires_grad_(False)
+    try:
+        assert m.loss(x, y).wrt == names[1:]
+    finally:
+        first.requires_grad_(True)
+    assert m.loss(x, y).wrt == names
+
+
 def test_parameters_are_read_at_call_time_without_retracing():
     m = Classifier()
     x = rand(4, 3)
