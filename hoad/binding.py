@@ -308,6 +308,8 @@ class Guard:
 
 
 def _step_name(parent: Source, step: Step) -> str:
+    if step[0] == "default":  # (a position in __defaults__: no name of its own)
+        return f"the default value {step[1]} of {parent.name}"
     return Source(parent.root, parent.steps + (step,)).name
 
 
