@@ -58,6 +58,8 @@ def keep_samples_apart(gm: fx.GraphModule, wrt: list[int]) -> fx.GraphModule:
                 changed |= _merge_after_clone(gm, node, varies)
             elif node.target is aten.cat.default:
                 changed |= _sink_run_past_cat(gm, node, varies)
+            elif node.target in (aten.index.Tensor, aten.index_put.default):
+                changed |= _index_by_sample(gm, node)
         changed |= fold_layout(gm)
         gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -424,6 +426,68 @@ def _sink_run_past_cat(gm: fx.GraphModule, cat: fx.Node, varies: set) -> bool:
         new = _call(gm, cat, aten.cat.default, (split, d if d < i else d + len(run) - 1))
         view = _call(gm, cat, aten.view.default, (new, list(out)))
     cat.replace_all_uses_with(view)
+    return True
+
+
+_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+_UNIT_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _counts_rows(index, n: int) -> bool:
+    """Whether ``index`` is ``arange(n)`` shaped (n, 1, ..., 1): each entry picks its own row."""
+    shape = shape_of(index)
+    if shape is None or not shape or shape[0] != n or any(s != 1 for s in shape[1:]):
+        return False
+    while isinstance(index, fx.Node) and index.target in _UNIT_VIEWS:
+        index = index.args[0]
+    if not (isinstance(index, fx.Node) and index.target in _ARANGES) or index.kwargs.get("dtype") not in (None, torch.int64):
+        return False
+    bounds = list(index.args)
+    start, end, step = ([0] + bounds + [1])[:3] if len(bounds) == 1 else (bounds + [1])[:3]
+    return (start, end, step) == (0, n, 1)
+
+
+def _index_by_sample(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``x[arange(B)[:, None], idx]`` (read, or written by index_put) with x's dim 0 the samples:
+    each sample indexes its own row. With idx the same for every sample it is ``x[:, idx]``;
+    with one idx per sample (B, ...) it is a gather (a scatter) along dim 1. Both act on each
+    sample apart; the advanced index over dim 0 looked like an op mixing samples."""
+    x, indices = node.args[0], list(node.args[1])
+    xs = shape_of(x)
+    if xs is None or len(indices) < 2 or any(i is None for i in indices) or not _counts_rows(indices[0], xs[0]):
+        return False
+    rank = len(shape_of(indices[0]))
+    others = indices[1:]
+    shapes = [shape_of(i) for i in others]
+    if any(s is None or len(s) > rank for s in shapes):
+        return False
+    per_sample = [len(s) == rank and s[0] != 1 for s in shapes]
+    if not any(per_sample) and max(len(s) for s in shapes) == rank - 1:
+        with gm.graph.inserting_before(node):
+            new = _call(gm, node, node.target, (x, [None, *others], *node.args[2:]), dict(node.kwargs))
+        node.replace_all_uses_with(new)
+        return True
+    if len(others) != 1:
+        return False
+    # one index per sample: positions (B, *s) into dim 1, the rest of x's dims carried along
+    (idx,), rest = others, list(xs[2:])
+    n, s = xs[0], list(torch.broadcast_shapes(shape_of(idx), (xs[0],) + (1,) * (rank - 1))[1:])
+    flat = math.prod(s)
+    with gm.graph.inserting_before(node):
+        pos = _call(gm, node, aten.expand.default, (idx, [n, *s]))
+        pos = _call(gm, node, aten.reshape.default, (pos, [n, flat] + [1] * len(rest)))
+        pos = _call(gm, node, aten.expand.default, (pos, [n, flat, *rest]))
+        if node.target is aten.index.Tensor:
+            taken = _call(gm, node, aten.gather.default, (x, 1, pos))
+            new = _call(gm, node, aten.view.default, (taken, [n, *s, *rest]))
+        else:
+            values = _call(gm, node, aten.expand.default, (node.args[2], [n, *s, *rest]))
+            values = _call(gm, node, aten.reshape.default, (values, [n, flat, *rest]))
+            accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+            op, args = (aten.scatter_add.default, (x, 1, pos, values)) if accumulate else \
+                (aten.scatter.src, (x, 1, pos, values))
+            new = _call(gm, node, op, args)
+    node.replace_all_uses_with(new)
     return True
 
 

@@ -407,3 +407,34 @@ def test_scatters_along_a_feature_axis_are_per_sample(name, mode):
     one = lambda x: f(x[None])[0]  # noqa: E731
     assert_close(res[0], torch.stack([jacrev(one)(x) for x in X]), f"{name} gradient")
     assert_close(res[0, 0], torch.stack([jacrev(jacrev(one))(x) for x in X]), f"{name} Hessian")
+
+
+_PER = torch.tensor([[0, 1, 1, 4], [2, 2, 3, 0], [4, 0, 0, 1]])  # (B, k): one index list per sample
+_PER_DISTINCT = torch.tensor([[1, 3, 4], [2, 3, 0], [0, 4, 1]])
+
+
+def _rows(x):
+    return torch.arange(x.shape[0])[:, None]
+
+
+INDEXED_BY_SAMPLE = {  # x[arange(B)[:, None], idx]: each sample indexes its own row
+    "read shared": lambda x: x[_rows(x), _SRC],
+    "read per sample": lambda x: x[_rows(x), _PER[:x.shape[0]]],
+    "accumulate shared": lambda x: torch.zeros_like(x).index_put((_rows(x), _DST), x[:, _SRC].sin(), accumulate=True),
+    "accumulate per sample": lambda x: x.index_put((_rows(x), _PER[:x.shape[0]]), x[:, :4].sin(), accumulate=True),
+    # (distinct positions: where two writes meet, torch's backward gives both the derivative)
+    "write per sample": lambda x: x.index_put((_rows(x), _PER_DISTINCT[:x.shape[0]]), x[:, 2:].sin()),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("name", list(INDEXED_BY_SAMPLE))
+def test_indexing_each_samples_own_row_is_per_sample(name, mode):
+    """An arange over the samples as the first index was an advanced index over dim 0 (a
+    BatchCouplingError); the sample pass makes it x[:, idx], or a gather or scatter along dim 1."""
+    f = lambda x: INDEXED_BY_SAMPLE[name](x).tanh().pow(2).sum((1, 2))  # noqa: E731
+    X = rand(3, 5, 2, seed=95)
+    res = hoad.compile(f, order=2, batch_dim=0, backend="eager", mode=mode)(X)
+    one = lambda i: (lambda x: f(torch.cat([X[:i], x[None], X[i + 1:]]))[i])  # noqa: E731
+    assert_close(res[0], torch.stack([jacrev(one(i))(X[i]) for i in range(3)]), f"{name} gradient")
+    assert_close(res[0, 0], torch.stack([jacrev(jacrev(one(i)))(X[i]) for i in range(3)]), f"{name} Hessian")
