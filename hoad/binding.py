@@ -548,7 +548,7 @@ def untouched(roots: dict):
 @dataclass(frozen=True)
 class Rebinding:
     """A tensor the trace stored on an object: ``where`` names it, ``old`` is the value it had
-    (None where the entry is new), ``buffer`` says whether it is a module's registered state."""
+    (None where the entry is new), ``buffer`` says whether it is a module's buffer."""
 
     where: str
     old: object
@@ -590,7 +590,9 @@ def _restore_stores(obj, table, old: dict | list) -> list[Rebinding]:
             table[k] = old[k]
         else:
             del table[k]
-    buffer = isinstance(obj, torch.nn.Module) and table is not obj.__dict__
+    if isinstance(obj, torch.nn.Module) and table is obj._parameters:
+        return []  # (reparametrization's own leftovers: a submodule called twice kept the traced values)
+    buffer = isinstance(obj, torch.nn.Module) and table is obj._buffers
     name = (lambda k: f"{owner}.{k}") if obj is not table else (lambda k: f"a dict's entry {k!r}")
     return [Rebinding(name(k), old.get(k), buffer) for k in changed]
 

@@ -143,14 +143,19 @@ def _capture(b: Build) -> Build:
 def _check_stores(b: Build, rebound: list) -> None:
     """Tensors the trace stored on objects (see :func:`hoad.binding.untouched`), now restored. A
     store into a tensor the program writes in place (spectral norm's ``out=self._u``) is replayed
-    at every call. Assigning a new tensor to a buffer (``self.ema = 0.9 * self.ema + ...``) is
-    state the program would drop: refused. Any other store (a hook's features, a cached
+    at every call, and so is a compiled module's buffer assignment. Assigning a new tensor to a
+    buffer reached otherwise (``self.ema = 0.9 * self.ema + ...``) is state the program would
+    drop: refused. Any other store (a hook's features, a cached
     activation) is a value of the trace's Python, which calls do not run: a warning."""
     from hoad.errors import CaptureError
 
     n = len(b.tensors) - len(b.captured.free)
     written = {id(b.tensors[i]) for i in written_inputs(b.captured.gm) if i >= n}
     left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
+    if any(isinstance(place, StateEntry) for place in b.layout.places):
+        # a compiled module: its state is the program's input, assignments were written back
+        # (hoad.api), and what is left in its tables is reparametrization's
+        left = [r for r in left if not r.buffer]
     buffers = [r.where for r in left if r.buffer]
     if buffers:
         raise CaptureError(

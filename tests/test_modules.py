@@ -528,3 +528,20 @@ def test_a_hook_added_or_removed_after_a_call_is_traced_again():
     assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "with the hook")
     handle.remove()
     assert_close(cf(x)[0, 0], jacfwd(jacrev(f))(x), "hook removed")
+
+
+def test_a_submodule_called_twice_keeps_its_parameters():
+    """Reparametrizing a module that holds one layer twice left the traced stand-ins in that
+    layer (its Parameters became plain tensors that no longer trained); putting them back then
+    raised a false CaptureError."""
+    torch.manual_seed(7)
+    a, h, o = (nn.Linear(2, 4, dtype=torch.float64), nn.Linear(4, 4, dtype=torch.float64),
+               nn.Linear(4, 1, dtype=torch.float64))
+    m = nn.Sequential(a, nn.Tanh(), h, nn.Tanh(), h, nn.Tanh(), o)
+    P = rand(5, 2, seed=61)
+    res = hoad.compile(m, order=1, wrt=hoad.parameters, backend="eager")(P)  # (5, 1) outputs
+    names = [n for n, _ in m.named_parameters()]
+    grads = torch.autograd.grad(m(P).sum(), list(m.parameters()))
+    for n, g in zip(names, grads):
+        assert_close(res[n].sum((0, 1)), g, n)
+    assert all(type(p) is nn.Parameter and p.requires_grad for p in m.parameters())
