@@ -482,6 +482,13 @@ class Compiled(Rebuilt):
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
                 entry = self._compile(args, kwargs, config)
             entry.trace = get_proxy_mode()
+        elif torch._C._functorch.peek_interpreter_stack() is not None:
+            # a first call under torch.func.grad, jacrev, jvp or vmap: traced outside the
+            # transform (inside it the trace saw the transform's wrappers, and every derivative
+            # through the program came out 0); the calls then run under it like any other
+            with temporarily_clear_interpreter_stack():
+                args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
+                entry = self._compile(args, kwargs, config)
         else:
             entry = self._compile(args, kwargs, config)
         self._keep(key, entry)

@@ -459,3 +459,33 @@ def test_an_operator_holding_a_traced_value_builds_again_in_the_next_trace():
         expected, = torch.autograd.grad((_laplacian_by_autograd(lambda x: torch.tanh(x @ leaf).sum(-1), X)
                                          * f.sum()).sum(), leaf)
         assert_close(step(W, f)[0], expected, "gradient")
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "jvp", "vmap"])
+def test_a_first_call_under_a_torch_func_transform(transform):
+    """Traced inside torch.func.grad (jacrev, jvp), the program saw the transform's wrappers: every
+    derivative through it was 0, and later plain calls returned the trace's fake tensors."""
+    P = rand(6, 2, seed=120)
+    W = rand(2, 4, seed=121)
+
+    def u(P, W):
+        return torch.tanh(P @ W).sum(-1)
+
+    def laplacians(W):  # the reference: traces of per-sample Hessians
+        return vmap(hessian(lambda x: u(x[None], W)[0]))(P).diagonal(dim1=1, dim2=2).sum(-1)
+
+    lap = hoad.laplacian(u, batch_dim=0, backend="eager")
+    if transform == "grad":
+        got, want = (torch.func.grad(lambda W: f(W).pow(2).sum())(W)
+                     for f in (lambda W: lap(P, W).laplacian, laplacians))
+    elif transform == "jacrev":
+        got, want = (torch.func.jacrev(f)(W) for f in (lambda W: lap(P, W).laplacian, laplacians))
+    elif transform == "jvp":
+        got, want = (torch.func.jvp(f, (W,), (torch.ones_like(W),))[1]
+                     for f in (lambda W: lap(P, W).laplacian, laplacians))
+    else:
+        Ws = torch.stack([W, 2 * W])
+        got, want = (vmap(f)(Ws) for f in (lambda W: lap(P, W).laplacian, laplacians))
+    assert_close(got, want, transform)
+    assert type(lap(P, W).laplacian) is torch.Tensor
+    assert_close(lap(P, W).laplacian, laplacians(W), "a plain call afterwards")
