@@ -22,7 +22,7 @@ from hoad.lowering.inductor import this_machine
 from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
-from hoad.passes.clean import clean, fold_broadcasts, written_inputs
+from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
@@ -273,6 +273,7 @@ def _compile(b: Build) -> Build:
             p.gm = general
             samples += b.wrt_leaves
         b.stats["any_samples"] = general is not None
+    own_outputs(p.gm)
     b.main = compile_program(p, b.config.backend, example_inputs=dense + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     if hasattr(b.main, "cache_hit"):

@@ -79,6 +79,38 @@ def written_inputs(gm: fx.GraphModule) -> set[int]:
             if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders}
 
 
+def own_outputs(gm: fx.GraphModule) -> bool:
+    """Give each output that is an input, a constant, or a view of one its own copy, in place: the
+    Jacobian of ``W @ x`` is W itself, a constant Hessian is the hoisted prefix's cached value, and
+    a caller editing a result in place (damping ``H.diagonal().add_(λ)``) would otherwise edit
+    the user's tensor or what later calls return."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    changed = False
+
+    def owned(a):
+        nonlocal changed
+        if not isinstance(a, fx.Node) or not _aliases_storage_of_input(a):
+            return a
+        with gm.graph.inserting_before(out):
+            copy = traced_call(gm.graph, torch.ops.aten.clone.default, (a,))
+        changed = True
+        return copy
+
+    out.args = fx.node.map_aggregate(out.args, owned)
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _aliases_storage_of_input(node: fx.Node) -> bool:
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
+            return False
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
+
+
 def fold_broadcasts(gm: fx.GraphModule, wrt_leaves) -> fx.GraphModule:
     """A captured program's products and selects of broadcast operands that depend on the wrt
     inputs, read from the operands before the broadcast (:func:`fold_broadcast_products`,

@@ -533,6 +533,25 @@ def test_a_tensor_of_a_config_module_is_live(tmp_path, monkeypatch):
     assert_close(cf(x)[0, 0], torch.func.hessian(f)(x), "Hessian after cfg.W = ...")
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_editing_a_result_in_place_changes_no_other_tensor(backend):
+    """A constant Hessian was the prefix's cached tensor (damping it in place changed every later
+    call), and the Jacobian of W @ x was W itself (editing it edited the weights)."""
+    A, W = rand(3, 3, seed=70), rand(4, 3, seed=71)
+    x = rand(3, seed=72)
+    quadratic = hoad.compile(lambda x: x @ A @ x, order=2, backend=backend)
+    linear = hoad.compile(lambda x: W @ x, order=1, backend=backend)
+    square = hoad.compile(lambda x: (x * x).sum(), order=2, backend=backend)
+    W0 = W.clone()
+    for _ in range(2):
+        quadratic(x)[0, 0].diagonal().add_(1.0)
+        linear(x)[0].mul_(2.0)
+        square(x)[0, 0].add_(1.0)
+    assert_close(quadratic(x)[0, 0], A + A.T, "quadratic")
+    assert torch.equal(W, W0) and torch.equal(linear(x)[0], W0)
+    assert_close(square(x)[0, 0], 2 * torch.eye(3, dtype=x.dtype), "square")
+
+
 class _Consts:  # class attributes read through the class itself, as a config
     T = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     k = 2.0
