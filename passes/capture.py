@@ -426,6 +426,12 @@ def _raise_capture_error(e: Exception) -> None:
             "without autograd, so no tensor in it has a gradient graph. Let hoad take that derivative: compile u "
             "itself with one order more (res[0] is its gradient, res[0, 0] its Hessian), or use hoad.laplacian for "
             "a Laplacian") from e
+    if "mutating a non-functional tensor with a functional tensor" in str(e):  # an in-place update of a free tensor
+        raise CaptureError(
+            f"the function updates in place a tensor it does not receive{_at(user_frame(e.__traceback__))} (a buffer "
+            "of a module it reaches through a closure, say) with a value computed from its inputs; hoad replays such "
+            "an update only for a module it compiles itself. Compile the module (hoad.compile(m), or decorate its "
+            "method), pass the tensor as an argument, or move the update out of the function") from e
     if "dynamo-optimized" in str(e):  # torch.compile(module) or a @torch.compile function inside
         raise CaptureError(
             f"the function calls a torch.compile'd function or module{_at(user_frame(e.__traceback__))}; hoad "

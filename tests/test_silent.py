@@ -321,6 +321,24 @@ def test_an_error_in_the_users_function_is_a_capture_error():
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def test_an_in_place_update_of_a_closed_over_buffer_names_the_way_out():
+    """It was torch's 'INTERNAL ASSERT FAILED ... please report a bug to PyTorch'."""
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+        def forward(self, x):
+            self.seen.add_(x.detach().sum())
+            return x.sin().sum()
+
+    m = Counting()
+    with pytest.raises(hoad.CaptureError, match=r"updates in place a tensor it does not receive.*hoad.compile\(m\)"):
+        hoad.compile(lambda x: m(x), order=2, backend="eager")(rand(3, seed=73))
+    hoad.compile(m, order=2, backend="eager")(torch.ones(3, dtype=torch.float64))
+    assert float(m.seen) == 3.0
+
+
 def test_a_failure_at_run_time_is_an_execution_error():
     def f(x, i):
         return x[i].sin().sum()
