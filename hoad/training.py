@@ -62,6 +62,29 @@ class Trainable:
         needs autograd, not with every inference program."""
         return with_prefix(self.main, *self.prefix)
 
+    @functools.cached_property
+    def reaches(self) -> list[frozenset[int]]:
+        """For each input, the outputs that depend on it: an input that reaches no output with a
+        cotangent gets no gradient (None, as autograd gives), not the compiled backward's zeros
+        (an optimizer's weight decay would move a parameter the loss never saw)."""
+        deps: dict[fx.Node, frozenset[int]] = {}
+        inputs = []
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                deps[node] = frozenset([len(inputs)])
+                inputs.append(node)
+            elif node.op == "output":
+                outs = fx.node.map_aggregate(node.args[0], lambda a: a)
+                outs = outs if isinstance(outs, (tuple, list)) else [outs]
+                reach: list[set[int]] = [set() for _ in inputs]
+                for k, o in enumerate(outs):
+                    for i in deps.get(o, ()) if isinstance(o, fx.Node) else ():
+                        reach[i].add(k)
+                return [frozenset(r) for r in reach]
+            else:
+                deps[node] = frozenset().union(*(deps.get(a, frozenset()) for a in node.all_input_nodes))
+        return [frozenset() for _ in inputs]
+
     @property
     def eager(self) -> Callable:
         if self._eager is None:
@@ -118,6 +141,7 @@ class _Guard(torch.autograd.Function):
         with torch.enable_grad():
             outs = tuple(program.compiled(primals)(*primals))
         ctx.program, ctx.primals, ctx.outs = program, primals, outs
+        ctx.set_materialize_grads(False)  # an output the loss does not use has no cotangent
         ctx.save_for_backward(*inputs)
         results = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*[r for r in results if not r.dtype.is_floating_point])
@@ -126,7 +150,9 @@ class _Guard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         inputs = ctx.saved_tensors
-        needs = [i for i in range(len(inputs)) if ctx.needs_input_grad[1 + i]]
+        used = {k for k, c in enumerate(cotangents) if c is not None}
+        reaches = ctx.program.reaches
+        needs = [i for i in range(len(inputs)) if ctx.needs_input_grad[1 + i] and reaches[i] & used]
         grads: list = [None] * len(inputs)
         create = torch.is_grad_enabled()
         if create or ctx.outs is None:
@@ -142,8 +168,10 @@ class _Guard(torch.autograd.Function):
                 outs = program.eager(*primals)
         else:  # a plain backward: the compiled one
             primals, outs, ctx.primals, ctx.outs = ctx.primals, ctx.outs, None, None
+            zeros = [torch.zeros_like(o) if c is None and o.dtype.is_floating_point else c
+                     for o, c in zip(outs, cotangents)]
             with _compile_errors(ctx.program):
-                direct = _compiled_backward(outs, primals, cotangents)
+                direct = _compiled_backward(outs, primals, zeros)
             if direct is not None:
                 return (None, *[g if i in needs else None for i, g in enumerate(direct)])
         pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
