@@ -75,7 +75,8 @@ class _Operator(Rebuilt):
     """Shared machinery: a compiled program of ``u`` over the first-order directions."""
 
     def __init__(self, u: Callable, order: int, wrt, *, batch_dim, directions, weights, collapse: int | None,
-                 backend, mode, roots: dict | None = None, nestable: bool = False):
+                 backend, mode, roots: dict | None = None, nestable: bool = False, chunk_size: int | None = None,
+                 memory_budget: float | None = None):
         if not callable(u):
             raise InvalidArgumentError(f"expected a function, got {type(u).__name__}")
         _check_wrt(wrt)
@@ -85,7 +86,8 @@ class _Operator(Rebuilt):
         spec = OperatorSpec(collapse=collapse, directions=DIRECTIONS if directions is not None else None,
                             weights=WEIGHTS if weights is not None else None)
         self.compiled = Compiled(_wrapper(u, extra), order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
-                                 diagonal=True, operator=spec, roots=roots or {"u": u}, nestable=nestable)
+                                 diagonal=True, operator=spec, roots=roots or {"u": u}, nestable=nestable,
+                                 chunk_size=chunk_size, memory_budget=memory_budget)
 
     @property
     def graph(self):
@@ -156,9 +158,10 @@ class Laplacian(_Operator):
     ``value``, ``directional``, ``gradient`` and ``laplacian``."""
 
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
-                 mode="auto", nestable: bool = False):
+                 mode="auto", chunk_size=None, memory_budget=None, nestable: bool = False):
         self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                             backend=backend, mode=mode, nestable=nestable)
+                             backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget,
+                             nestable=nestable)
         given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
         if len(given) > 1:
             raise InvalidArgumentError(f"give one of weights=, factor= and directions=, got {given}")
@@ -178,7 +181,8 @@ class Laplacian(_Operator):
             collapse_weights = _mean_weights(seeds)
         self._identity = seeds is None
         super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
-                         backend=backend, mode=mode, nestable=nestable)
+                         backend=backend, mode=mode, nestable=nestable, chunk_size=chunk_size,
+                         memory_budget=memory_budget)
 
     def _eigenpairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """C = Q diag(λ) Qᵀ as (Qᵀ, λ): Σ_k λ_k q_kᵀ ∇²u q_k; redone when C's values changed."""
@@ -287,11 +291,11 @@ class Biharmonic(Rebuilt):
     """
 
     def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
-                 mode="auto"):
+                 mode="auto", chunk_size=None, memory_budget=None):
         self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                             backend=backend, mode=mode)
+                             backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
         self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                               backend="eager", mode=mode, nestable=True)
+                               backend="eager", mode=mode, nestable=True, memory_budget=memory_budget)
         inner = self.inner
 
         def laplacian_of_u(*args, **kwargs):
@@ -299,7 +303,8 @@ class Biharmonic(Rebuilt):
 
         laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
         self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
-                               directions=directions, backend=backend, mode=mode)
+                               directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
+                               memory_budget=memory_budget)
         self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
 
     @property
@@ -327,12 +332,14 @@ class Taylor(_Operator):
     """``hoad.taylor(u, order=K, directions=V)``: ``result[k]`` is ∂^k u[v, …, v] for every direction
     v (last axis S), k = 0..K."""
 
-    def __init__(self, u, order: int, wrt=0, *, directions, batch_dim=None, backend=None, mode="auto"):
-        self._keep_arguments(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode)
+    def __init__(self, u, order: int, wrt=0, *, directions, batch_dim=None, backend=None, mode="auto",
+                 chunk_size=None, memory_budget=None):
+        self._keep_arguments(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
+                             chunk_size=chunk_size, memory_budget=memory_budget)
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
         super().__init__(u, order, wrt, batch_dim=batch_dim, directions=_directions(directions), weights=None,
-                         collapse=None, backend=backend, mode=mode)
+                         collapse=None, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
         self.order = order
 
     def __call__(self, *args, **kwargs) -> TaylorResult:
@@ -366,7 +373,7 @@ class TaylorResult:
 
 def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, backend: str | None = None,
-              mode: str = "auto") -> Laplacian:
+              mode: str = "auto", chunk_size: int | None = None, memory_budget: float | None = None) -> Laplacian:
     """The Laplacian Δu = Σ_i ∂²u/∂x_i² of ``u`` with respect to input ``wrt``, computed collapsed.
 
     ``weights=C`` (symmetric D×D, D the entries of one point): tr(C ∇²u). ``factor=L`` (D×S):
@@ -377,24 +384,28 @@ def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torc
     Laplacian per sample. Non-scalar outputs get one Laplacian per output entry. The result is
     differentiable (train through it); ``.gradient`` is ∇u (None for ``factor`` and
     ``directions``, where ``.directional`` holds the derivatives along each direction).
+    ``chunk_size`` and ``memory_budget`` mean what they mean for :func:`hoad.compile`.
     """
     return Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                     backend=backend, mode=mode)
+                     backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
 
 
 def taylor(u: Callable, order: int, directions: torch.Tensor, wrt=0, *, batch_dim: int | None = None,
-           backend: str | None = None, mode: str = "auto") -> Taylor:
+           backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
+           memory_budget: float | None = None) -> Taylor:
     """Directional Taylor coefficients: ``taylor(u, order=K, directions=V)(x)[k]`` is
     ∂^k u[v, …, v] = d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis)."""
-    return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode)
+    return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
+                  chunk_size=chunk_size, memory_budget=memory_budget)
 
 
 def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
                factor: torch.Tensor | None = None, directions: torch.Tensor | None = None,
-               backend: str | None = None, mode: str = "auto") -> Biharmonic:
+               backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
+               memory_budget: float | None = None) -> Biharmonic:
     """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu).
 
     ``weights=C``, ``factor=L`` and ``directions=V`` mean what they mean for :func:`laplacian`,
     applied twice: ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u."""
     return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                      backend=backend, mode=mode)
+                      backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)

@@ -246,8 +246,11 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
     if not c.diagonal:
         ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
-    ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is what you need")
-    ways.append("a lower order or fewer wrt inputs")
+    if c.operator is None:
+        ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is "
+                    "what you need")
+    if c.operator is None:
+        ways.append("a lower order or fewer wrt inputs")
     return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
 

@@ -400,3 +400,24 @@ def test_biharmonic_of_a_recurrent_layer_per_sample():
     lap = lambda x: torch.trace(jacrev(jacrev(one))(x).reshape(6, 6))  # noqa: E731
     want = torch.stack([torch.trace(jacrev(jacrev(lap))(x).reshape(6, 6)) for x in X])
     assert_close(hoad.biharmonic(u, batch_dim=0, backend="eager")(X).biharmonic, want, "biharmonic")
+
+
+def test_following_a_memory_budget_errors_advice_works_for_an_operator():
+    """The error advised chunk_size= and memory_budget=, which hoad.laplacian did not accept
+    (a TypeError), and an operator, which the call already was."""
+    import re
+
+    torch.manual_seed(9)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double()
+    u = lambda P: net(P).squeeze(-1)  # noqa: E731
+    P = torch.rand(200, 2, dtype=torch.float64)
+    with pytest.raises(hoad.MemoryBudgetError) as info:
+        hoad.laplacian(u, batch_dim=0, backend="eager", memory_budget=2e5)(P)
+    assert "an operator" not in str(info.value)
+    n = int(re.search(r"chunk_size=(\d+)", str(info.value)).group(1))
+    got = hoad.laplacian(u, batch_dim=0, backend="eager", memory_budget=2e5, chunk_size=n)(P).laplacian
+    assert_close(got, hoad.laplacian(u, batch_dim=0, backend="eager")(P).laplacian, "chunked")
+    for op in (hoad.biharmonic(u, batch_dim=0, backend="eager", chunk_size=n),
+               hoad.taylor(u, order=2, directions=torch.eye(2, dtype=torch.float64), batch_dim=0, backend="eager",
+                           chunk_size=n)):
+        op(P)
