@@ -286,6 +286,9 @@ class Compiled(Rebuilt):
         reaches every parameter from the results (training through derivatives)."""
         state = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
+        if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in state.values()):
+            raise CaptureError("the module has lazy layers (nn.LazyLinear, say) whose parameters are not initialized "
+                               "yet; call it once on an example batch before hoad traces it")
         return state
 
     def _stateful(self, state: dict, *args, **kwargs):

@@ -519,6 +519,9 @@ def untouched(roots: dict):
     object gets its old value back, and the caller decides what the store means."""
     tensors: dict[int, torch.Tensor] = {}
     for obj in _reachable(roots):
+        if isinstance(obj, torch.nn.parameter.UninitializedTensorMixin):
+            raise CaptureError("the function uses a lazy module (nn.LazyLinear, say) whose parameters are not "
+                               "initialized yet; call it once on an example batch before hoad traces it")
         if isinstance(obj, torch.Tensor) and not obj.is_inference():
             tensors.setdefault(id(obj), obj)
     holders = [(obj, table, table.copy()) for obj in _reachable(roots, into_hoad=False) for table in _tables(obj)]

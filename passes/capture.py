@@ -351,8 +351,8 @@ def _output_node(gm: fx.GraphModule):
 
 
 def _describe(x) -> str:
-    if isinstance(x, (list, tuple)):
-        return f"a {type(x).__name__} of {len(x)} values"
+    if isinstance(x, (list, tuple)):  # (fx holds a returned list as its immutable_list)
+        return f"a {'tuple' if isinstance(x, tuple) else 'list'} of {len(x)} values"
     if isinstance(x, dict):
         return "a dict"
     return type(x).__name__

@@ -202,6 +202,10 @@ def test_tuple_output():
     raises(hoad.OutputError, lambda: cf(X), "tuple", "single tensor", "stack")
 
 
+def test_list_output_is_named_a_list():  # (it was "a immutable_list", torch.fx's container)
+    raises(hoad.OutputError, lambda: hoad.compile(lambda x: [x.sum(), x.prod()], order=1)(X), "got a list of 2 values")
+
+
 def test_none_output():
     raises(hoad.OutputError, lambda: hoad.compile(lambda x: None, order=1)(X), "tensor")
 

@@ -545,3 +545,14 @@ def test_a_submodule_called_twice_keeps_its_parameters():
     for n, g in zip(names, grads):
         assert_close(res[n].sum((0, 1)), g, n)
     assert all(type(p) is nn.Parameter and p.requires_grad for p in m.parameters())
+
+
+def test_a_lazy_module_before_its_first_call_is_a_capture_error():
+    """It was a HoadInternalError (a closure over it) or a raw RuntimeError (compiled itself)."""
+    net = nn.Sequential(nn.LazyLinear(4, dtype=torch.float64), nn.Tanh())
+    P = rand(3, 2, seed=62)
+    for f in (net, lambda P: net(P).sum()):
+        with pytest.raises(hoad.CaptureError, match="lazy"):
+            hoad.compile(f, order=1, backend="eager")(P)
+    net(P)
+    hoad.compile(net, order=1, backend="eager")(P)
