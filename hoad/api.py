@@ -402,7 +402,8 @@ class Compiled(Rebuilt):
             self._twins.clear()
             self._families.clear()
             self._edits = EDITS[0]
-        if (not nested and self.module is None and all(type(a) is torch.Tensor for a in args)
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None  # under torch.func.grad, vmap
+        if (not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args)
                 and all(type(v) is torch.Tensor for v in kwargs.values())):
             # fast path: tensors only, no pytree needed (~20 us per call less); keyword ones are
             # leaves after the positional ones in the order given, as pytree flattens them
@@ -426,6 +427,11 @@ class Compiled(Rebuilt):
         leaves, treedef = pytree.tree_flatten((args, kwargs))
         key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
         config = self.config
+        if transformed and not nested and config.backend != "eager":
+            # compiled kernels take plain tensors and hoad's kernels have no functorch rules: the
+            # transform runs an eager twin of the program
+            config = dataclasses.replace(config, backend="eager")
+            key = ("transformed", key)
         if nested and (config.backend, config.nestable) != ("eager", True):
             # the outer program differentiates this program's ops: an eager twin made for it
             config = dataclasses.replace(config, backend="eager", nestable=True)

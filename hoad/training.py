@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from hoad.errors import CompileError
+from hoad.errors import CompileError, ExecutionError
 from hoad.lowering.inductor import hoad_inductor, use_cache_dir
 from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
@@ -149,6 +149,13 @@ class _Guard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cotangents):
+        if torch._C._functorch.peek_interpreter_stack() is not None or any(
+                c is not None and (torch._C._functorch.is_legacy_batchedtensor(c)
+                                   or torch._C._functorch.is_batchedtensor(c)) for c in cotangents):
+            raise ExecutionError(
+                f"the backward of {ctx.program.label}, compiled by Inductor, ran under a torch.func transform "
+                "(autograd.grad(..., is_grads_batched=True) vmaps it); hoad's compiled kernels have no batching rules. "
+                "backend='eager' runs the same program under any transform")
         inputs = ctx.saved_tensors
         used = {k for k, c in enumerate(cotangents) if c is not None}
         reaches = ctx.program.reaches

@@ -501,3 +501,28 @@ def test_a_parameter_the_loss_does_not_reach_gets_no_gradient(backend):
     (lap(rand(16, 2, seed=122)).laplacian ** 2).mean().backward()
     assert net[2].bias.grad is None
     assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+
+
+def test_torch_func_transforms_over_an_inductor_program():
+    """torch.func.grad and vmap over an Inductor program failed with raw torch errors (compiled
+    kernels take plain tensors); they run an eager twin. A batched backward is a clear error."""
+    torch.manual_seed(10)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    P = rand(8, 2, seed=123)
+    u = lambda P, params: torch.func.functional_call(net, params, (P,)).squeeze(-1)  # noqa: E731
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    lap = hoad.laplacian(u, batch_dim=0, backend="inductor")
+
+    def reference(params):
+        return vmap(hessian(lambda x: u(x[None], params)[0]))(P).diagonal(dim1=1, dim2=2).sum(-1)
+
+    loss = lambda params: (lap(P, params).laplacian ** 2).mean()  # noqa: E731
+    loss(params)  # the Inductor program first
+    got, want = torch.func.grad(loss)(params), torch.func.grad(lambda p: (reference(p) ** 2).mean())(params)
+    for n in got:
+        assert_close(got[n], want[n], n)
+    assert_close(vmap(lambda x: lap(x[None], params).laplacian[0])(P), reference(params), "vmap")
+    live = dict(net.named_parameters())
+    r = hoad.laplacian(lambda P: net(P).squeeze(-1), batch_dim=0, backend="inductor")(P).laplacian
+    with pytest.raises(hoad.ExecutionError, match="is_grads_batched"):
+        torch.autograd.grad(r, live["0.weight"], grad_outputs=torch.eye(8, dtype=torch.float64), is_grads_batched=True)
