@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -319,6 +320,7 @@ class Compiled(Rebuilt):
             t.copy_(now)
 
     # ------------------------------------------------------------------------------- calling
+    @torch._dynamo.disable  # inside a torch.compile'd function: a graph break, hoad runs its own program
     def __call__(self, *args, **kwargs) -> Derivatives:
         n = self.config.chunk_size
         if n is not None and get_proxy_mode() is None:

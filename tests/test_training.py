@@ -526,3 +526,23 @@ def test_torch_func_transforms_over_an_inductor_program():
     r = hoad.laplacian(lambda P: net(P).squeeze(-1), batch_dim=0, backend="inductor")(P).laplacian
     with pytest.raises(hoad.ExecutionError, match="is_grads_batched"):
         torch.autograd.grad(r, live["0.weight"], grad_outputs=torch.eye(8, dtype=torch.float64), is_grads_batched=True)
+
+
+def test_a_torch_compiled_training_step_calls_hoad_through_a_graph_break():
+    """Dynamo traced into hoad's call on the first call (InternalTorchDynamoError); hoad's calls
+    are graph breaks, and the loss and its gradients are those of the plain step."""
+    torch._dynamo.reset()
+    torch.manual_seed(11)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    lap = hoad.laplacian(lambda P: net(P).squeeze(-1), batch_dim=0, backend="eager")
+    P = rand(16, 2, seed=124)
+
+    def step(P):
+        return ((lap(P).laplacian + 1) ** 2).mean()
+
+    compiled = torch.compile(step, backend="eager")
+    got = torch.autograd.grad(compiled(P), list(net.parameters()), allow_unused=True)
+    want = torch.autograd.grad(step(P), list(net.parameters()), allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None and w is None) or torch.allclose(g, w, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
