@@ -83,13 +83,19 @@ def own_outputs(gm: fx.GraphModule) -> bool:
     """Give each output that is an input, a constant, or a view of one its own copy, in place: the
     Jacobian of ``W @ x`` is W itself, a constant Hessian is the hoisted prefix's cached value, and
     a caller editing a result in place (damping ``H.diagonal().add_(λ)``) would otherwise edit
-    the user's tensor or what later calls return."""
+    the user's tensor or what later calls return. So does each output after the first that shares
+    its memory with another (∂/∂x and ∂/∂y of exp(x + y) are one node)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     changed = False
+    bases: set = set()
 
     def owned(a):
         nonlocal changed
-        if not isinstance(a, fx.Node) or not _aliases_storage_of_input(a):
+        if not isinstance(a, fx.Node):
+            return a
+        base = _storage_base(a)
+        if base.op not in ("placeholder", "get_attr") and base not in bases:
+            bases.add(base)
             return a
         with gm.graph.inserting_before(out):
             copy = traced_call(gm.graph, torch.ops.aten.clone.default, (a,))
@@ -102,13 +108,14 @@ def own_outputs(gm: fx.GraphModule) -> bool:
     return changed
 
 
-def _aliases_storage_of_input(node: fx.Node) -> bool:
+def _storage_base(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` is (itself, unless it is a view)."""
     while node.op == "call_function":
         schema = getattr(node.target, "_schema", None)
         if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
-            return False
+            return node
         node = node.args[0]
-    return node.op in ("placeholder", "get_attr")
+    return node
 
 
 def fold_broadcasts(gm: fx.GraphModule, wrt_leaves) -> fx.GraphModule:

@@ -568,6 +568,15 @@ def test_editing_a_result_in_place_changes_no_other_tensor(backend):
     assert_close(quadratic(x)[0, 0], A + A.T, "quadratic")
     assert torch.equal(W, W0) and torch.equal(linear(x)[0], W0)
     assert_close(square(x)[0, 0], 2 * torch.eye(3, dtype=x.dtype), "square")
+    # blocks the program computes by one node: ∂/∂x and ∂/∂y of exp(x + y); exp's pure derivatives
+    y = rand(3, seed=74)
+    res = hoad.compile(lambda x, y: (x + y).exp().sum(), order=2, wrt=(0, 1), backend=backend)(x, y)
+    res[0].mul_(0.1)
+    assert_close(res[1], (x + y).exp(), "∂/∂y after editing ∂/∂x")
+    X = rand(4, 3, seed=75)
+    res = hoad.compile(lambda X: X.exp().sum(-1), order=2, batch_dim=0, diagonal=True, backend=backend)(X)
+    res[0].zero_()
+    assert_close(res[0, 0], X.exp(), "∂² after editing ∂")
 
 
 class _Consts:  # class attributes read through the class itself, as a config
