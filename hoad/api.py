@@ -273,13 +273,19 @@ class Compiled(Rebuilt):
         """``@hoad.compile`` on a method: each instance gets its own compiled callable."""
         if instance is None:
             return self
-        bound = self._bound.get(instance)
+        # kept on the instance (a weak table whose values hold their keys never let one go)
+        own = getattr(instance, "__dict__", None)
+        slot = f"_hoad_{getattr(self.fn, '__name__', 'method')}_{id(self):x}"
+        bound = own.get(slot) if isinstance(own, dict) else self._bound.get(instance)
         if bound is None:
             if isinstance(instance, torch.nn.Module):
                 bound = Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
             else:  # a plain object: it is a non-tensor argument of the function
                 bound = Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
-            self._bound[instance] = bound
+            if isinstance(own, dict):
+                own[slot] = bound
+            else:  # (__slots__: no place of its own)
+                self._bound[instance] = bound
         return bound
 
     def _state(self) -> dict[str, torch.Tensor]:

@@ -696,7 +696,8 @@ def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:
     if not isinstance(attrs, dict):
         return
     for name, value in list(attrs.items())[:MAX_ITEMS]:
-        if isinstance(name, str) and name not in skip and not name.startswith("__"):
+        # (not hoad's own programs a decorated method keeps on its instance)
+        if isinstance(name, str) and name not in skip and not name.startswith(("__", "_hoad_")):
             yield ("attr", name), value
 
 

@@ -556,3 +556,28 @@ def test_a_lazy_module_before_its_first_call_is_a_capture_error():
             hoad.compile(f, order=1, backend="eager")(P)
     net(P)
     hoad.compile(net, order=1, backend="eager")(P)
+
+
+def test_an_instance_whose_decorated_method_ran_is_freed():
+    """Each instance's program sat in a weak table whose value held its key: no instance whose
+    decorated method was called was ever freed (a hyperparameter search kept every model)."""
+    import gc
+    import weakref
+
+    class Energy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2, dtype=torch.float64)
+
+        @hoad.compile(order=2, backend="eager")
+        def energy(self, x):
+            return self.fc(x).tanh().sum()
+
+    refs = []
+    for seed in range(3):
+        m = Energy()
+        m.energy(rand(2, 3, seed=63 + seed))
+        refs.append(weakref.ref(m))
+        del m
+    gc.collect()
+    assert all(r() is None for r in refs)
