@@ -415,7 +415,7 @@ class Compiled(Rebuilt):
                 and all(type(v) is torch.Tensor for v in kwargs.values())):
             # fast path: tensors only, no pytree needed (~20 us per call less); keyword ones are
             # leaves after the positional ones in the order given, as pytree flattens them
-            key = tuple((a.shape, a.dtype, a.device) for a in args)
+            key = tuple((a.shape, a.dtype, a.device) for a in args) + (_ambient(),)
             if kwargs:
                 key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
             entry = self._cache.get(key)
@@ -433,7 +433,7 @@ class Compiled(Rebuilt):
             if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
                 extra += (self._expanded_wrt(),)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
-        key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra)
+        key = key or (treedef, tuple(_leaf_key(leaf) for leaf in leaves), extra, _ambient())
         config = self.config
         if transformed and not nested and config.backend != "eager":
             # compiled kernels take plain tensors and hoad's kernels have no functorch rules: the
@@ -824,12 +824,12 @@ class _Entry:
         if self.build.captured.strided:
             _check_own_storage(tensors, list(self.build.layout.names) + [f"c{i}" for i in range(len(free or ()))])
         try:
-            if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
-                outs = self._traced(tensors)
-            elif self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                outs = self.trainable(*tensors)
+            if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+                # the trace recorded autocast's casts (its signature says so): the program runs as recorded
+                with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                    outs = self._run(tensors)
             else:
-                outs = self.run(*tensors)
+                outs = self._run(tensors)
         except HoadError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
@@ -838,6 +838,13 @@ class _Entry:
                 "fails on these inputs (an index out of range, say), the program does too; otherwise please "
                 "report it") from e
         return self.spec.result(outs)
+
+    def _run(self, tensors) -> tuple:
+        if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
+            return self._traced(tensors)
+        if self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return self.trainable(*tensors)
+        return self.run(*tensors)
 
     def _traced(self, tensors) -> tuple:
         """The eager program on traced values, its prefix recomputed (cached prefix values would
@@ -869,6 +876,13 @@ def _is_nested(key) -> bool:
 def _meta(t: torch.Tensor, strides: bool) -> tuple:
     """What a program assumes of a free tensor: an Inductor program its strides too (it asserts them)."""
     return t.shape, t.dtype, t.device, t.stride() if strides else None
+
+
+def _ambient() -> tuple:
+    """Process-wide settings that change what a traced function computes, so part of a call's
+    signature: the default dtype (``torch.zeros(3)``) and autocast (which the trace bakes in)."""
+    return (torch.get_default_dtype(), torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

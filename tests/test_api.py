@@ -493,3 +493,35 @@ def test_blocks_of_mixed_dtype_inputs_share_the_value_dtype():
     x, y = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float32)
     res = hoad.compile(lambda x, y: (x * y.sin()).sum(), order=2, wrt=(0, 1), backend="eager")(x, y)
     assert {res[k].dtype for k in res} == {torch.float64}
+
+
+def test_autocast_and_the_default_dtype_are_part_of_a_calls_signature():
+    """A program traced under bfloat16 autocast kept returning bfloat16 outside it; a float32
+    program called inside autocast failed; a program built under the float32 default dtype kept
+    building float32 tensors under a float64 default."""
+    W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def f(x):
+        return torch.tanh(x @ W).pow(2).sum()
+
+    cf = hoad.compile(f, order=2, backend="eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cf(x).value.dtype == torch.bfloat16
+    assert cf(x).value.dtype == torch.float32
+    torch.testing.assert_close(cf(x)[0], torch.func.grad(f)(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cf(x).value.dtype == torch.bfloat16
+
+    def g(x):
+        return (x.sin() * torch.linspace(0, 1, 3)).sum()
+
+    cg = hoad.compile(g, order=1, backend="eager")
+    x3 = torch.randn(3, generator=torch.Generator().manual_seed(2))
+    cg(x3)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert cg(x3).value.dtype == g(x3).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(before)
