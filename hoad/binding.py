@@ -360,6 +360,11 @@ def find_guards(roots: dict) -> list[Guard]:
                 if _is_array(child):  # torch.from_numpy(charges) bakes its values in: compared by value
                     values.append((step, child.copy()))
                     continue
+                if _is_array(child, any_size=True):
+                    log.warning("hoad: the function may read the numpy array %s (%d entries) and bake its values into "
+                                "the program; arrays this large are not compared at each call, so changes to it are "
+                                "not seen: pass it as a tensor (torch.from_numpy shares its memory)",
+                                Source(root, steps + (step,)).name, child.size)
                 if _is_code(child):  # a submodule, a function: swapped for another, the code differs
                     values.append((step, child))
                 following.append((root, child, steps + (step,)))
@@ -438,10 +443,11 @@ def _is_scalar(v) -> bool:
         return False
 
 
-def _is_array(v) -> bool:
-    """A numpy array a guard can watch by value (copied when traced): numbers, up to 2^16 entries."""
+def _is_array(v, any_size: bool = False) -> bool:
+    """A numpy array a guard can watch by value (copied when traced): numbers, up to 2^16 entries
+    (any number where ``any_size``)."""
     return type(v).__name__ == "ndarray" and type(v).__module__ == "numpy" and v.dtype.kind in "biufc" \
-        and v.size <= 1 << 16
+        and (any_size or v.size <= 1 << 16)
 
 
 def _attributes_read(objects: list) -> set[str]:

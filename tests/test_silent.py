@@ -579,6 +579,20 @@ def test_editing_a_result_in_place_changes_no_other_tensor(backend):
     assert_close(res[0, 0], X.exp(), "∂² after editing ∂")
 
 
+def test_a_numpy_array_too_large_to_compare_is_named_in_a_warning(caplog):
+    """Arrays up to 2^16 entries are compared at each call; a larger one was baked in silently."""
+    import numpy as np
+
+    table = np.ones(70000)
+
+    def f(x):
+        return (x * torch.from_numpy(table)[:3]).sin().sum()
+
+    with caplog.at_level("WARNING", logger="hoad"):
+        hoad.compile(f, order=1, backend="eager")(rand(3, seed=76))
+    assert "numpy array table (70000 entries)" in caplog.text and "pass it as a tensor" in caplog.text
+
+
 class _Consts:  # class attributes read through the class itself, as a config
     T = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     k = 2.0
