@@ -217,7 +217,7 @@ _STEP: dict[str, Callable] = {
     "attr": getattr,
     "item": lambda c, k: c[k],
     "type": lambda o, _: type(o),
-    "modules": lambda m, _: tuple(m._modules),
+    "modules": lambda m, _: tuple(m._modules.keys()),
     "hooks": lambda m, _: _hooks(m),
     "len": lambda c, _: len(c),
 }
@@ -369,7 +369,7 @@ def find_guards(roots: dict) -> list[Guard]:
                     values.append((step, child))
                 following.append((root, child, steps + (step,)))
             if isinstance(obj, torch.nn.Module):  # layers appended or removed; forward patched
-                values += [(("modules", None), tuple(obj._modules)), (("attr", "forward"), obj.forward),
+                values += [(("modules", None), tuple(obj._modules.keys())), (("attr", "forward"), obj.forward),
                            (("hooks", None), _hooks(obj))]
             elif isinstance(obj, (list, tuple, dict)) and any(
                     isinstance(c, torch.Tensor) or _is_code(c) for _, c in children):
@@ -567,8 +567,8 @@ class Rebinding:
 def _tables(obj) -> list:
     """The dicts and lists through which code stores values on ``obj``: a module's attributes and
     its parameter and buffer tables, an object's ``__dict__``, or the container itself."""
-    if isinstance(obj, torch.nn.Module):
-        return [obj.__dict__, obj._parameters, obj._buffers]
+    if isinstance(obj, torch.nn.Module):  # (a ScriptModule's tables are wrappers: not followed)
+        return [t for t in (obj.__dict__, obj._parameters, obj._buffers) if isinstance(t, dict)]
     if isinstance(obj, (dict, list)):
         return [obj]
     if isinstance(obj, (types.FunctionType, types.MethodType, types.ModuleType, type, functools.partial)):

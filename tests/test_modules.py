@@ -581,3 +581,13 @@ def test_an_instance_whose_decorated_method_ran_is_freed():
         del m
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_module_inside_the_function(how):
+    """A ScriptModule's tables are wrappers that do not iterate as dicts: a HoadInternalError."""
+    lin = nn.Linear(3, 3, dtype=torch.float64)
+    x = rand(2, 3, seed=64)
+    sm = torch.jit.script(lin) if how == "script" else torch.jit.trace(lin, (x,))
+    cf = hoad.compile(lambda x: torch.tanh(sm(x)).sum(), order=2, backend="eager")
+    assert_close(cf(x)[0, 0], jacfwd(jacrev(lambda x: torch.tanh(lin(x)).sum()))(x), "Hessian")
