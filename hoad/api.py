@@ -358,6 +358,17 @@ class Compiled(Rebuilt):
                                        f"{[v.shape[0] for v in values]} along dim 0")
         if samples <= n:
             return None
+        wrt_ids = {id(v) for v in values}
+        others = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+            (repr(k), v) for k, v in kwargs.items() if not k.startswith("hoad_")]  # (an operator's own: shared)
+        for name, t in others:
+            if isinstance(t, torch.Tensor) and id(t) not in wrt_ids and t.ndim > 0 and t.shape[0] == samples:
+                # which of them hold samples, chunk_size cannot tell: a shared (B, ...) tensor split
+                # would be silently wrong, a per-sample one kept whole fails to broadcast
+                raise InvalidArgumentError(
+                    f"chunk_size={n} splits the wrt inputs along dim 0, and the tensor {name} (shape "
+                    f"{tuple(t.shape)}) also has {samples} rows: hoad cannot tell whether it holds samples. Split the "
+                    f"call into chunks yourself, or drop chunk_size")
         chunks = []
         for start in range(0, samples, n):
             kept = min(n, samples - start)

@@ -371,6 +371,9 @@ class TaylorResult:
     def __len__(self) -> int:
         return self.order + 1
 
+    def __iter__(self):
+        return (self[k] for k in range(self.order + 1))
+
     def __repr__(self) -> str:
         return f"TaylorResult(order={self.order}, shapes={[tuple(self[k].shape) for k in range(self.order + 1)]})"
 

@@ -417,7 +417,7 @@ def _raise_capture_error(e: Exception) -> None:
         at = f" at {line}" if line else ""
         raise DataDependentControlFlowError(
             f"Python control flow or a shape depends on tensor values{at}. One derivative program must serve "
-            "every input value: replace `if tensor_condition:` with torch.where(...) or torch.cond, and avoid "
+            "every input value: replace `if tensor_condition:` with torch.where(...) (both branches computed), and avoid "
             ".item()/.tolist()/nonzero() on traced tensors."
         ) from e
     if "does not require grad and does not have a grad_fn" in str(e):  # torch.autograd.grad or .backward()

@@ -268,6 +268,11 @@ class _Interpreter:
 
     def _rule(self, table: dict, node: fx.Node):
         rule = table.get(node.target)
+        if rule is None and getattr(node.target, "__name__", "") in ("cond", "while_loop", "map_impl", "scan"):
+            raise UnsupportedOperatorError(
+                f"torch.{node.target.__name__} (node {node.name}){self.where(node)} runs one of several subgraphs chosen by "
+                "tensor values; hoad builds one derivative program for every input value. Compute both branches and "
+                "pick with torch.where(condition, a, b)")
         if rule is None:
             how = ("Register one with hoad.register_elementwise (its scalar derivatives), hoad.register_linear (its "
                    "transpose) or hoad.register_rule" if getattr(node.target, "namespace", "aten") != "aten" else

@@ -525,3 +525,15 @@ def test_autocast_and_the_default_dtype_are_part_of_a_calls_signature():
         assert cg(x3).value.dtype == g(x3).dtype == torch.float64
     finally:
         torch.set_default_dtype(before)
+
+
+def test_chunk_size_with_another_tensor_of_as_many_rows_is_refused():
+    """Only the wrt inputs are split: a per-sample source term kept whole failed to broadcast, with
+    an error blaming the trace; a shared (B, ...) tensor split would be wrong, so it is refused."""
+    X, F = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    cf = hoad.compile(lambda X, F: (X.sin() * F).sum(-1), order=1, batch_dim=0, chunk_size=4)
+    with pytest.raises(hoad.InvalidArgumentError, match="argument 1 .*6 rows"):
+        cf(X, F)
+    lap = hoad.laplacian(lambda X: X.sin().sum(-1), batch_dim=0, directions=torch.eye(3, dtype=torch.float64),
+                         chunk_size=2)
+    lap(torch.randn(3, 3, dtype=torch.float64))  # directions with as many rows as samples: the operator's own

@@ -481,3 +481,15 @@ def test_naming_a_star_args_parameter_says_to_use_positions():
     x = torch.randn(3, dtype=torch.float64)
     with pytest.raises(hoad.InvalidArgumentError, match="by position"):
         hoad.compile(lambda *a: (a[0] * a[1]).sum(), order=1, wrt="a", backend="eager")(x, x)
+
+
+def test_torch_cond_names_torch_where():
+    """torch.cond was advised by one error and refused by the next with advice to register a rule."""
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,)).sum()
+
+    raises(hoad.UnsupportedOperatorError, lambda: hoad.compile(f, order=1)(X), "torch.cond", "torch.where")
+    try:
+        hoad.compile(lambda x: x.sin().sum() if x.sum() > 0 else x.sum(), order=1)(X)
+    except hoad.DataDependentControlFlowError as e:
+        assert "torch.cond" not in str(e)

@@ -421,3 +421,11 @@ def test_following_a_memory_budget_errors_advice_works_for_an_operator():
                hoad.taylor(u, order=2, directions=torch.eye(2, dtype=torch.float64), batch_dim=0, backend="eager",
                            chunk_size=n)):
         op(P)
+
+
+def test_a_taylor_result_unpacks():
+    """It had __len__ and __getitem__ but no __iter__: unpacking ran past the end into an error."""
+    value, first, second = hoad.taylor(lambda x: x.sin().sum(), order=2, directions=torch.eye(2, dtype=torch.float64),
+                                       backend="eager")(torch.zeros(2, dtype=torch.float64))
+    assert_close(first, torch.ones(2, dtype=torch.float64), "first")
+    assert_close(second, torch.zeros(2, dtype=torch.float64), "second")
