@@ -385,14 +385,22 @@ class Compiled(Rebuilt):
         return chunks
 
     def _joined(self, chunks: list) -> Derivatives:
-        parts = []
+        """The chunks' results written into the joined ones as each chunk finishes: the call holds
+        the joined results and one chunk's program, not every chunk's results besides."""
+        total = sum(kept for _a, _k, kept in chunks)
+        value = blocks = first = None
+        at = 0
         for i, (a, k, kept) in enumerate(chunks):
-            parts.append((self._call(*a, **k), kept))
+            r = self._call(*a, **k)
             if i == 0:
                 self._check_joined_size(len(chunks))
-        first = parts[0][0]
-        value = torch.cat([r.value[:kept] for r, kept in parts])
-        blocks = {K: torch.cat([r._blocks[K][:kept] for r, kept in parts]) for K in first._blocks}
+                first = r
+                value = r.value.new_empty((total, *r.value.shape[1:]))
+                blocks = {K: b.new_empty((total, *b.shape[1:])) for K, b in r._blocks.items()}
+            value[at:at + kept] = r.value[:kept]
+            for K, b in r._blocks.items():
+                blocks[K][at:at + kept] = b[:kept]
+            at += kept
         return Derivatives(value, blocks, first._spec)
 
     def _check_joined_size(self, chunks: int) -> None:
@@ -400,12 +408,18 @@ class Compiled(Rebuilt):
         memory = self._last.build.stats.get("memory") if self._last is not None else None
         if not memory or memory["budget"] is None:
             return
-        total = memory["plan"].results * chunks
-        if total > memory["budget"]:
+        plan, budget = memory["plan"], memory["budget"]
+        results = plan.results * chunks
+        total = results + plan.peak  # (the joined results, and one chunk's program)
+        if total > budget:
+            n = self.config.chunk_size
+            fit = int(n * (budget - results) / plan.peak * 0.75) if budget > results else 0
+            smaller = f"chunk_size={fit}; " if 1 <= fit < n else ""
             raise MemoryBudgetError(
-                f"the results of all {chunks} chunks take {human(total)}, over the memory budget of "
-                f"{human(memory['budget'])}: chunking bounds the program's working memory, not its results. Ways "
-                "out: diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order, or fewer samples per call")
+                f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
+                f"memory budget of {human(budget)}: chunking bounds the program's working memory, not its results. "
+                f"Ways out: {smaller}diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order, or fewer "
+                "samples per call")
 
     def _call(self, *args, **kwargs) -> Derivatives:
         if self._method:

@@ -241,7 +241,8 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
     else:
         samples = p.out_shape[0]
-        fit = int(samples * budget / plan.peak * 0.75)  # (the peak is not all per sample: a margin)
+        # the joined results stay, next to one chunk's program (its peak is not all per sample: a margin)
+        fit = int(samples * (budget - plan.results) / plan.peak * 0.75)
         if plan.results <= budget and fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
     if not c.diagonal:
