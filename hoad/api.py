@@ -92,7 +92,9 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
         _check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
         return lambda f: Compiled(f, order, wrt, **options)
     if not callable(fn):
-        raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}")
+        hint = (f" (as a decorator, name the order: @hoad.compile(order={fn}))"
+                if isinstance(fn, int) and not isinstance(fn, bool) else "")
+        raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}{hint}")
     return Compiled(fn, order, wrt, **options)
 
 

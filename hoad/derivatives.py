@@ -63,7 +63,7 @@ class Derivatives(Mapping):
         return list(self._wrt)
 
     def _position(self, k: Hashable) -> int:
-        if isinstance(k, bool) or k not in self._aliases:
+        if isinstance(k, (bool, float)) or k not in self._aliases:  # (0.0 == 0 and True == 1 hash alike)
             raise KeyErrorWithHelp(f"{k!r} is not a wrt key; valid keys are {self._wrt}")
         return self._aliases[k]
 
@@ -94,7 +94,7 @@ class Derivatives(Mapping):
 
     def order(self, k: int) -> dict[tuple, torch.Tensor]:
         """The canonical blocks of order ``k``, keyed by wrt entries in wrt order."""
-        if not isinstance(k, int) or not 1 <= k <= self._max_order:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self._max_order:
             raise InvalidArgumentError(f"order must be an int in 1..{self._max_order}, got {k!r}")
         keys = itertools.combinations_with_replacement(range(len(self._wrt)), k)
         return {self._canonical_key(K): self._block(K) for K in keys}

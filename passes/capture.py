@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -406,6 +407,10 @@ def _raise_capture_error(e: Exception) -> None:
             "with ops of fixed output shapes (for least squares: torch.linalg.solve of the normal equations, or "
             "torch.linalg.pinv)") from e
     if "custom_function_call" in str(e) or "autograd.Function with functorch" in str(e):
+        if any("checkpoint" in line for line in traceback.format_tb(e.__traceback__)):
+            raise CaptureError(
+                f"the function calls torch.utils.checkpoint with use_reentrant=True{_at(user_frame(e.__traceback__))}, "
+                "a custom autograd.Function; pass use_reentrant=False (hoad traces through it)") from e
         raise CaptureError(
             f"the function calls a custom torch.autograd.Function{_at(user_frame(e.__traceback__))}: hoad "
             "differentiates ATen ops by its own rules to every order and cannot use a hand-written backward. Write "

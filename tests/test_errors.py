@@ -493,3 +493,14 @@ def test_torch_cond_names_torch_where():
         hoad.compile(lambda x: x.sin().sum() if x.sum() > 0 else x.sum(), order=1)(X)
     except hoad.DataDependentControlFlowError as e:
         assert "torch.cond" not in str(e)
+
+
+def test_small_misuses_are_named():
+    import torch.utils.checkpoint as checkpoint
+
+    res = hoad.compile(lambda x: x.sin().sum(), order=2)(X)
+    raises(KeyError, lambda: res[0.0], "not a wrt key")                     # (0.0 == 0: it was accepted)
+    raises(hoad.InvalidArgumentError, lambda: res.order(True), "order must be an int")
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(2), "@hoad.compile(order=2)")
+    raises(hoad.CaptureError, lambda: hoad.compile(
+        lambda x: checkpoint.checkpoint(torch.sin, x, use_reentrant=True).sum(), order=2)(X), "use_reentrant=False")
