@@ -462,11 +462,14 @@ class _Interpreter:
             parents_ok = all(ok.get(a, True) for a in node.all_input_nodes)
             ok[node] = tied and parents_ok
             if parents_ok and not tied and node.op == "call_function":
+                user = (" A rule registered by hoad.register_linear acts on all of x's dims unless told: "
+                        "register_linear(op, transpose, acts_on=k) for an op acting on the last k only."
+                        if FAMILIES.get(node.target) == "user" else "")
                 return BatchCouplingError(
                     f"batch_dim=0 promises that samples are independent, but {node.target} (node {node.name})"
                     f"{self.where(node)} mixes entries along the batch axis. Derivatives of such a function are "
                     "not per-sample: drop batch_dim to get the full blocks, or make the function act on each "
-                    "sample separately (e.g. eval-mode batchnorm, attention within a sample).")
+                    f"sample separately (e.g. eval-mode batchnorm, attention within a sample).{user}")
         return BatchCouplingError("batch_dim=0 promises that samples are independent, but the output's derivative "
                                   "blocks mix samples; drop batch_dim to get the full blocks.")
 

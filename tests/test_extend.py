@@ -250,6 +250,12 @@ def test_a_linear_op_acting_on_trailing_dims_stays_per_sample(mode):
         hoad.unregister_rule(STENCIL)
     with pytest.raises(hoad.InvalidArgumentError, match="acts_on"):
         hoad.register_linear(STENCIL, _stencil_transpose, acts_on=-1)
+    hoad.register_linear(STENCIL, _stencil_transpose)
+    try:
+        with pytest.raises(hoad.BatchCouplingError, match="acts_on=k"):
+            hoad.compile(lambda X: STENCIL(X).sum(-1), order=1, batch_dim=0, mode=mode)(rand(3, 6, seed=421))
+    finally:
+        hoad.unregister_rule(STENCIL)
 
 
 def test_a_registration_rebuilds_programs_built_before_it():
