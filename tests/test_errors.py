@@ -504,3 +504,12 @@ def test_small_misuses_are_named():
     raises(hoad.InvalidArgumentError, lambda: hoad.compile(2), "@hoad.compile(order=2)")
     raises(hoad.CaptureError, lambda: hoad.compile(
         lambda x: checkpoint.checkpoint(torch.sin, x, use_reentrant=True).sum(), order=2)(X), "use_reentrant=False")
+
+
+def test_a_nested_tensor_argument_is_named():  # (it was torch's "Internal error ... Please file an issue")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = torch.nested.nested_tensor([torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)])
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: x.sum(), order=1)(t), "nested tensor")
