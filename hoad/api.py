@@ -526,7 +526,8 @@ class Compiled(Rebuilt):
                         "a second number of samples tries one program for every number).", name, shapes,
                     len(self._cache) + 1)
         if nested:  # built outside the outer trace, on concrete stand-ins of its values
-            with temporarily_clear_interpreter_stack(), _disable_current_modes():
+            # (and outside its tracing context: torch.export's would lend the build its symbolic sizes)
+            with temporarily_clear_interpreter_stack(), _disable_current_modes(), torch._guards.tracing(None):
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
                 entry = self._compile(args, kwargs, config)
             entry.trace = get_proxy_mode()

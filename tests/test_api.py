@@ -537,3 +537,18 @@ def test_chunk_size_with_another_tensor_of_as_many_rows_is_refused():
     lap = hoad.laplacian(lambda X: X.sin().sum(-1), batch_dim=0, directions=torch.eye(3, dtype=torch.float64),
                          chunk_size=2)
     lap(torch.randn(3, 3, dtype=torch.float64))  # directions with as many rows as samples: the operator's own
+
+
+def test_torch_export_of_a_module_that_calls_hoad():
+    """The nested build inherited torch.export's tracing context, whose symbolic sizes it read as
+    data-dependent shapes (a DataDependentControlFlowError for sin(x).sum())."""
+    cf = hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")
+    x = torch.randn(3, dtype=torch.float64)
+    cf(x)
+
+    class Hessian(torch.nn.Module):
+        def forward(self, x):
+            return cf(x)[0, 0]
+
+    exported = torch.export.export(Hessian(), (x,))
+    torch.testing.assert_close(exported.module()(x), torch.diag(-x.sin()))
