@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -27,7 +28,7 @@ from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layo
                           positional_names)
 from hoad.algebra import Target
 from hoad.rules import EDITS
-from hoad.passes.memory import human
+from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
 from hoad.printing import ProgramView
 from hoad.training import Trainable
@@ -317,7 +318,7 @@ class Compiled(Rebuilt):
         for name, t in state.items():
             path, _, attr = name.rpartition(".")
             owner = self.module.get_submodule(path)
-            now = owner._buffers.get(attr, t) if attr in owner._buffers else t
+            now = owner._buffers.get(attr, t)  # (t itself for a parameter)
             if now is t or now is None:
                 continue
             if not isinstance(now, torch.Tensor) or now.shape != t.shape or now.dtype != t.dtype:
@@ -415,7 +416,7 @@ class Compiled(Rebuilt):
         total = results + plan.peak  # (the joined results, and one chunk's program)
         if total > budget:
             n = self.config.chunk_size
-            fit = int(n * (budget - results) / plan.peak * 0.75) if budget > results else 0
+            fit = samples_that_fit(n, results, plan.peak, budget)
             smaller = f"chunk_size={fit}; " if 1 <= fit < n else ""
             raise MemoryBudgetError(
                 f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
@@ -525,19 +526,20 @@ class Compiled(Rebuilt):
                         "Each distinct shape, dtype or Python-scalar value is its own program (under batch_dim=0, "
                         "a second number of samples tries one program for every number).", name, shapes,
                     len(self._cache) + 1)
-        if nested:  # built outside the outer trace, on concrete stand-ins of its values
-            # (and outside its tracing context: torch.export's would lend the build its symbolic sizes)
-            with temporarily_clear_interpreter_stack(), _disable_current_modes(), torch._guards.tracing(None):
+        if nested or torch._C._functorch.peek_interpreter_stack() is not None:
+            # built outside the outer trace (and its tracing context: torch.export's would lend the
+            # build its symbolic sizes) or the torch.func transform (inside one the trace saw its
+            # wrappers, and every derivative through the program came out 0), on concrete
+            # stand-ins of the values; the calls then run inside, like any other
+            with contextlib.ExitStack() as outside:
+                outside.enter_context(temporarily_clear_interpreter_stack())
+                if nested:
+                    outside.enter_context(_disable_current_modes())
+                    outside.enter_context(torch._guards.tracing(None))
                 args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
                 entry = self._compile(args, kwargs, config)
-            entry.trace = get_proxy_mode()
-        elif torch._C._functorch.peek_interpreter_stack() is not None:
-            # a first call under torch.func.grad, jacrev, jvp or vmap: traced outside the
-            # transform (inside it the trace saw the transform's wrappers, and every derivative
-            # through the program came out 0); the calls then run under it like any other
-            with temporarily_clear_interpreter_stack():
-                args, kwargs = pytree.tree_map_only(torch.Tensor, _stand_in, (args, kwargs))
-                entry = self._compile(args, kwargs, config)
+            if nested:
+                entry.trace = get_proxy_mode()
         else:
             entry = self._compile(args, kwargs, config)
         self._keep(key, entry)

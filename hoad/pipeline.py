@@ -19,7 +19,7 @@ import torch.fx as fx
 from hoad.algebra import EAGER, Target
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.lowering.inductor import this_machine
-from hoad.errors import HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
+from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
 from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
@@ -29,7 +29,7 @@ from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import generalize, same_program
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
-from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan
+from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
 from hoad.passes.prune import prune
 from hoad.passes.samples import keep_samples_apart
 
@@ -147,8 +147,6 @@ def _check_stores(b: Build, rebound: list) -> None:
     buffer reached otherwise (``self.ema = 0.9 * self.ema + ...``) is state the program would
     drop: refused. Any other store (a hook's features, a cached
     activation) is a value of the trace's Python, which calls do not run: a warning."""
-    from hoad.errors import CaptureError
-
     n = len(b.tensors) - len(b.captured.free)
     written = {id(b.tensors[i]) for i in written_inputs(b.captured.gm) if i >= n}
     left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
@@ -240,17 +238,14 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     if c.batch_dim is None:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
     else:
-        samples = p.out_shape[0]
-        # the joined results stay, next to one chunk's program (its peak is not all per sample: a margin)
-        fit = int(samples * (budget - plan.results) / plan.peak * 0.75)
-        if plan.results <= budget and fit >= 1:  # chunks bound the working memory, not the results
+        fit = samples_that_fit(p.out_shape[0], plan.results, plan.peak, budget)
+        if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
     if not c.diagonal:
         ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
     if c.operator is None:
         ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is "
                     "what you need")
-    if c.operator is None:
         ways.append("a lower order or fewer wrt inputs")
     return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")

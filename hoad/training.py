@@ -74,8 +74,7 @@ class Trainable:
                 deps[node] = frozenset([len(inputs)])
                 inputs.append(node)
             elif node.op == "output":
-                outs = fx.node.map_aggregate(node.args[0], lambda a: a)
-                outs = outs if isinstance(outs, (tuple, list)) else [outs]
+                outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
                 reach: list[set[int]] = [set() for _ in inputs]
                 for k, o in enumerate(outs):
                     for i in deps.get(o, ()) if isinstance(o, fx.Node) else ():

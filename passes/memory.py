@@ -103,6 +103,12 @@ def default_budget(device: torch.device) -> int | None:
     return None if free is None else int(BUDGET_SHARE * free)
 
 
+def samples_that_fit(samples: int, results: float, peak: float, budget: float) -> int:
+    """How many of ``samples`` one chunk may hold: the joined results of every chunk stay next to
+    one chunk's program, whose peak (``peak`` for all samples) is not all per sample: a margin."""
+    return int(samples * (budget - results) / peak * 0.75) if budget > results else 0
+
+
 def human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1024 or unit == "PB":
