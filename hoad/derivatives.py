@@ -114,6 +114,15 @@ class Derivatives(Mapping):
             return False
         return True
 
+    def __eq__(self, other):
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        raise InvalidArgumentError(
+            "Derivatives are not compared with == (a block's == is elementwise): compare the value and "
+            "each block, e.g. torch.allclose(a.value, b.value) and all(torch.allclose(a[k], b[k]) for k in a)")
+
+    __hash__ = None
+
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(self[k].shape)}" for k in self)
         return f"Derivatives(value={tuple(self.value.shape)}, order={self._max_order}, {{{shapes}}})"

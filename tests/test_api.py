@@ -199,6 +199,15 @@ def test_iteration_and_len():
     assert res.max_order == 3
 
 
+def test_comparing_results_with_eq_names_the_blockwise_comparison():
+    cf = hoad.compile(f_xw, order=2, wrt=(0, 1))
+    a, b = cf(X, W), cf(X, W)
+    for compare in (lambda: a == b, lambda: a != b, lambda: a == dict(a.items())):
+        with pytest.raises(hoad.InvalidArgumentError, match="allclose"):
+            compare()
+    assert (a == 3) is False and a != None  # noqa: E711 (not a mapping: plain identity)
+
+
 def test_single_int_key_is_a_one_tuple():
     res = hoad.compile(f_xw, order=2)(X, W)
     assert torch.equal(res[0], res[(0,)])
