@@ -3,6 +3,9 @@ routes of capture (hoad/rules/linalg.py) that the one-case-per-rule table does n
 trapezoidal shapes, the LU and triangular-solve APIs, refusals, and the operators' autograd.
 The costlier variants run under -m slow (the OpInfo sweep covers those ops at order 3)."""
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -33,9 +36,38 @@ def test_svd_factors_together(shape):
     check(f, (rand(*shape, seed=42),), order=2)
 
 
-def test_det_is_exact_where_torch_func_is_not():
-    check(lambda a: torch.linalg.det(a).sin(), (rand(2, 3, 3, seed=43),), order=3,
+def _leibniz_det(a):
+    """Σ_σ sgn(σ) Π_i a[i, σ(i)]: det in products of entries, exact derivatives everywhere (by
+    `*`: torch.func's derivatives of prod are wrong at an exact zero)."""
+    n = a.shape[-1]
+    terms = []
+    for perm in itertools.permutations(range(n)):
+        inversions = sum(perm[i] > perm[j] for i in range(n) for j in range(i + 1, n))
+        terms.append((-1) ** inversions * math.prod(a[..., i, perm[i]] for i in range(n)))
+    return sum(terms)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_det_is_exact_where_torch_func_is_not(n):
+    """Up to 4 rows det is a polynomial in A, above it sign · exp(log|det|)."""
+    check(lambda a: torch.linalg.det(a).sin(), (rand(2, n, n, seed=43),), order=3,
           reference_fn=lambda a: _plain_det(a).sin())
+
+
+@pytest.mark.parametrize("n,rank", [(2, 1), (3, 2), (3, 1), (4, 3)])
+def test_det_at_a_singular_matrix(n, rank):
+    """The derivatives of det at a singular A are the adjugate's: they were NaN at an exactly
+    singular A and O(1) off at a numerically singular one (det · A⁻ᵀ for det ~ 1e-16)."""
+    g = torch.Generator().manual_seed(47 + n + rank)
+    A = torch.randn(3, n, rank, generator=g, dtype=torch.float64) @ torch.randn(3, rank, n, generator=g,
+                                                                                dtype=torch.float64)
+    A[0, 0] = 0  # an exact zero row and column (rank n - 1 or less)
+    A[0, :, 0] = 0
+    for mode in ("forward", "reverse"):
+        check(lambda a: torch.linalg.det(a) * a[..., 0, -1], (A,), order=4 if n < 4 else 3,
+              reference_fn=lambda a: _leibniz_det(a) * a[..., 0, -1], mode=mode)
+    check(lambda a: torch.linalg.det(a).exp(), (A,), order=2, reference_fn=lambda a: _leibniz_det(a).exp(),
+          batch_dim=0)
 
 
 def test_cholesky_inverse_reads_one_triangle():

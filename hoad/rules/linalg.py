@@ -19,7 +19,8 @@ table) routes them to single-output ops: ``aten.linalg_solve_triangular`` and fo
 ``hoad_linalg`` operators defined here (``inv``, ``solve``, ``logabsdet``, ``cholesky``), which run torch's
 own kernels and carry autograd formulas, so results stay differentiable for training.
 
-The same table routes the rest of torch.linalg: det (sign · exp log|det|), cholesky_inverse and
+The same table routes the rest of torch.linalg: det (its Laplace expansion up to 4 rows, a polynomial
+with exact derivatives at singular A; sign · exp log|det| above), cholesky_inverse and
 the deprecated triangular_solve (triangular solves), lu_solve and lu_unpack (triangular solves
 and masks of the packed factors, the permutation constant), householder_product and ormqr
 (products of reflectors), and the factorizations eigh, svd, qr, lu_factor, lu and pinv to the
@@ -28,6 +29,7 @@ single-output operators of :mod:`hoad.rules.factorizations`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import torch
@@ -188,11 +190,37 @@ def _cholesky_solve(B, L, upper=False):
     return aten.linalg_solve_triangular(lower.mT, Y, upper=True)
 
 
+# Up to this size det is its Laplace expansion, a polynomial in A (n·2ⁿ⁻¹ products).
+EXPANDED_DET = 4
+
+
 def _det(A):
-    """(det, LU, pivots): det = sign · exp(log|det|), the sign piecewise constant (0 where A is
-    singular, whose derivatives the exp form does not reach: NaN there)."""
+    """(det, LU, pivots). Up to :data:`EXPANDED_DET` rows det is the polynomial
+    :func:`_expanded_det`, whose derivatives are exact at every A. Above it det = sign · exp(log|det|),
+    the sign piecewise constant: the derivatives are det · (terms in A⁻¹), as accurate as A is well
+    conditioned (NaN at an exactly singular A)."""
+    if A.shape[-1] <= EXPANDED_DET:
+        LU, pivots, _ = aten.linalg_lu_factor_ex(A.detach())
+        return _expanded_det(A), LU, pivots
     sign, logabs, LU, pivots = _slogdet(A)
     return sign * torch.exp(logabs), LU, pivots
+
+
+def _expanded_det(A):
+    """det A by Laplace expansion from the bottom row up: the minors on the last k rows, for every
+    k-subset of columns, from those on the last k - 1 rows. At a singular A its derivatives are the
+    adjugate's (the exp(log|det|) form was NaN there, and O(1) off a numerically singular one)."""
+    n, batch = A.shape[-1], A.shape[:-2]
+    subsets, minors = [()], A.new_ones(*batch, 1)
+    for k in range(1, n + 1):
+        at = {S: i for i, S in enumerate(subsets)}
+        subsets = list(itertools.combinations(range(n), k))
+        terms = [(j, at[S[:i] + S[i + 1:]], (-1) ** i) for S in subsets for i, j in enumerate(S)]
+        cols, rest, signs = (list(t) for t in zip(*terms))
+        row = A[..., n - k, :]
+        products = row[..., cols] * minors[..., rest] * torch.tensor(signs, dtype=A.dtype, device=A.device)
+        minors = products.reshape(*batch, len(subsets), k).sum(-1)
+    return minors[..., 0]
 
 
 def _cholesky_inverse(L, upper=False):
