@@ -761,7 +761,6 @@ class _Entry:
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
-        self.dense_inputs = b.config.backend == "inductor"
         free = b.captured.free
         self.roots = roots
         self.guards = find_guards(roots)
@@ -771,7 +770,7 @@ class _Entry:
         self.why, self.expected = "", True
         self.trace = None  # the trace a nested program was built in (its held values are that trace's)
         self.sources = list(b.sources)
-        self.metas = [_meta(t, self.dense_inputs) for t in free]
+        self.metas = [_meta(t) for t in free]
         # numbers the program keeps from .item() of free tensors (narrow's start): where they are
         # read from now, and the number (the program is built again when it changes)
         reads = b.captured.values
@@ -841,7 +840,7 @@ class _Entry:
                     t = src.resolve(self.roots)
                 except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                     t = None
-            if not isinstance(t, torch.Tensor) or _meta(t, self.dense_inputs) != meta:
+            if not isinstance(t, torch.Tensor) or _meta(t) != meta:
                 self.why = "a tensor it reads changed its shape, dtype, device or layout (or is gone)"
                 self.expected = True
                 return None
@@ -849,10 +848,11 @@ class _Entry:
         return out
 
     def result(self, tensors, free) -> Derivatives:
-        if self.dense_inputs and not all(t.is_contiguous() for t in tensors):
-            # an Inductor program asserts the strides it was traced with, dense for the call's
-            # tensors (free ones keep theirs: read_free): a transposed, step-sliced or expanded
-            # argument is copied dense first
+        if not all(t.is_contiguous() for t in tensors):
+            # the program was traced on dense copies of the call's tensors (free ones keep their
+            # strides: read_free), and it relies on them: a reshape traced as a view, an Inductor
+            # program's stride assertions. A transposed, step-sliced, expanded or channels_last
+            # argument is copied dense first (it was torch's "view size is not compatible" under eager)
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         tensors = list(tensors) + list(free) if free else tensors
         if self.build.captured.strided:
@@ -907,9 +907,10 @@ def _is_nested(key) -> bool:
     return isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[0] == "nested"
 
 
-def _meta(t: torch.Tensor, strides: bool) -> tuple:
-    """What a program assumes of a free tensor: an Inductor program its strides too (it asserts them)."""
-    return t.shape, t.dtype, t.device, t.stride() if strides else None
+def _meta(t: torch.Tensor) -> tuple:
+    """What a program assumes of a free tensor, its layout too: traced views and strided reads of
+    it rely on it (and an Inductor program asserts its strides)."""
+    return t.shape, t.dtype, t.device, t.stride(), t.storage_offset()
 
 
 def _ambient() -> tuple:

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import cse, traced_call, written_inputs
-from hoad.passes.decompositions import (STRIDED_READS, FunctionOverrides, decomposition_table, safe_branches,
-                                        squares_of_norms)
+from hoad.passes.decompositions import (INPUT_STORAGES, STRIDED_READS, FunctionOverrides, decomposition_table,
+                                        safe_branches, squares_of_norms)
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
@@ -64,14 +64,21 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
 
     # fresh storage per leaf, so one tensor passed twice still gives two independent inputs
     fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    functional = torch.func.functionalize(flat_fn, remove="mutations")
+
+    def recorded(*args):  # the traced inputs' storages: an as_strided of one reads the caller's storage
+        INPUT_STORAGES[-1] = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+        return functional(*args)
+
     traced = make_fx(
-        torch.func.functionalize(flat_fn, remove="mutations"),
+        recorded,
         decomposition_table={**decomposition_table(), torch.ops.aten._local_scalar_dense.default: _read_value},
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )
     strided_before = STRIDED_READS[0]
     VALUE_READS.clear()
+    INPUT_STORAGES.append(set())
     try:
         with FunctionOverrides(), _quiet_fake_tensors(), torch.enable_grad():  # only no_grad inside fn counts
             gm = traced(*fresh)
@@ -86,6 +93,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         _raise_capture_error(e)
         raise CaptureError(f"tracing the function failed: {type(e).__name__}: {_first_line(e)}"
                            f"{_at(user_frame(e.__traceback__))}") from e
+    finally:
+        INPUT_STORAGES.pop()
 
     _replace_view_mutations(gm)
     _renorm_in_place(gm)

@@ -232,8 +232,30 @@ def _contiguous_strides(size) -> list[int]:
     return strides[::-1]
 
 
-# how many as_strided calls capture has turned into reads of the tensor's own entries
+# how many as_strided calls on (views of) the traced inputs capture has turned into reads of the
+# tensor's own entries: the program then assumes its inputs own their storage
 STRIDED_READS = [0]
+# the storages of the traced inputs, one set per capture under way (capture pushes and pops it)
+INPUT_STORAGES: list[set[int]] = []
+
+
+def _reads_input(x) -> bool:
+    return bool(INPUT_STORAGES) and x.untyped_storage()._cdata in INPUT_STORAGES[-1]
+
+
+def _own_positions(x, size, stride, storage_offset):
+    """The positions in x's own entries that a strided view of x's storage reads, or None where it
+    reads outside them (or x is not contiguous, its storage order unlike its entries')."""
+    if not x.is_contiguous():
+        return None
+    size, stride = [int(n) for n in size], [int(s) for s in stride]
+    start = (x.storage_offset() if storage_offset is None else int(storage_offset)) - x.storage_offset()
+    if any(s < 0 for s in stride):
+        return None
+    last = start + sum((n - 1) * s for n, s in zip(size, stride))
+    if math.prod(size) and (start < 0 or last >= x.numel()):
+        return None
+    return size, stride, start
 
 
 def _flat_strided_index(size, stride, offset: int, device):
@@ -247,15 +269,17 @@ def _flat_strided_index(size, stride, offset: int, device):
 
 
 def _as_strided(x, size, stride, storage_offset=None):
-    """as_strided of a contiguous tensor (decompositions such as group_norm's emit it) as what it
-    reads: a view when the strides are those of ``size`` laid out densely, else the entries at
-    offset + Σ i_k·stride_k of the flat tensor, a gather with a constant index. A strided view of a
-    non-contiguous tensor reads its storage, not its entries: left to the rule table (unsupported)."""
-    if not x.is_contiguous():
+    """as_strided of a contiguous tensor (decompositions such as group_norm's emit it on their
+    intermediates) as what it reads: a view when the strides are those of ``size`` laid out
+    densely, else the entries at offset + Σ i_k·stride_k of the flat tensor, a gather with a
+    constant index. A view that reads outside x's own entries, or of a non-contiguous x, reads
+    storage, not entries: left to the rule table (unsupported)."""
+    positions = _own_positions(x, size, stride, storage_offset)
+    if positions is None:
         return NotImplemented
-    STRIDED_READS[0] += 1  # the program now assumes its inputs own their storage (capture records it)
-    offset = int(storage_offset or 0)
-    size, stride = [int(n) for n in size], [int(s) for s in stride]
+    if _reads_input(x):
+        STRIDED_READS[0] += 1  # capture records that the program assumes its inputs own their storage
+    size, stride, offset = positions
     if offset == 0 and math.prod(size) == x.numel() and stride == _contiguous_strides(size):
         return x.view(size)
     return x.reshape(-1)[_flat_strided_index(size, stride, offset, x.device)]
@@ -548,12 +572,12 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     """x with the entries a strided view reads replaced by src: an index_put into the flat x.
     Overlapping views (an entry written twice) and non-contiguous x are left unsupported."""
-    if not x.is_contiguous():
+    positions = _own_positions(x, size, stride, storage_offset)
+    if positions is None or not _disjoint(*positions[:2]):
         return NotImplemented
-    size, stride, offset = [int(n) for n in size], [int(s) for s in stride], int(storage_offset or 0)
-    if not _disjoint(size, stride):
-        return NotImplemented
-    STRIDED_READS[0] += 1
+    if _reads_input(x):
+        STRIDED_READS[0] += 1
+    size, stride, offset = positions
     index = _flat_strided_index(size, stride, offset, x.device)
     return x.reshape(-1).index_put((index.reshape(-1),), src.reshape(-1)).view(x.shape)
 

@@ -377,6 +377,62 @@ def test_as_strided_of_a_view_into_a_larger_storage_is_refused():
         cf(base[2:12])
 
 
+def test_as_strided_of_an_intermediate_reads_its_entries():
+    """An as_strided of a computed value (group_norm's decomposition emits one) reads entries the
+    program owns: inputs that are views are fine. They were refused ("input 'x' is a view into a
+    larger storage") for a group_norm with weight and bias on x[:2] or a channels_last x. A view
+    with an offset reads relative to that offset's storage (it read from the storage's start)."""
+    def f(x):
+        y = x.sin().reshape(-1)
+        return torch.as_strided(y[2:], (2, 2), (1, 3), 4).exp().sum() + torch.as_strided(y[1:], (3,), (2,)).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(hoad.compile(f, order=2, backend="eager")(x)[0, 0], torch.func.hessian(f)(x))
+    gn = nn.GroupNorm(2, 4).double()
+    nn.init.normal_(gn.weight), nn.init.normal_(gn.bias)
+
+    def g(x):
+        return gn(x).sin().sum((1, 2, 3))
+
+    base = torch.randn(3, 4, 3, 3, dtype=torch.float64)
+    ref = torch.func.vmap(torch.func.hessian(lambda v: g(v[None])[0]))
+    for x in (base[:2], base.to(memory_format=torch.channels_last)):
+        torch.testing.assert_close(hoad.compile(g, order=2, batch_dim=0, backend="eager")(x)[0, 0], ref(x))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "step-sliced", "expanded", "channels_last"])
+def test_a_non_contiguous_argument_is_read_by_its_entries(layout):
+    """The program was traced on a dense copy of each argument, and a reshape traced as a view of
+    it: under eager the call raised torch's "view size is not compatible with input tensor's size
+    and stride" (Inductor's path copied the argument dense first; now both do)."""
+    base = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    x = {"transposed": base.transpose(2, 3), "step-sliced": torch.randn(2, 3, 4, 8, dtype=torch.float64)[..., ::2],
+         "expanded": base[:, :1].expand(2, 3, 4, 4), "channels_last": base.to(memory_format=torch.channels_last)}[layout]
+    conv = nn.Conv2d(3, 2, 3).double()
+
+    def f(x):
+        return (conv(x).flatten(1).sin().sum(1) + x.reshape(2, -1).cos().sum(1)).sum()
+
+    res = hoad.compile(f, order=2, backend="eager")(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x.contiguous()))
+
+
+def test_a_closed_over_tensor_rebound_to_another_layout_traces_again():
+    """A closed-over tensor's strides are part of what the program assumes (a reshape of it is
+    traced as a view): rebinding it to a transposed tensor of the same shape raised torch's
+    "view size is not compatible" under eager."""
+    holder = {"W": torch.randn(3, 4, dtype=torch.float64)}
+
+    def f(x):
+        return (x * holder["W"].reshape(-1)).sin().sum()
+
+    cf = hoad.compile(f, order=2, backend="eager")
+    x = torch.randn(12, dtype=torch.float64)
+    cf(x)
+    holder["W"] = torch.randn(4, 3, dtype=torch.float64).T
+    torch.testing.assert_close(cf(x)[0, 0], torch.func.hessian(f)(x))
+
+
 # ------------------------------------------------------------------ nothing stale between calls
 def _laplacian_of(f):
     return lambda x: torch.func.hessian(f)(x).diagonal().sum()
