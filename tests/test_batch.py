@@ -208,6 +208,19 @@ def test_einsum_over_sets_of_points_is_per_sample(equation, mode):
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("how", ["repeat", "tile", "repeat-lead"])
+def test_repeating_within_samples_is_per_sample(how, mode):
+    """x.repeat(1, k) repeats each sample's features: a false BatchCouplingError before (repeat's
+    rule kept no axis apart)."""
+    from helpers import check
+
+    fn = {"repeat": lambda x: x.repeat(1, 2, 1), "tile": lambda x: x.tile((2, 1)),
+          "repeat-lead": lambda x: x.repeat(1, 1, 3, 2).squeeze(0)}[how]
+    check(lambda x: (fn(x).sin() * fn(x.cos())).sum((1, 2)), (rand(3, 2, 4, seed=32),), order=3, batch_dim=0,
+          mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_a_matmul_by_a_vector_over_sets_is_per_sample(mode):
     """torch's X @ w for a 1-D w squeezes its [B·N, 1] product before the view back to [B, N]
     (it was a false BatchCouplingError)."""

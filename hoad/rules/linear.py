@@ -360,10 +360,13 @@ def split_rule(ctx: Ctx, x: Jet, split, dim: int = 0):
 
 @RULES.register(aten.repeat.default)
 def repeat_rule(ctx: Ctx, x: Jet, repeats):
+    """Axes repeated once pass through (a sample axis under ``x.repeat(1, k)`` keeps its ties)."""
     r, new = x.ndim, tuple(ctx.out.shape)
     lead = len(repeats) - r
+    once = {a: a for a, k in enumerate(repeats) if k == 1}
     return linear(ctx, x, lambda b: map_out(reshape_lead(b, r, lead), len(repeats),
-                                            lambda t: t.repeat(list(repeats) + [1] * (t.ndim - len(repeats))), new))
+                                            lambda t: t.repeat(list(repeats) + [1] * (t.ndim - len(repeats))), new,
+                                            once))
 
 
 def reshape_lead(b: Block, r: int, lead: int) -> Block:
