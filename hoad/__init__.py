@@ -26,9 +26,12 @@ from hoad.errors import (
 )
 
 
-
 def explain(compiled: Compiled, *args, **kwargs):
     """``compiled.explain(*args, **kwargs)``: a table of blocks, costs and the chosen direction."""
+    if not callable(getattr(compiled, "explain", None)):
+        raise InvalidArgumentError(
+            f"hoad.explain takes what hoad.compile or an operator (hoad.laplacian, ...) returned, got "
+            f"{type(compiled).__name__}: hoad.explain(hoad.compile(f, order=2), *args)")
     return compiled.explain(*args, **kwargs)
 
 

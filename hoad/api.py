@@ -29,7 +29,7 @@ from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layo
 from hoad.algebra import Target
 from hoad.rules import EDITS
 from hoad.passes.memory import human, samples_that_fit
-from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build
+from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, smaller_programs
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -417,12 +417,11 @@ class Compiled(Rebuilt):
         if total > budget:
             n = self.config.chunk_size
             fit = samples_that_fit(n, results, plan.peak, budget)
-            smaller = f"chunk_size={fit}; " if 1 <= fit < n else ""
+            ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(self.config)
             raise MemoryBudgetError(
                 f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
                 f"memory budget of {human(budget)}: chunking bounds the program's working memory, not its results. "
-                f"Ways out: {smaller}diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order, or fewer "
-                "samples per call")
+                f"Ways out: {'; '.join(ways + ['fewer samples per call', 'a larger memory_budget'])}")
 
     def _call(self, *args, **kwargs) -> Derivatives:
         if self._method:
@@ -797,8 +796,8 @@ class _Entry:
             fit = max(1, int(built * memory["budget"] / memory["plan"].peak * 0.9))
             raise MemoryBudgetError(
                 f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
-                f"{human(memory['budget'])}. Ways out: chunk_size={fit} to run {fit} samples at a time, "
-                "diagonal=True, an operator (hoad.laplacian, hoad.taylor), a lower order")
+                f"{human(memory['budget'])}. Ways out: "
+                + "; ".join([f"chunk_size={fit} to run {fit} samples at a time"] + smaller_programs(self.build.config)))
 
     def values_now(self) -> tuple | None:
         """The Python values :attr:`guards` watch, as they are now (None if one is gone)."""

@@ -191,7 +191,10 @@ class Laplacian(_Operator):
         kept, lam, q = self._eigh
         if kept is None or kept.shape != c.shape or not torch.equal(kept, c):
             _check_symmetric(c)
-            lam, q = torch.linalg.eigh(c.detach().to(torch.float64))  # at the points' precision or above
+            sym = c.detach().to(torch.float64)  # at the points' precision or above
+            # eigh reads one triangle: C symmetric to its rounding is made exactly so (a float32 C
+            # within its tolerance was off by 3.6e-5 relative on float64 points)
+            lam, q = torch.linalg.eigh((sym + sym.mT) / 2)
             self._eigh = (c.detach().clone(), lam, q)
         return q.mT, lam
 
@@ -248,9 +251,15 @@ def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
                                    f"(pass {name}.double() or .float())")
     if square and m.shape[0] != m.shape[1]:
         raise InvalidArgumentError(f"{name} must be square (D, D), got {tuple(m.shape)}")
-    if not bool(torch.isfinite(m).all()):
-        raise InvalidArgumentError(f"{name} has entries that are NaN or infinite")
+    _check_values(m, name)
     return m
+
+
+def _check_values(t: torch.Tensor, name: str) -> None:
+    if t.device.type == "meta":
+        raise InvalidArgumentError(f"{name} is a meta tensor, which holds no values: pass it on the points' device")
+    if not bool(torch.isfinite(t).all()):
+        raise InvalidArgumentError(f"{name} has entries that are NaN or infinite")
 
 
 def _refuse_grad(c: torch.Tensor) -> None:
@@ -263,8 +272,7 @@ def _refuse_grad(c: torch.Tensor) -> None:
 def _check_symmetric(c: torch.Tensor) -> None:
     """tr(C ∇²u) only sees C's symmetric part, and eigh reads one triangle: refuse a C that is not
     symmetric to its dtype's rounding (C = Qᵀ diag(λ) Q in float32 is off by ~1e-7)."""
-    if not bool(torch.isfinite(c).all()):
-        raise InvalidArgumentError("weights has entries that are NaN or infinite")
+    _check_values(c, "weights")
     rtol = max(1e-10, 1000 * torch.finfo(c.dtype).eps)
     c = c.detach()
     if not torch.allclose(c, c.mT, rtol=rtol, atol=rtol * 1e-2 * float(c.abs().max().clamp_min(1))):
@@ -276,8 +284,7 @@ def _directions(v: torch.Tensor) -> torch.Tensor:
     if not isinstance(v, torch.Tensor) or v.ndim < 1 or not v.dtype.is_floating_point or v.shape[0] == 0:
         raise InvalidArgumentError("directions must be a floating-point tensor (S, *x) of S >= 1 directions, got "
                                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    if not bool(torch.isfinite(v).all()):
-        raise InvalidArgumentError("directions has entries that are NaN or infinite")
+    _check_values(v, "directions")
     return v
 
 

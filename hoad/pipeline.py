@@ -231,6 +231,18 @@ def _plan(b: Build) -> Build:
     return b
 
 
+def smaller_programs(c: Config) -> list[str]:
+    """The ways out of a memory budget that compute less, where the call does not take them already."""
+    ways = []
+    if not c.diagonal:
+        ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
+    if c.operator is None:
+        ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is "
+                    "what you need")
+        ways.append("a lower order or fewer wrt inputs")
+    return ways
+
+
 def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     p, c = b.program, b.config
     given = "memory_budget=" if c.memory_budget is not None else f"{BUDGET_SHARE:.0%} of the memory free now; memory_budget= sets it"
@@ -241,12 +253,7 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
         fit = samples_that_fit(p.out_shape[0], plan.results, plan.peak, budget)
         if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
-    if not c.diagonal:
-        ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
-    if c.operator is None:
-        ways.append("an operator (hoad.laplacian, hoad.biharmonic, hoad.taylor) when a contraction of the blocks is "
-                    "what you need")
-        ways.append("a lower order or fewer wrt inputs")
+    ways += smaller_programs(c)
     return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
 

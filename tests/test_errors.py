@@ -513,3 +513,10 @@ def test_a_nested_tensor_argument_is_named():  # (it was torch's "Internal error
         warnings.simplefilter("ignore")
         t = torch.nested.nested_tensor([torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)])
     raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: x.sum(), order=1)(t), "nested tensor")
+
+
+def test_explain_of_a_plain_function_names_what_it_takes():
+    """It was a raw AttributeError ('function' object has no attribute 'explain')."""
+    for what in (lambda x: x.sin().sum(), None):
+        with pytest.raises(hoad.InvalidArgumentError, match="hoad.compile or an operator"):
+            hoad.explain(what, torch.zeros(3))
