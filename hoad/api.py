@@ -29,7 +29,7 @@ from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layo
 from hoad.algebra import Target
 from hoad.rules import EDITS
 from hoad.passes.memory import human, samples_that_fit
-from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, smaller_programs
+from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, same_at_count, smaller_programs
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -396,6 +396,7 @@ class Compiled(Rebuilt):
         for i, (a, k, kept) in enumerate(chunks):
             r = self._call(*a, **k)
             if i == 0:
+                self._check_count_free()
                 self._check_joined_size(len(chunks))
                 first = r
                 value = r.value.new_empty((total, *r.value.shape[1:]))
@@ -405,6 +406,19 @@ class Compiled(Rebuilt):
                 blocks[K][at:at + kept] = b[:kept]
             at += kept
         return Derivatives(value, blocks, first._spec)
+
+    def _check_count_free(self) -> None:
+        """Chunks change what the function sees as its number of samples: refuse one that computes
+        with it (a per-sample loss divided by X.shape[0] was off by the samples over chunk_size)."""
+        b = self._last.build
+        if "count_free" not in b.stats:
+            b.stats["count_free"] = same_at_count(b, b.captured.out_shape[0] + 1)
+        if not b.stats["count_free"]:
+            raise InvalidArgumentError(
+                f"chunk_size={self.config.chunk_size} runs the function on {self.config.chunk_size} samples at a time, "
+                "and the function uses its number of samples as a value (X.shape[0] in a mean, say), so chunks would "
+                "change its results. Divide by the total outside the function, pass the count as an argument, or "
+                "drop chunk_size")
 
     def _check_joined_size(self, chunks: int) -> None:
         """The joined results must fit, whatever the size of one chunk's program."""

@@ -26,7 +26,7 @@ from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_input
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
-from hoad.passes.dynamic import generalize, same_program
+from hoad.passes.dynamic import generalize, same_program, same_structure
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
@@ -275,6 +275,10 @@ def _compile(b: Build) -> Build:
         other, count, other_prefix = b.config.sized
         general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0]) \
             if same_program(other_prefix, p.prefix) else None
+        # a third count: two can agree by chance on a number computed from the count
+        # (X.shape[0] % 7 at 100 and 128), which the one program for every count would keep
+        if general is not None and not same_at_count(b, count + b.captured.out_shape[0] + 1):
+            general = None
         if general is not None:
             p.gm = general
             samples += b.wrt_leaves
@@ -285,6 +289,20 @@ def _compile(b: Build) -> Build:
     if hasattr(b.main, "cache_hit"):
         b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     return b
+
+
+def same_at_count(b: Build, count: int) -> bool:
+    """The function traced at ``count`` samples has the structure it has at its own count, sizes
+    aside: it uses the number of samples only as a size, never as a value (``/ X.shape[0]``)."""
+    here = b.captured.out_shape[0]
+    n_user = len(b.tensors) - len(b.captured.free)
+    tensors = [t.new_empty((count, *t.shape[1:])) if i in b.wrt_leaves else t for i, t in enumerate(b.tensors[:n_user])]
+    try:
+        with untouched(b.roots):
+            captured = capture(b.fn, b.layout, tensors, b.wrt_leaves)
+    except HoadError:
+        return False
+    return same_structure(b.captured.gm, here, captured.gm, count)
 
 
 class _WithPrefix:

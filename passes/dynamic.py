@@ -14,6 +14,7 @@ structure depends on B: there is no general program and each size keeps its own.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -65,6 +66,11 @@ def same_program(gm1: fx.GraphModule | None, gm2: fx.GraphModule | None) -> bool
     return _matched(gm1, 1, gm2, 1) is not None  # (one sample each: any integer that differs, differs)
 
 
+def same_structure(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> bool:
+    """The two programs (for ``b1`` and ``b2`` samples) differ in sample-count sizes alone."""
+    return b1 != b2 and _matched(gm1, b1, gm2, b2) is not None
+
+
 def _matched(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> dict | None:
     """{node of gm1: its arguments with the sample-count integers as _Affine} for the nodes that
     have any, or None when the programs differ in more than those integers."""
@@ -75,15 +81,21 @@ def _matched(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> dict
     rewrites: dict[fx.Node, tuple] = {}
     try:
         for a, b in pairs.items():
-            if a.op != b.op or a.target != b.target:
+            if a.op != b.op or (a.target != b.target and a.op != "placeholder"):  # (inputs by position)
                 raise _Differs
             if a.op == "get_attr":
-                if _attr_shape(gm1, a.target) != _attr_shape(gm2, b.target):
+                if not _same_constant(_attr(gm1, a.target), _attr(gm2, b.target)):
                     raise _Differs
                 continue
-            args, changed = _match((a.args, a.kwargs), (b.args, b.kwargs), pairs, b1, b2)
-            if changed:
-                rewrites[a] = args
+            sizes = _size_arguments(a.target) if a.op == "call_function" else frozenset()
+            names = _argument_names(a.target) if a.op == "call_function" else []
+            if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+                raise _Differs
+            args = [_match(x, y, pairs, b1, b2, i < len(names) and names[i] in sizes)
+                    for i, (x, y) in enumerate(zip(a.args, b.args))]
+            kwargs = {k: _match(a.kwargs[k], b.kwargs[k], pairs, b1, b2, k in sizes) for k in a.kwargs}
+            if any(c for _, c in args) or any(c for _, c in kwargs.values()):
+                rewrites[a] = (tuple(v for v, _ in args), {k: v for k, (v, _) in kwargs.items()})
     except _Differs:
         return None
     return rewrites
@@ -98,8 +110,10 @@ class _Affine:
         self.a, self.c = a, c
 
 
-def _match(x, y, pairs, b1, b2):
-    """(x with B-dependent integers replaced by _Affine, whether any was); raises _Differs."""
+def _match(x, y, pairs, b1, b2, size: bool):
+    """(x with B-dependent integers replaced by _Affine, whether any was); raises _Differs. Only
+    an argument that holds ``size``s may follow B: an integer operand (``y / X.shape[0]``) that
+    differs is a value the program computes with, so the structure depends on B."""
     if isinstance(x, fx.Node):
         if not isinstance(y, fx.Node) or pairs.get(x) is not y:
             raise _Differs
@@ -113,6 +127,8 @@ def _match(x, y, pairs, b1, b2):
             raise _Differs
         if x == y:
             return x, False
+        if not size:
+            raise _Differs
         # sizes of per-sample blocks are multiples of B (B, B·9, …): anything else (B + 1, B²)
         # is a structure that depends on B
         if x % b1 or y % b2 or x // b1 != y // b2:
@@ -123,10 +139,38 @@ def _match(x, y, pairs, b1, b2):
     if isinstance(x, dict):
         if x.keys() != y.keys():
             raise _Differs
-        out = {k: _match(x[k], y[k], pairs, b1, b2) for k in x}
+        out = {k: _match(x[k], y[k], pairs, b1, b2, size) for k in x}
         return {k: v for k, (v, _) in out.items()}, any(c for _, c in out.values())
-    items = [_match(u, v, pairs, b1, b2) for u, v in zip(x, y)]
+    items = [_match(u, v, pairs, b1, b2, size) for u, v in zip(x, y)]
     return type(x)(v for v, _ in items), any(c for _, c in items)
+
+
+def _argument_names(target) -> list[str]:
+    schema = getattr(target, "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+@functools.cache
+def _size_arguments(target) -> frozenset[str]:
+    """The arguments of an ATen op that hold sizes: SymInt ones in its schema (view's size, slice's
+    bounds), and arange's bounds (its length follows them). Empty for anything else."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return frozenset()
+    if schema.name == "aten::arange":
+        return frozenset(a.name for a in schema.arguments if a.name in ("start", "end", "step"))
+    text = str(schema)
+    inside, depth, parts, part = text[text.index("(") + 1:text.rindex(") ->")], 0, [], ""
+    for ch in inside:  # split at the commas outside brackets (defaults such as dims=[0, 1])
+        depth += 1 if ch in "([" else -1 if ch in ")]" else 0
+        if ch == "," and depth == 0:
+            parts.append(part)
+            part = ""
+        else:
+            part += ch
+    parts.append(part)
+    declared = [p.strip().split("=")[0].split() for p in parts if p.strip() not in ("", "*")]
+    return frozenset(words[-1] for words in declared if words[0].startswith("SymInt"))
 
 
 def _build(x, remap, expression):
@@ -141,8 +185,18 @@ def _build(x, remap, expression):
     return x
 
 
-def _attr_shape(gm: fx.GraphModule, target: str):
+def _attr(gm: fx.GraphModule, target: str):
     value = gm
     for part in target.split("."):
         value = getattr(value, part)
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else value
+    return value
+
+
+def _same_constant(u, v) -> bool:
+    """Constants of the two builds are the same: their values too (``torch.tensor(float(B))``
+    differs between counts and is no size)."""
+    if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor):
+        return (u.shape, u.dtype, u.device) == (v.shape, v.dtype, v.device) and bool(
+            torch.equal(u, v) or (u.dtype.is_floating_point and torch.equal(u.isnan(), v.isnan())
+                                  and torch.equal(u.nan_to_num(), v.nan_to_num())))
+    return type(u) is type(v) and u == v

@@ -209,6 +209,42 @@ def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
     assert len(cf._cache) == 3
 
 
+@pytest.mark.parametrize("how", ["/ count", "* count", "/ tensor(count)", "* (count % 7)"])
+def test_a_count_used_as_a_value_keeps_one_program_per_count(how):
+    """The one program for every count took an integer operand equal to the count for a size
+    that follows it (X.shape[0] in a mean: the gradient was x1.28 at the second count, x2 at the
+    third), compared folded constants by shape alone (a tensor made from the count), and missed a
+    number that two counts share by chance (100 % 7 == 128 % 7)."""
+    scale = {"/ count": lambda n: 1 / n, "* count": lambda n: n, "/ tensor(count)": lambda n: 1 / n,
+             "* (count % 7)": lambda n: n % 7}[how]
+
+    def f(X):
+        n = X.shape[0]
+        s = {"/ count": lambda y: y / n, "* count": lambda y: y * n,
+             "/ tensor(count)": lambda y: y / torch.tensor(float(n), dtype=y.dtype), "* (count % 7)": lambda y: y * (n % 7)}
+        return s[how](mlp(X))
+
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    for count in (100, 128, 200):
+        X = rand(count, 3, seed=371)
+        res = cf(X)
+        one = lambda x: mlp(x) * scale(count)  # noqa: E731
+        assert_close(res[0], vmap(torch.func.grad(one))(X), f"gradient at {count} samples")
+        assert_close(res[0, 0], vmap(hessian(one))(X), f"Hessian at {count} samples")
+
+
+def test_chunks_of_a_function_that_reads_its_count_are_refused():
+    """Each chunk's function saw the chunk's count: a per-sample value divided by X.shape[0] was
+    off by samples / chunk_size (x15.6 at 1000 and 64)."""
+    def f(X):
+        return mlp(X) / X.shape[0]
+
+    with pytest.raises(hoad.InvalidArgumentError, match="number of samples as a value"):
+        hoad.compile(f, order=1, batch_dim=0, chunk_size=16, backend="eager")(rand(40, 3, seed=372))
+    res = hoad.compile(mlp, order=1, batch_dim=0, chunk_size=16, backend="eager")(rand(40, 3, seed=372))
+    assert_close(res[0], vmap(jacrev(mlp))(rand(40, 3, seed=372)), "chunks of a function that does not")
+
+
 @pytest.mark.parametrize("layer", ["instance norm", "attention"])
 def test_weights_repeated_per_sample_keep_one_program_per_count(layer):
     """Instance norm repeats its weight B times, attention splits B·heads rows: those sizes sat in
