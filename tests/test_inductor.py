@@ -196,6 +196,26 @@ def test_stochastic_biharmonic_with_half_a_tile_of_directions():
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_a_scatter_add_along_the_last_dim_on_two_threads(mode):
+    """The transpose of a reflect or replicate pad accumulates along the last dim; torch 2.13's
+    two-dimensional tile of such a kernel writes at a doubled offset on its multi-threaded path
+    (pytorch#191837): a conv after F.pad aborted the process ("double free or corruption")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = rand(4, 2, 3, 3, seed=48)
+
+        def f(x):
+            return F.conv2d(F.pad(x, (1, 1, 1, 1), mode=mode), w).sin().sum()
+
+        x = rand(3, 2, 5, 5, seed=49)
+        res = hoad.compile(f, order=1, backend="inductor")(x)
+        torch.testing.assert_close(res[0], torch.func.grad(f)(x), rtol=1e-10, atol=1e-10)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_strided_inputs_are_copied_dense():
     """An Inductor program asserts the dense strides it was traced with: a transposed, step-sliced
     or expanded input (or a closed-over transposed weight) was an ExecutionError naming a fake

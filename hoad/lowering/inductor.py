@@ -30,8 +30,9 @@ Measured on the CPUs hoad was tuned on (AMD EPYC, one thread, float64):
   0.87 ms for all three, MKL's product alone 1.55 ms in the same run).
 - float64 tanh in Inductor's vectorized C++ as Cephes computes it (:func:`tanh`), where
   Inductor calls SLEEF's, in half the time (:func:`cephes_tanh`, entered by hoad's compiles only).
-- no 2-D tiling over a reduction nested below another loop (:func:`safe_tiling`): torch 2.13's C++
-  code stores such a kernel's result a whole tile wide past a tail (an out-of-bounds write).
+- no 2-D tiling over a reduction nested below another loop, nor of a kernel that accumulates into
+  its output (:func:`safe_tiling`): torch 2.13's C++ code stores the first's result a whole tile
+  wide past a tail, and the second's at a doubled offset (out-of-bounds writes).
 
 :func:`hoad_inductor` enters both around every Inductor compile of hoad's.
 
@@ -234,6 +235,13 @@ def cephes_tanh():
 # the next row's finished entries where the outer loop also has a main part (silently wrong).
 
 
+#
+# A 2-D tile whose store accumulates (a scatter-add: the transpose of a reflect or replicate pad
+# along the last dim, index_put with accumulate) applies the inner loop's offset twice on the
+# parallel atomic_add path (pytorch#191837, fixed after 2.13): writes past the buffer, with two or
+# more threads. Such kernels get the innermost loop's tiling alone.
+
+
 def _select_tiling(stock):
     def select_tiling(self, fn_list, var_sizes_list):
         factors, indices, stats = stock(self, fn_list, var_sizes_list)
@@ -241,10 +249,24 @@ def _select_tiling(stock):
             group, reduction = max(var_sizes_list, key=lambda sizes: len(sizes[1]))
             if reduction and indices[0] < len(group) - 1:  # loops between the tiled one and the reduction
                 return factors[1:], indices[1:], stats     # the reduction's loop alone: horizontal
+            if _accumulates(fn_list):
+                return factors[1:], indices[1:], stats
         return factors, indices, stats
 
     select_tiling.hoad_safe = True
     return select_tiling
+
+
+def _accumulates(fn_list) -> bool:
+    """Whether a kernel's loop bodies store with atomic_add (true where torch's internals differ)."""
+    try:
+        from torch._inductor.codegen.cpp_utils import _get_loop_body
+        from torch._inductor.loop_body import MemoryUsageType
+
+        return any(entry.mode == "atomic_add" for body in _get_loop_body(fn_list)
+                   for entry in body.memory_usage[MemoryUsageType.STORE])
+    except (ImportError, AttributeError, AssertionError):
+        return True
 
 
 class SafeTiling(CustomGraphPass):
