@@ -601,6 +601,8 @@ def _restore_stores(obj, table, old: dict | list) -> list[Rebinding]:
             del table[k]
     if isinstance(obj, torch.nn.Module) and table is obj._parameters:
         return []  # (reparametrization's own leftovers: a submodule called twice kept the traced values)
+    if isinstance(obj, torch.nn.RNNBase):  # (torch's list of the RNN's own parameters, rebuilt from them)
+        changed = [k for k in changed if k != "_flat_weights"]
     buffer = isinstance(obj, torch.nn.Module) and table is obj._buffers
     name = (lambda k: f"{owner}.{k}") if obj is not table else (lambda k: f"a dict's entry {k!r}")
     return [Rebinding(name(k), old.get(k), buffer) for k in changed]

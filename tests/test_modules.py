@@ -513,6 +513,21 @@ def test_values_saved_by_a_hook_are_put_back_with_a_warning(caplog):
     assert "stored tensors on objects (a dict's entry 'fc0')" in caplog.text
 
 
+@pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM])
+def test_a_recurrent_layers_list_of_its_weights_is_no_stored_value(cls, caplog):
+    """RNNBase keeps its parameters in ``_flat_weights``, rebuilt from them: the trace's rebuild
+    was warned about as a value stored on an object that calls would not update."""
+    torch.manual_seed(7)
+    rnn = cls(2, 3, batch_first=True).double()
+    flat = rnn._flat_weights
+    with caplog.at_level("WARNING", logger="hoad"):
+        res = hoad.compile(lambda x: rnn(x)[0].sum(), order=1, backend="eager")(rand(2, 3, 2, seed=60))
+    assert "stored tensors" not in caplog.text
+    assert rnn._flat_weights is flat and all(isinstance(w, nn.Parameter) for w in rnn._flat_weights)
+    x = rand(2, 3, 2, seed=60)
+    torch.testing.assert_close(res[0], torch.func.grad(lambda x: rnn(x)[0].sum())(x))
+
+
 def test_a_hook_added_or_removed_after_a_call_is_traced_again():
     """Hooks change what a call computes; a program traced before one was added kept running."""
     torch.manual_seed(6)
