@@ -183,6 +183,26 @@ CASES: dict = {
         g.sin(), P2, [2, 2], [1, 1], [0, 0], [1, 1], False, P2_IDX).tanh().sum((1, 2, 3)), (rand(2, 2, 2, 2),)),
     aten.max_pool3d_with_indices_backward.default: Case(lambda g: aten.max_pool3d_with_indices_backward(
         g.sin(), P3, [2, 2, 2], [1, 1, 1], [0, 0, 0], [1, 1, 1], False, P3_IDX).tanh().sum(), (rand(1, 2, 2, 1, 2),), order=3),
+    # the backward ops of average pooling and resizing, which hoad's own VJPs emit (a biharmonic's
+    # outer Laplacian or a nested compile differentiates them): linear in the gradient
+    aten.avg_pool2d_backward.default: Case(lambda g: aten.avg_pool2d_backward(
+        g.sin(), g.new_zeros(2, 2, 3, 3), [2, 2], [1, 1], [1, 1], False, False, None).tanh().sum((1, 2, 3)),
+        (rand(2, 2, 4, 4),)),
+    aten.avg_pool3d_backward.default: Case(lambda g: aten.avg_pool3d_backward(
+        g.sin(), g.new_zeros(1, 2, 3, 3, 3), [2, 2, 2], [2, 2, 2], [0, 0, 0], True, False, None).tanh().sum(),
+        (rand(1, 2, 2, 2, 2),), order=3),
+    aten._adaptive_avg_pool2d_backward.default: Case(lambda g: aten._adaptive_avg_pool2d_backward(
+        g.sin(), g.new_zeros(2, 2, 3, 4)).tanh().sum(), (rand(2, 2, 2, 3),), order=3),
+    aten._adaptive_avg_pool3d_backward.default: Case(lambda g: aten._adaptive_avg_pool3d_backward(
+        g.sin(), g.new_zeros(1, 2, 3, 3, 2)).tanh().sum(), (rand(1, 2, 2, 2, 1),), order=3),
+    aten.upsample_bilinear2d_backward.default: Case(lambda g: aten.upsample_bilinear2d_backward(
+        g.sin(), [3, 4], [2, 1, 2, 3], True).tanh().sum((1, 2, 3)), (rand(2, 1, 3, 4),), order=3),
+    aten.upsample_bicubic2d_backward.default: Case(lambda g: aten.upsample_bicubic2d_backward(
+        g.sin(), [3, 4], [1, 2, 2, 3], False).tanh().sum(), (rand(1, 2, 3, 4),), order=3),
+    aten._upsample_bilinear2d_aa_backward.default: Case(lambda g: aten._upsample_bilinear2d_aa_backward(
+        g.sin(), [3, 2], [2, 1, 4, 5], False).tanh().sum((1, 2, 3)), (rand(2, 1, 3, 2),), order=3),
+    aten.upsample_trilinear3d_backward.default: Case(lambda g: aten.upsample_trilinear3d_backward(
+        g.sin(), [2, 3, 2], [1, 1, 2, 2, 3], False).tanh().sum(), (rand(1, 1, 2, 3, 2),), order=3),
     aten.unfold.default: Case(lambda x: x.sin().unfold(1, 2, 1).prod(-1).tanh().sum(0), (rand(2, 4),)),
     aten.embedding.default: Case(lambda w: F.embedding(_idx(0, 2, 1, 2, 3, 0).view(3, 2), w.sin(), padding_idx=1).tanh().prod(-1).sum(0),
                                  (rand(4, 3),)),

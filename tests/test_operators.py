@@ -455,6 +455,27 @@ def test_chunks_whose_joined_results_are_over_budget_get_an_operators_ways_out()
     assert "an operator" not in str(info.value) and "diagonal" not in str(info.value)
 
 
+@pytest.mark.parametrize("layer", ["avg_pool2d", "adaptive_avg_pool2d", "bilinear"])
+def test_biharmonic_through_pooling_and_resizing_per_sample(layer):
+    """The inner Laplacian's program holds the layers' backward ops (its reverse sweep): the outer
+    one had no rule for them (UnsupportedOperatorError naming avg_pool2d_backward), and their
+    blocks folded the sample axis into one batch with the others (BatchCouplingError)."""
+    import torch.nn.functional as F
+
+    fn = {"avg_pool2d": lambda x: F.avg_pool2d(x, 2), "adaptive_avg_pool2d": lambda x: F.adaptive_avg_pool2d(x, 3),
+          "bilinear": lambda x: F.interpolate(x, scale_factor=1.5, mode="bilinear")}[layer]
+    u = lambda x: fn(x.tanh()).tanh().sum((1, 2, 3))  # noqa: E731
+    X = rand(2, 1, 4, 4, seed=97)
+    one = lambda x: u(x[None])[0]  # noqa: E731
+    lap = lambda f: lambda x: torch.trace(hessian(f)(x).reshape(16, 16))  # noqa: E731
+    assert_close(hoad.biharmonic(u, batch_dim=0, backend="eager")(X).biharmonic,
+                 torch.stack([lap(lap(one))(x) for x in X]), "Δ²u")
+    inner = hoad.compile(lambda x: u(x).sum(), order=1, backend="eager")
+    nested = hoad.compile(lambda x: inner(x)[0].sin().sum(), order=2, backend="eager")(X)
+    assert_close(nested[0, 0], hessian(lambda x: torch.func.grad(lambda y: u(y).sum())(x).sin().sum())(X),
+                 "a compile over a compile")
+
+
 def test_a_taylor_result_unpacks():
     """It had __len__ and __getitem__ but no __iter__: unpacking ran past the end into an error."""
     value, first, second = hoad.taylor(lambda x: x.sin().sum(), order=2, directions=torch.eye(2, dtype=torch.float64),

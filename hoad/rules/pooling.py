@@ -21,15 +21,19 @@ RULES = RuleTable("linear")
 
 
 def _spatially(r: int, k: int, op):
-    """``op`` (a map of (B, *spatial) tensors) on block data (lead..., *spatial, *rest): the lead
-    and rest axes fold into B, then unfold around the op's spatial output."""
+    """``op`` (a map of (N, C, *spatial) images, every (n, c) alike) on block data (lead...,
+    *spatial, *rest): the first lead axis is N, the other lead axes and the rest fold into C, then
+    unfold around the op's spatial output. A sample axis (the first) stays apart from the others,
+    so a program built over this one (a biharmonic's outer Laplacian) keeps samples apart."""
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         rest, lead = list(t.shape[r:]), list(t.shape[:r - k])
-        u = t.movedim(list(range(r, t.ndim)), list(range(len(rest))))
-        y = op(u.reshape([-1] + list(t.shape[r - k:r])))
-        y = y.reshape(rest + lead + list(y.shape[1:]))
-        return y.movedim(list(range(len(rest))), list(range(y.ndim - len(rest), y.ndim)))
+        u = t.movedim(list(range(r, t.ndim)), list(range(len(lead), len(lead) + len(rest))))
+        # (contiguous: a channels_last-like stack is laid out by the real kernel and its fake
+        # differently, and a later view of the result then fails)
+        y = op(u.reshape([lead[0] if lead else 1, -1] + list(t.shape[r - k:r])).contiguous())
+        y = y.reshape(lead + rest + list(y.shape[2:]))
+        return y.movedim(list(range(len(lead), len(lead) + len(rest))), list(range(y.ndim - len(rest), y.ndim)))
 
     return fn
 
@@ -72,22 +76,16 @@ def adaptive_avg_pool3d_rule(ctx: Ctx, x: Jet, output_size):
     return _pooled(ctx, x, 3, lambda u: aten._adaptive_avg_pool3d.default(u, output_size))
 
 
-def _on_images(op):
-    """An op of (N, C, *spatial) images as a map of (B, *spatial) stacks (one channel each)."""
-    return lambda u: op(u.unsqueeze(1)).squeeze(1)
-
-
 def _resize(op, backward, k: int):
     """Rule and VJP of a resizing op (bilinear, bicubic, trilinear, antialiased): linear in the
     image, so each block is resized alike; the transpose is the op's backward."""
 
     def rule(ctx: Ctx, x: Jet, output_size, align_corners: bool, *scales):
-        return _pooled(ctx, x, k, _on_images(lambda u: op(u, output_size, align_corners, *scales)))
+        return _pooled(ctx, x, k, lambda u: op(u, output_size, align_corners, *scales))
 
     def vjp(v, g: Block, x: Jet, output_size, align_corners: bool, *scales):
         def transpose(u, like):
-            size = [u.shape[0], 1] + list(like.shape[1:])
-            return _on_images(lambda w: backward(w, output_size, size, align_corners, *scales))(u)
+            return backward(u, output_size, list(like.shape), align_corners, *scales)
 
         return _unpooled(v, g, x, k, transpose)
 
@@ -193,12 +191,12 @@ VJPS = RuleTable("linear")
 
 
 def _unpooled(v, g: Block, x: Jet, k: int, backward) -> list:
-    """The transpose of a pooling: ``backward(grad, like)`` maps (B, *spatial') to (B, *spatial)."""
+    """The transpose of a pooling: ``backward(grad, like)`` maps (N, C, *spatial') to (N, C, *spatial)."""
     r = x.ndim
     sp = list(x.shape[r - k:])
 
     def op(u):
-        return backward(u, u.new_zeros(()).expand([u.shape[0]] + sp))
+        return backward(u, u.new_zeros(()).expand(list(u.shape[:2]) + sp))
 
     return [(x, map_out(g, r, _spatially(r, k, op), x.shape, along(r, range(r - k, r))))]
 
@@ -264,6 +262,60 @@ for _op, (_backward, _k) in RESIZES.items():
     _rule, _vjp = _resize(_op, _backward, _k)
     RULES.register(_op)(_rule)
     VJPS.register(_op)(_vjp)
+
+
+# The backward ops of average pooling and resizing are what hoad's own VJPs above emit, so a
+# program built over a hoad program meets them (a biharmonic's outer Laplacian, a nested
+# compile). Each is linear in the incoming gradient, its other arguments give sizes, and its
+# transpose is the forward op.
+def _backward_of(k: int, apply, transpose):
+    """Rule and VJP of such a backward op: ``apply(u, grad_shape, *args)`` and
+    ``transpose(u, grad_shape, *args)`` map (B, *spatial) stacks, ``grad_shape`` the gradient's."""
+
+    def rule(ctx: Ctx, grad, *args):
+        if not isinstance(grad, Jet):
+            return {}
+        return _pooled(ctx, grad, k, lambda u: apply(u, tuple(grad.shape), *args))
+
+    def vjp(v, g: Block, grad, *args):
+        if not isinstance(grad, Jet) or not grad.varies:
+            return []
+        r = v.out.ndim
+        op = _spatially(r, k, lambda u: transpose(u, tuple(grad.shape), *args))
+        return [(grad, map_out(g, r, op, grad.shape, along(r, range(r - k, r))))]
+
+    return rule, vjp
+
+
+def _like(u: torch.Tensor, x, k: int) -> torch.Tensor:
+    """A stand-in for the pooled input of a backward op: its spatial shape over u's batch."""
+    return u.new_zeros(()).expand(list(u.shape[:2]) + list(x.shape[-k:]))
+
+
+def _register_backward(backward, k: int, apply, transpose) -> None:
+    rule, vjp = _backward_of(k, apply, transpose)
+    rule.__name__ = vjp.__name__ = backward.__name__.split(".")[0].lstrip("_")
+    rule.__name__, vjp.__name__ = f"{rule.__name__}_rule", f"{vjp.__name__}_vjp"
+    RULES.register(backward)(rule)
+    VJPS.register(backward)(vjp)
+
+
+for _k, _pool, _backward in ((2, aten.avg_pool2d.default, aten.avg_pool2d_backward.default),
+                             (3, aten.avg_pool3d.default, aten.avg_pool3d_backward.default)):
+    _register_backward(_backward, _k,
+                       lambda u, shape, x, *args, b=_backward, k=_k: b(u, _like(u, x, k), *args),
+                       lambda u, shape, x, *args, f=_pool: f(u, *args))
+for _k, _pool, _backward in ((2, aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default),
+                             (3, aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default)):
+    _register_backward(_backward, _k, lambda u, shape, x, b=_backward, k=_k: b(u, _like(u, x, k)),
+                       lambda u, shape, x, f=_pool, k=_k: f(u, list(shape[-k:])))
+for _op, (_backward, _k) in RESIZES.items():
+    _register_backward(
+        _backward, _k,
+        lambda u, shape, output_size, input_size, align_corners, *scales, b=_backward, k=_k: b(
+            u, output_size, list(u.shape[:2]) + list(input_size[-k:]), align_corners, *scales),
+        lambda u, shape, output_size, input_size, align_corners, *scales, f=_op: f(u, output_size, align_corners,
+                                                                                  *scales))
 
 
 def _regathered(g: Block, grad: Jet, indices, k: int) -> list:
