@@ -433,6 +433,21 @@ def test_a_closed_over_tensor_rebound_to_another_layout_traces_again():
     torch.testing.assert_close(cf(x)[0, 0], torch.func.hessian(f)(x))
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_float32_input_times_a_float64_constant(mode):
+    """torch promotes the product to float64; hoad's contraction of the input's float32 blocks
+    with the constant's float64 factor was refused from order 2 ("torch refuses mixed dtypes
+    there (the function itself fails when run)": it does not)."""
+    c = torch.arange(1, 7, dtype=torch.float64)
+    x = torch.randn(6, dtype=torch.float32)
+    for f in (lambda x: (torch.softmax(x, 0) * c).sum(), lambda x: (x / x.sum() * c).sin().sum(),
+              lambda x: ((x - x.sum()).exp() * c).sum()):
+        res = hoad.compile(f, order=3, mode=mode, backend="eager")(x)
+        ref = torch.func.jacfwd(torch.func.jacfwd(torch.func.jacfwd(f)))(x)  # (jacrev's would be float32)
+        assert res[0, 0, 0].dtype == ref.dtype == torch.float64
+        torch.testing.assert_close(res[0, 0, 0], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
 # ------------------------------------------------------------------ nothing stale between calls
 def _laplacian_of(f):
     return lambda x: torch.func.hessian(f)(x).diagonal().sum()

@@ -8,6 +8,8 @@ prefers: the machine's choices (orientation, fused reductions, custom kernels) l
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Hashable, Sequence
 
@@ -275,6 +277,10 @@ def contract_blocks(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequ
             factor *= size[r]
 
     if terms:
+        # operands of different floating dtypes (a float32 input's blocks times a float64
+        # constant's) meet as torch's elementwise product would: promoted (mm refuses a mix)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t, _ls in terms])
+        terms = [(t if t.dtype == dtype else t.to(dtype), ls) for t, ls in terms]
         present = [r for r in result_classes if any(r in ls for _t, ls in terms)]
         roots = {find(l) for l in samples if l in parent} if target.sample_axes else frozenset()
         data = _einsum(terms, present, size, roots, target.lowering)
