@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
@@ -781,55 +782,55 @@ def _grid_source(coords, size: int, padding_mode: int, align_corners: bool):
     return c
 
 
-def _grid_sampler_3d(a, grid, interpolation_mode: int, padding_mode: int, align_corners: bool):
-    """Trilinear (or nearest) sampling of a (N, C, D, H, W) at grid (N, oD, oH, oW, 3) points:
-    eight gathers from the flattened volume, weighted by products of the fractional parts
-    (constant in a, polynomial in the grid between the integer crossings). Corners outside the
-    volume contribute nothing (a where, so no inf or NaN of a reaches through a zero weight)."""
+def _grid_sampler(a, grid, interpolation_mode: int = 0, padding_mode: int = 0, align_corners: bool = False):
+    """Bilinear or trilinear (or nearest) sampling of a (N, C, *spatial) at grid (N, *out, k)
+    points, k = 2 or 3: 2ᵏ gathers from the flattened image, each sample's from its own, weighted
+    by products of the fractional parts (constant in a, polynomial in the grid between the
+    integer crossings). Corners outside the image contribute nothing (a where, so no inf or NaN
+    of a reaches through a zero weight). torch's 2-D decomposition indexes a by
+    ``arange(N)`` instead, which ties the samples together (a false BatchCouplingError); its
+    bicubic mode is kept."""
+    k = grid.shape[-1]
     if interpolation_mode not in (0, 1):
+        if k == 2:
+            from torch._decomp.decompositions import _grid_sampler_2d as grid_sampler_2d
+
+            return grid_sampler_2d(a, grid, interpolation_mode, padding_mode, align_corners, _expand_grid=False)
         return NotImplemented
     N, C = a.shape[:2]
     sizes = list(a.shape[2:])
     out = [N, C] + list(grid.shape[1:-1])
     flat = a.reshape(N, C, -1)
     zero = torch.zeros((), dtype=a.dtype, device=a.device)
-    # grid[..., 0] indexes W, 1 H, 2 D: the coordinates per axis of a, in axis order
-    src = [_grid_source(grid[..., 2 - k], sizes[k], padding_mode, align_corners) for k in range(3)]
+    # grid[..., 0] indexes the last axis of a, grid[..., 1] the one before: per axis of a, in order
+    src = [_grid_source(grid[..., k - 1 - j], sizes[j], padding_mode, align_corners) for j in range(k)]
+    strides = [math.prod(sizes[j + 1:]) for j in range(k)]
 
-    strides = [sizes[1] * sizes[2], sizes[2], 1]
-
-    def axis(c, k):
-        """Whether integer coordinate c is inside axis k, and its offset in the flat volume."""
-        return (c >= 0) & (c < sizes[k]), c.clamp(0, sizes[k] - 1).to(torch.int64) * strides[k]
+    def axis(c, j):
+        """Whether integer coordinate c is inside axis j, and its offset in the flat image."""
+        return (c >= 0) & (c < sizes[j]), c.clamp(0, sizes[j] - 1).to(torch.int64) * strides[j]
 
     def picked(per_axis):
         """a at one corner, given (inside, offset) per axis, and whether the corner is inside."""
-        (in0, i0), (in1, i1), (in2, i2) = per_axis
-        index = (i0 + i1 + i2).reshape(N, 1, -1).expand(N, C, i0[0].numel())
-        return flat.gather(2, index).reshape(out), (in0 & in1 & in2).unsqueeze(1)
+        index = sum(i for _inside, i in per_axis)
+        inside = functools.reduce(operator.and_, [inside for inside, _i in per_axis])
+        index = index.reshape(N, 1, -1).expand(N, C, index[0].numel())
+        return flat.gather(2, index).reshape(out), inside.unsqueeze(1)
 
     if interpolation_mode == 1:  # nearest
-        values, inside = picked([axis(c.round(), k) for k, c in enumerate(src)])
+        values, inside = picked([axis(c.round(), j) for j, c in enumerate(src)])
         return torch.where(inside, values, zero)
     lo = [c.floor() for c in src]
-    ends = [(axis(l, k), axis(l + 1, k)) for k, l in enumerate(lo)]
+    ends = [(axis(l, j), axis(l + 1, j)) for j, l in enumerate(lo)]
     weights = [((l + 1 - c), (c - l)) for c, l in zip(src, lo)]
     total = None
-    for bits in range(8):
-        up = [(bits >> (2 - k)) & 1 for k in range(3)]
-        values, inside = picked([ends[k][u] for k, u in enumerate(up)])
-        w = weights[0][up[0]] * weights[1][up[1]] * weights[2][up[2]]
+    for bits in range(2 ** k):
+        up = [(bits >> (k - 1 - j)) & 1 for j in range(k)]
+        values, inside = picked([ends[j][u] for j, u in enumerate(up)])
+        w = functools.reduce(operator.mul, [weights[j][u] for j, u in enumerate(up)])
         term = torch.where(inside, values * w.unsqueeze(1), zero)
         total = term if total is None else total + term
     return total
-
-
-def _grid_sampler_2d(a, grid, interpolation_mode: int = 0, padding_mode: int = 0, align_corners: bool = False):
-    """torch's decomposition, the grid kept at (N, oH, oW, 2): its derivative blocks are not
-    repeated over the channels."""
-    from torch._decomp.decompositions import _grid_sampler_2d as grid_sampler_2d
-
-    return grid_sampler_2d(a, grid, interpolation_mode, padding_mode, align_corners, _expand_grid=False)
 
 
 def _coverage_decompositions() -> dict:
@@ -856,8 +857,8 @@ def _coverage_decompositions() -> dict:
         aten._embedding_bag_forward_only.default: functools.partial(_embedding_bag,
                                                                     op=aten._embedding_bag_forward_only.default),
         aten.rrelu_with_noise_functional.default: _rrelu,
-        aten.grid_sampler_2d.default: _grid_sampler_2d,
-        aten.grid_sampler_3d.default: _grid_sampler_3d,
+        aten.grid_sampler_2d.default: _grid_sampler,
+        aten.grid_sampler_3d.default: _grid_sampler,
     })
     return table
 

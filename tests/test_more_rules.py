@@ -15,7 +15,7 @@ from torch.func import jacrev
 
 import hoad
 from helpers import assert_close, check, rand
-from hoad.passes.decompositions import _grid_sampler_3d
+from hoad.passes.decompositions import _grid_sampler
 
 aten = torch.ops.aten
 
@@ -74,7 +74,7 @@ def test_grid_sample_3d_in_image_and_grid(order, mode):
         return F.grid_sample(a.sin(), g.tanh() * 1.2, padding_mode="reflection", align_corners=False).sin().sum()
 
     def plain(a, g):
-        return _grid_sampler_3d(a.sin(), g.tanh() * 1.2, 0, 2, False).sin().sum()
+        return _grid_sampler(a.sin(), g.tanh() * 1.2, 0, 2, False).sin().sum()
 
     assert_close(plain(a, grid), f(a, grid), "value")
     for want, got in zip(_grad(f, a, grid), _grad(plain, a, grid)):
@@ -82,11 +82,27 @@ def test_grid_sample_3d_in_image_and_grid(order, mode):
     check(f, (a, grid), wrt=(0, 1), order=order, reference_fn=plain, mode=mode)
 
 
+@pytest.mark.parametrize("mode,padding", [("bilinear", "zeros"), ("nearest", "reflection"), ("bilinear", "border")])
+def test_grid_sample_2d_per_sample(mode, padding):
+    """Each sample reads its own image at its own grid: torch's 2-D decomposition indexed the
+    image by arange(N), a false BatchCouplingError under batch_dim=0."""
+    a, grid = rand(2, 2, 3, 4, seed=46), rand(2, 2, 3, 2, seed=47) * 1.3
+
+    def f(a, g):
+        return F.grid_sample(a.sin(), g.tanh() * 1.2, mode=mode, padding_mode=padding,
+                             align_corners=False).sin().sum((1, 2, 3))
+
+    def plain(a, g):
+        return _plain_grid_sampler_2d(a.sin(), g.tanh() * 1.2, _MODES[mode], _PADDINGS[padding], False).sin().sum((1, 2, 3))
+
+    check(f, (a, grid), wrt=(0, 1), order=2, reference_fn=plain, batch_dim=0)
+
+
 @pytest.mark.slow
 def test_grid_sample_3d_nearest_border():
     a, grid = rand(1, 2, 3, 2, 2, seed=44), rand(1, 2, 1, 2, 3, seed=45) * 1.5
     check(lambda a: F.grid_sample(a.sin(), grid, mode="nearest", padding_mode="border", align_corners=False).tanh().sum(),
-          (a,), order=2, reference_fn=lambda a: _grid_sampler_3d(a.sin(), grid, 1, 1, False).tanh().sum())
+          (a,), order=2, reference_fn=lambda a: _grid_sampler(a.sin(), grid, 1, 1, False).tanh().sum())
 
 
 # ------------------------------------------------------------------------------------ distances
