@@ -397,7 +397,7 @@ class Compiled(Rebuilt):
             r = self._call(*a, **k)
             if i == 0:
                 self._check_count_free()
-                self._check_joined_size(len(chunks))
+                self._check_joined_size(len(chunks), total)
                 first = r
                 value = r.value.new_empty((total, *r.value.shape[1:]))
                 blocks = {K: b.new_empty((total, *b.shape[1:])) for K, b in r._blocks.items()}
@@ -420,7 +420,7 @@ class Compiled(Rebuilt):
                 "change its results. Divide by the total outside the function, pass the count as an argument, or "
                 "drop chunk_size")
 
-    def _check_joined_size(self, chunks: int) -> None:
+    def _check_joined_size(self, chunks: int, samples: int) -> None:
         """The joined results must fit, whatever the size of one chunk's program."""
         memory = self._last.build.stats.get("memory") if self._last is not None else None
         if not memory or memory["budget"] is None:
@@ -430,7 +430,7 @@ class Compiled(Rebuilt):
         total = results + plan.peak  # (the joined results, and one chunk's program)
         if total > budget:
             n = self.config.chunk_size
-            fit = samples_that_fit(n, results, plan.peak, budget)
+            fit = samples_that_fit(samples, plan.results / n, plan.peak / n, budget)
             ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(self.config)
             raise MemoryBudgetError(
                 f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
@@ -807,7 +807,8 @@ class _Entry:
         built = self.build.captured.out_shape[0]
         peak = memory["plan"].peak * count / built
         if peak > memory["budget"]:
-            fit = max(1, int(built * memory["budget"] / memory["plan"].peak * 0.9))
+            plan = memory["plan"]
+            fit = max(1, samples_that_fit(count, plan.results / built, plan.peak / built, memory["budget"]))
             raise MemoryBudgetError(
                 f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
                 f"{human(memory['budget'])}. Ways out: "

@@ -250,7 +250,8 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     if c.batch_dim is None:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
     else:
-        fit = samples_that_fit(p.out_shape[0], plan.results, plan.peak, budget)
+        n = p.out_shape[0]
+        fit = samples_that_fit(n, plan.results / n, plan.peak / n, budget)
         if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
     ways += smaller_programs(c)

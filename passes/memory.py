@@ -10,6 +10,8 @@ usually stays below it.
 
 from __future__ import annotations
 
+import math
+
 import operator
 import os
 from dataclasses import dataclass
@@ -103,10 +105,18 @@ def default_budget(device: torch.device) -> int | None:
     return None if free is None else int(BUDGET_SHARE * free)
 
 
-def samples_that_fit(samples: int, results: float, peak: float, budget: float) -> int:
-    """How many of ``samples`` one chunk may hold: the joined results of every chunk stay next to
-    one chunk's program, whose peak (``peak`` for all samples) is not all per sample: a margin."""
-    return int(samples * (budget - results) / peak * 0.75) if budget > results else 0
+def samples_that_fit(samples: int, result: float, peak: float, budget: float) -> int:
+    """How many of ``samples`` one chunk may hold, for a program whose results take ``result`` and
+    whose peak is ``peak`` per sample: the joined results of every chunk (the last padded to a
+    whole chunk) stay next to one chunk's program, whose peak is not all per sample (a margin).
+    The same answer whatever chunk size the program was built for, so advice is followed once."""
+    def need(c: int) -> float:
+        return result * c * math.ceil(samples / c) + peak * c / 0.75
+
+    c = min(samples, int((budget - result * samples) / peak * 0.75)) if budget > result * samples else 0
+    while c >= 1 and need(c) > budget:
+        c -= 1
+    return c
 
 
 def human(n: float) -> str:

@@ -142,6 +142,23 @@ def test_over_budget_with_batch_dim_suggests_a_chunk_size_that_fits():
     assert_close(res[0, 0, 0], _per_sample_reference(X), "order 3 joined from chunks")
 
 
+def test_a_suggested_chunk_size_fits_where_the_results_take_most_of_the_budget():
+    """Most of the budget holds the joined results: the advice (124) left no room for padding the
+    last chunk to a whole one, so following it raised a second MemoryBudgetError (advising 88)."""
+    g = torch.Generator().manual_seed(8)
+    Wf, w2 = torch.randn(6, 16, generator=g, dtype=torch.float64), torch.randn(16, generator=g, dtype=torch.float64)
+
+    def f(X):
+        return torch.tanh(X @ Wf) @ w2 + X.log().sum(-1)
+
+    X = torch.rand(1000, 6, generator=g, dtype=torch.float64) + 0.1
+    with pytest.raises(hoad.MemoryBudgetError, match=r"chunk_size=(\d+)") as e:
+        hoad.compile(f, order=3, batch_dim=0, memory_budget=3e6, backend="eager")(X)
+    size = int(re.search(r"chunk_size=(\d+)", str(e.value)).group(1))
+    res = hoad.compile(f, order=3, batch_dim=0, memory_budget=3e6, chunk_size=size, backend="eager")(X)
+    assert_close(res[0, 0, 0], hoad.compile(f, order=3, batch_dim=0, backend="eager")(X)[0, 0, 0], "chunked")
+
+
 def test_chunks_give_the_unchunked_result_with_one_program():
     X = rand(10, 3, seed=352)
     chunked = hoad.compile(_per_sample, order=3, batch_dim=0, chunk_size=4)  # 4 + 4 + 2 (padded)
