@@ -103,6 +103,19 @@ def _rows_split(old, new) -> list | None:
     return split if cuts(list(old)) <= cuts(split) else None
 
 
+def _merged_rows_reshaped(v) -> int:
+    """n where the view ``v`` is ``[s1, ..., sn, *t] -> [s1·...·sn, *u]`` with n >= 2 (two axes
+    not of size 1 among them) and t, u the same entries in other shapes (a bmm's matrices), else 0."""
+    shapes = _view_shapes(v, None)
+    if shapes is None or not shapes[1]:
+        return 0
+    old, new = shapes
+    for n in range(2, len(old) + 1):
+        if math.prod(old[:n]) == new[0]:
+            return n if sum(s != 1 for s in old[:n]) >= 2 and math.prod(old[n:]) == math.prod(new[1:]) else 0
+    return 0
+
+
 def _rows_source(gm: fx.GraphModule, where: fx.Node, v: fx.Node) -> fx.Node:
     """The source of a view that :func:`_merged_rows` accepts, shaped with the merged axes apart."""
     src = v.args[0]
@@ -185,11 +198,18 @@ def _unmerge_batched_product(gm: fx.GraphModule, bmm: fx.Node, varies: set) -> b
         bmm.replace_all_uses_with(merged)
         return True
     n = _merged_rows(a, None)
-    if not n or n != _merged_rows(b, None):
-        return False
+    reshaped = not n or n != _merged_rows(b, None)
+    if reshaped:  # each view also reshapes its matrix axes: [B, n, 4, 4, 4, 4] -> [B·n, 16, 16]
+        n = _merged_rows_reshaped(a)
+        if not n or n != _merged_rows_reshaped(b):
+            return False
     if shape_of(a.args[0])[:n] != shape_of(b.args[0])[:n] or (a.args[0] not in varies and b.args[0] not in varies):
         return False
-    za, zb = _rows_source(gm, bmm, a), _rows_source(gm, bmm, b)
+    if reshaped:  # (a view: it only splits the first axis of a view of the same source back)
+        za, zb = (_call_before(gm, bmm, aten.view.default, (v.args[0], list(shape_of(v.args[0])[:n])
+                                                             + list(shape_of(v)[1:]))) for v in (a, b))
+    else:
+        za, zb = _rows_source(gm, bmm, a), _rows_source(gm, bmm, b)
     with gm.graph.inserting_before(bmm):
         out = _call(gm, bmm, aten.matmul.default, (za, zb))
         merged = _call(gm, bmm, aten.view.default, (out, list(shape_of(bmm))))

@@ -476,6 +476,28 @@ def test_biharmonic_through_pooling_and_resizing_per_sample(layer):
                  "a compile over a compile")
 
 
+def test_biharmonic_through_conv_and_affine_group_norm_per_sample():
+    """The inner program contracts per (sample, channel) through a bmm over [B·C, 16, 16] views
+    that also reshape their matrix axes; the sample pass unmerged only views that keep them
+    (BatchCouplingError). Reference: group norm in plain ops (torch.func's order 3 and up through
+    F.group_norm's statistics is wrong)."""
+    import torch.nn.functional as F
+
+    w, g, b = rand(3, 1, 3, 3, seed=98), rand(3, seed=99), rand(3, seed=100)
+
+    def plain_group_norm(h):
+        mean = h.mean((1, 2, 3), keepdim=True)
+        var = ((h - mean) ** 2).mean((1, 2, 3), keepdim=True)
+        return (h - mean) / torch.sqrt(var + 1e-5) * g.view(1, 3, 1, 1) + b.view(1, 3, 1, 1)
+
+    u = lambda x: F.group_norm(F.conv2d(x, w, padding=1), 1, g, b).tanh().sum((1, 2, 3))  # noqa: E731
+    plain = lambda x: plain_group_norm(F.conv2d(x[None], w, padding=1)).tanh().sum()  # noqa: E731
+    X = rand(2, 1, 3, 3, seed=101)
+    lap = lambda f: lambda x: torch.trace(hessian(f)(x).reshape(9, 9))  # noqa: E731
+    assert_close(hoad.biharmonic(u, batch_dim=0, backend="eager")(X).biharmonic,
+                 torch.stack([lap(lap(plain))(x) for x in X]), "Δ²u")
+
+
 def test_a_taylor_result_unpacks():
     """It had __len__ and __getitem__ but no __iter__: unpacking ran past the end into an error."""
     value, first, second = hoad.taylor(lambda x: x.sin().sum(), order=2, directions=torch.eye(2, dtype=torch.float64),
