@@ -8,8 +8,11 @@ B, or B times a product of fixed sizes; an integer that is not a multiple in bot
 B + 1 or B², means the structure depends on B). :func:`generalize` checks that the two
 programs are the same node for node and rewrites every differing integer as that expression of
 the first batched input's ``size(0)``, so Inductor compiles it once with B as a symbol.
-Anything else that differs (a float, a folded constant's shape, a different node) means the
-structure depends on B: there is no general program and each size keeps its own.
+Only an argument that holds sizes (SymInt in the op's schema) may differ so: an integer operand
+(``y / X.shape[0]``) is a value computed from B. Anything else that differs (a float, a folded
+constant's shape or values, a different node) means the structure depends on B: there is no
+general program and each size keeps its own. (The pipeline also traces the function at a third
+count, :func:`same_structure`, since two counts may agree by chance on such a value.)
 """
 
 from __future__ import annotations
