@@ -49,6 +49,8 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
     _check_op(op)
     if not callable(rule) or not callable(vjp):
         raise InvalidArgumentError("register_rule needs a forward rule and a VJP (both callables)")
+    if not isinstance(override, bool):
+        raise InvalidArgumentError(f"override must be True or False, got {override!r}")
     if len(op._schema.returns) != 1:
         raise InvalidArgumentError(
             f"{op} returns {len(op._schema.returns)} values; rules can be registered for single-output ops only "
@@ -58,9 +60,42 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
         raise InvalidArgumentError(f"{op} already has a rule ({FAMILIES.get(op)}): pass override=True to replace it")
     if op not in _saved:
         _saved[op] = (RULES[op], VJPS[op], FAMILIES[op]) if op in RULES else None
-    RULES[op], VJPS[op], FAMILIES[op] = rule, vjp, "user"
+    RULES[op], VJPS[op], FAMILIES[op] = _checked_rule(op, rule), _checked_vjp(op, vjp), "user"
     USER_OPS.add(op)
     EDITS[0] += 1
+
+
+def _checked_rule(op, rule: Callable) -> Callable:
+    """A user's forward rule, its result checked: {multi-index: block} (a key of another kind
+    was skipped, its derivatives silently 0)."""
+    def checked(ctx, *args, **kwargs):
+        blocks = rule(ctx, *args, **kwargs)
+        if not isinstance(blocks, dict) or not all(
+                isinstance(K, tuple) and all(isinstance(k, int) and not isinstance(k, bool) for k in K) for K in blocks):
+            raise InvalidArgumentError(
+                f"the forward rule registered for {op} returned {_described(blocks)}"
+                f"{' with keys ' + repr(list(blocks)[:4]) if isinstance(blocks, dict) else ''}; it must return "
+                "{multi-index: Block} for the multi-indices in ctx.keys (tuples of wrt positions, e.g. (0,), (0, 0))")
+        return blocks
+
+    checked.__name__ = getattr(rule, "__name__", "user_rule")
+    return checked
+
+
+def _checked_vjp(op, vjp: Callable) -> Callable:
+    """A user's VJP, its result checked: a list of (argument jet, cotangent block) pairs."""
+    def checked(vctx, g, *args, **kwargs):
+        pairs = vjp(vctx, g, *args, **kwargs)
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
+                    if isinstance(pairs, (list, tuple)) else _described(pairs))
+            raise InvalidArgumentError(
+                f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent block) "
+                "pairs, [] where no argument varies")
+        return pairs
+
+    checked.__name__ = getattr(vjp, "__name__", "user_vjp")
+    return checked
 
 
 def unregister_rule(op) -> None:
@@ -84,9 +119,18 @@ def register_elementwise(op, derivatives: Callable | None = None, *, override: b
     structural zero), where ``x`` is the differentiated input (the op's first argument) and ``y``
     the op's output. Usable as a decorator: ``@hoad.register_elementwise(torch.ops.mylib.f.default)``."""
     def register(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise InvalidArgumentError(f"register_elementwise needs a function of (n, x, y, *args) giving the "
+                                       f"derivatives of {op}, got {_described(fn)}")
+
         def checked(n, x, y, *args, **kwargs):
             args, kwargs = _constants(op, "register_elementwise", args, kwargs)
-            got = list(_functional(lambda x, y: fn(n, x, y, *args, **kwargs))(x, y))
+            got = _functional(lambda x, y: fn(n, x, y, *args, **kwargs))(x, y)
+            if not isinstance(got, (list, tuple)):  # (a tensor iterates over its entries: one per derivative)
+                raise InvalidArgumentError(
+                    f"the derivatives registered for {op} returned {_described(got)}; return a list "
+                    "[φ', …, φ^(n)] (tensors shaped like x, Python numbers, or None for a structural zero)")
+            got = list(got)
             if len(got) < n:
                 raise InvalidArgumentError(
                     f"the derivatives registered for {op} returned {len(got)} entries where order {n} needs {n} "
@@ -181,7 +225,9 @@ def _derivative(op, k: int, d, x: torch.Tensor):
 
 
 def _described(v) -> str:
-    return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    return "None" if v is None else f"a {type(v).__name__}"
 
 
 def _functional(fn: Callable) -> Callable:

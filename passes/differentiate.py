@@ -306,7 +306,8 @@ class _Interpreter:
                 continue
             expected = tuple(out.shape) + ctx.slot_shape(K)
             if not isinstance(b, (Block, Lazy)) or b.shape != expected:
-                raise HoadInternalError(f"rule for {node.target} gave block {K} = {b!r}, expected shape {expected}")
+                error = InvalidArgumentError if FAMILIES.get(node.target) == "user" else HoadInternalError
+                raise error(f"rule for {node.target} gave block {K} = {b!r}, expected a Block of shape {expected}")
             if isinstance(b, Lazy) and (shared or len(K) == 1):
                 b = b.force()
             kept[K] = b

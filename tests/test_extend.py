@@ -274,3 +274,27 @@ def test_a_registration_rebuilds_programs_built_before_it():
     finally:
         hoad.unregister_rule(aten.sin.default)
     assert_close(cf(x)[0, 0], true, "hoad's rule again")
+
+
+def test_user_functions_that_return_the_wrong_kind_of_value_are_named():
+    """A derivatives function returning one tensor (not a list) was iterated over its entries:
+    every entry got the first entry's derivative (0.990 where 0.786 and 0.487 are right). A rule
+    returning keys that are not multi-indices was skipped (derivatives 0), a VJP returning None
+    was a HoadInternalError."""
+    x = rand(3, seed=419)
+    try:
+        hoad.register_elementwise(SCALED_TANH, lambda n, x, y, scale: scale * (1 - (y / scale) ** 2))
+        with pytest.raises(hoad.InvalidArgumentError, match="returned a tensor of shape .*return a list"):
+            hoad.compile(lambda x: SCALED_TANH(x, 1.0).sum(), order=1, backend="eager")(x)
+        hoad.unregister_rule(SCALED_TANH)
+        with pytest.raises(hoad.InvalidArgumentError, match="needs a function"):
+            hoad.register_elementwise(SCALED_TANH, 42)
+        with pytest.raises(hoad.InvalidArgumentError, match="override must be True or False"):
+            hoad.register_rule(SCALED_TANH, lambda ctx, x, s: {}, lambda v, g, x, s: [], override="no")
+        hoad.register_rule(SCALED_TANH, lambda ctx, x, s: {"a": 1}, lambda v, g, x, s: None)
+        for mode, what in (("forward", "forward rule .* keys \\['a'\\]"), ("reverse", "VJP .* returned None")):
+            with pytest.raises(hoad.InvalidArgumentError, match=what):
+                hoad.compile(lambda x: SCALED_TANH(x, 1.0).sum(), order=1, mode=mode, backend="eager")(x)
+    finally:
+        if SCALED_TANH in hoad.rules.USER_OPS:
+            hoad.unregister_rule(SCALED_TANH)
