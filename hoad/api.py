@@ -79,12 +79,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
                    memory_budget=memory_budget)
-    if unknown:
-        name = next(iter(unknown))
-        close = difflib.get_close_matches(name, ["order", "wrt", *options], n=1)
-        raise InvalidArgumentError(f"hoad.compile has no option {name!r}"
-                                   f"{f'; did you mean {close[0]!r}?' if close else ''} (its options: order, wrt, "
-                                   f"{', '.join(options)})")
+    refuse_unknown("hoad.compile", unknown, ["order", "wrt", *options])
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise OutputError(f"{getattr(fn, '__name__', 'the function')} is a generator or coroutine function: it "
                           "yields or awaits instead of returning; hoad differentiates a function that returns one "
@@ -97,6 +92,15 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
                 if isinstance(fn, int) and not isinstance(fn, bool) else "")
         raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}{hint}")
     return Compiled(fn, order, wrt, **options)
+
+
+def refuse_unknown(api: str, unknown: dict, known: list[str]) -> None:
+    """A keyword ``api`` does not take, named with the closest one it does."""
+    if unknown:
+        name = next(iter(unknown))
+        close = difflib.get_close_matches(name, known, n=1)
+        raise InvalidArgumentError(f"{api} has no option {name!r}{f'; did you mean {close[0]!r}?' if close else ''} "
+                                   f"(its options: {', '.join(known)})")
 
 
 def _var_positional(fn) -> str | None:
@@ -653,6 +657,10 @@ class Compiled(Rebuilt):
                 out += [n for n, p in self.module.named_parameters() if p.requires_grad and n not in out]
             elif w not in out:
                 out.append(w)
+        if not out:
+            raise InvalidArgumentError(
+                f"wrt=hoad.parameters, but {type(self.module).__name__} has no parameter that requires grad (none, or "
+                "all frozen): unfreeze some (p.requires_grad_(True)), or name the inputs to differentiate in wrt")
         return tuple(out)
 
     def _check_wrt_against_signature(self) -> None:

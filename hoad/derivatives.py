@@ -63,8 +63,10 @@ class Derivatives(Mapping):
         return list(self._wrt)
 
     def _position(self, k: Hashable) -> int:
-        if isinstance(k, (bool, float)) or k not in self._aliases:  # (0.0 == 0 and True == 1 hash alike)
-            raise KeyErrorWithHelp(f"{k!r} is not a wrt key; valid keys are {self._wrt}")
+        if isinstance(k, (bool, float)) or not isinstance(k, Hashable) or k not in self._aliases:
+            # (0.0 == 0 and True == 1 hash alike; a list or slice is no key: a tuple of wrt keys is)
+            raise KeyErrorWithHelp(f"{k!r} is not a wrt key; valid keys are {self._wrt}, and a block's key is a tuple "
+                                   "of them (res[0, 1])")
         return self._aliases[k]
 
     def _resolve(self, key) -> tuple[MultiIndex, list[int]]:

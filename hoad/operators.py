@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from hoad.api import Compiled, Rebuilt
+from hoad.api import Compiled, Rebuilt, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -385,9 +385,14 @@ class TaylorResult:
         return f"TaylorResult(order={self.order}, shapes={[tuple(self[k].shape) for k in range(self.order + 1)]})"
 
 
+# the options of hoad.laplacian and hoad.biharmonic (after u)
+_OPTIONS = ["wrt", "batch_dim", "weights", "factor", "directions", "backend", "mode", "chunk_size", "memory_budget"]
+
+
 def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, backend: str | None = None,
-              mode: str = "auto", chunk_size: int | None = None, memory_budget: float | None = None) -> Laplacian:
+              mode: str = "auto", chunk_size: int | None = None, memory_budget: float | None = None,
+              **unknown) -> Laplacian:
     """The Laplacian Δu = Σ_i ∂²u/∂x_i² of ``u`` with respect to input ``wrt``, computed collapsed.
 
     ``weights=C`` (symmetric D×D, D the entries of one point): tr(C ∇²u). ``factor=L`` (D×S):
@@ -400,15 +405,21 @@ def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torc
     ``directions``, where ``.directional`` holds the derivatives along each direction).
     ``chunk_size`` and ``memory_budget`` mean what they mean for :func:`hoad.compile`.
     """
+    refuse_unknown("hoad.laplacian", unknown, _OPTIONS)
     return Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                      backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
 
 
-def taylor(u: Callable, order: int, directions: torch.Tensor, wrt=0, *, batch_dim: int | None = None,
-           backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
-           memory_budget: float | None = None) -> Taylor:
+def taylor(u: Callable, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
+           batch_dim: int | None = None, backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
+           memory_budget: float | None = None, **unknown) -> Taylor:
     """Directional Taylor coefficients: ``taylor(u, order=K, directions=V)(x)[k]`` is
     ∂^k u[v, …, v] = d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis)."""
+    refuse_unknown("hoad.taylor", unknown, ["order", "directions", "wrt", "batch_dim", "backend", "mode", "chunk_size",
+                                            "memory_budget"])
+    if order is None or directions is None:
+        raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x): the coefficients "
+                                   "d^k/dt^k u(x + t v) for k = 1..K along each direction v")
     return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
                   chunk_size=chunk_size, memory_budget=memory_budget)
 
@@ -416,10 +427,11 @@ def taylor(u: Callable, order: int, directions: torch.Tensor, wrt=0, *, batch_di
 def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
                factor: torch.Tensor | None = None, directions: torch.Tensor | None = None,
                backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
-               memory_budget: float | None = None) -> Biharmonic:
+               memory_budget: float | None = None, **unknown) -> Biharmonic:
     """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu).
 
     ``weights=C``, ``factor=L`` and ``directions=V`` mean what they mean for :func:`laplacian`,
     applied twice: ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u."""
+    refuse_unknown("hoad.biharmonic", unknown, _OPTIONS)
     return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                       backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)

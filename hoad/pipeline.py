@@ -254,7 +254,9 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
         fit = samples_that_fit(n, plan.results / n, plan.peak / n, budget)
         if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
-    ways += smaller_programs(c)
+        else:
+            ways.append("fewer samples per call (their results alone are over the budget)")
+    ways += smaller_programs(c) + ["a larger memory_budget"]
     return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
 

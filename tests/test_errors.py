@@ -520,3 +520,38 @@ def test_explain_of_a_plain_function_names_what_it_takes():
     for what in (lambda x: x.sin().sum(), None):
         with pytest.raises(hoad.InvalidArgumentError, match="hoad.compile or an operator"):
             hoad.explain(what, torch.zeros(3))
+
+
+def test_wrt_parameters_of_a_module_with_none_trainable_is_named():
+    """It was a HoadInternalError ("the plan stage failed: IndexError")."""
+    net = torch.nn.Linear(2, 1, dtype=torch.float64).requires_grad_(False)
+    for module in (net, torch.nn.Tanh()):
+        with pytest.raises(hoad.InvalidArgumentError, match="no parameter that requires grad"):
+            hoad.compile(module, order=1, wrt=hoad.parameters, backend="eager")(torch.zeros(3, 2, dtype=torch.float64))
+
+
+def test_keys_that_cannot_name_a_block_are_named():
+    """A list or a slice as a key raised a bare TypeError (unhashable)."""
+    res = hoad.compile(lambda x, y: (x * y).sum(), order=2, wrt=(0, 1), backend="eager")(torch.ones(2), torch.ones(2))
+    for key in ([0, 1], slice(None), (0, [1])):
+        with pytest.raises(hoad.InvalidArgumentError, match="not a wrt key.*tuple of them"):
+            res[key]
+    assert [0, 1] not in res and res.get([0]) is None
+
+
+def test_operator_options_they_do_not_take_are_named():
+    """Python's TypeError before; hoad.compile named the closest option."""
+    u = lambda x: x.sin().sum(-1)  # noqa: E731
+    V = torch.eye(2, dtype=torch.float64)
+    for make, what in ((lambda: hoad.laplacian(u, diagonal=True), "hoad.laplacian has no option 'diagonal'"),
+                       (lambda: hoad.biharmonic(u, batchdim=0), "did you mean 'batch_dim'"),
+                       (lambda: hoad.taylor(u, 2, V, weights=V), "hoad.taylor has no option 'weights'"),
+                       (lambda: hoad.taylor(u, order=2), "needs order=K and directions=V")):
+        with pytest.raises(hoad.InvalidArgumentError, match=what):
+            make()
+
+
+def test_a_budget_that_not_even_the_results_fit_names_its_ways_out():
+    """The list of ways out was empty ("Ways out: .") for an operator with batch_dim=0."""
+    with pytest.raises(hoad.MemoryBudgetError, match="Ways out: fewer samples per call.*a larger memory_budget"):
+        hoad.laplacian(lambda x: x.sin().sum(-1), batch_dim=0, memory_budget=1, backend="eager")(torch.ones(4, 3))
