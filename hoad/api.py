@@ -839,11 +839,12 @@ class _Entry:
         for src, held, value in self.value_reads:
             try:
                 t = held if src is None else src.resolve(self.roots)
-                same = isinstance(t, torch.Tensor) and t.numel() == 1 and t.item() == value
+                same = isinstance(t, torch.Tensor) and (
+                    t.tolist() == value if isinstance(value, list) else t.numel() == 1 and t.item() == value)
             except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                 same = False
             if not same:
-                self.why, self.expected = "a tensor whose value it reads (.item(), float(), int()) changed", False
+                self.why, self.expected = "a tensor whose values it reads (.item(), float(), int(), .tolist()) changed", False
                 return None
         if not self.metas:
             return []

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import cse, traced_call, written_inputs
-from hoad.passes.decompositions import (INPUT_STORAGES, STRIDED_READS, FunctionOverrides, decomposition_table,
-                                        safe_branches, squares_of_norms)
+from hoad.passes.decompositions import (INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
+                                        decomposition_table, safe_branches, squares_of_norms)
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
@@ -366,10 +366,6 @@ def _describe(x) -> str:
     if isinstance(x, dict):
         return "a dict"
     return type(x).__name__
-
-
-# (tensor, value) of every .item() the trace took of a tensor the function closes over
-VALUE_READS: list[tuple[torch.Tensor, object]] = []
 
 
 def _read_value(t: torch.Tensor):

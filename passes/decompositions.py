@@ -58,11 +58,22 @@ def _dot(a, b):
     return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
 
 
+# (tensor, value) of every .item() (a number) or .tolist() (a list) the trace took of a tensor the
+# function closes over: the program keeps it, so each call compares it (hoad.api, _Entry.read_free)
+VALUE_READS: list[tuple[torch.Tensor, object]] = []
+
+
 class FunctionOverrides(TorchFunctionMode):
     """Functions whose ATen kernels a trace cannot follow, replaced while capture traces: the
     kernel runs before any decomposition table is consulted."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist and args and not is_fake(args[0]):
+            # a closed-over tensor's values as Python numbers (no ATen op: the decomposition of
+            # .item() does not see it), kept by the program like .item()'s
+            values = func(*args, **(kwargs or {}))
+            VALUE_READS.append((args[0], values))
+            return values
         if func in _VALUE_EXITS and args and (func is not torch.Tensor.tolist or is_fake(args[0])):
             from hoad.source import user_frame
 
@@ -96,7 +107,8 @@ def _detached(func) -> bool:
 
 # ways out of torch for a tensor's values: a traced (fake) tensor's .numpy() is uninitialised
 # memory, which the program kept as a constant, and a closed-over tensor's would be kept stale
-# (.tolist() of a closed-over tensor stays allowed: torch's own code reads index lists that way)
+# (.tolist() of a closed-over tensor stays allowed, its values recorded: torch's own code reads
+# index lists that way)
 _VALUE_EXITS = {torch.Tensor.numpy: ".numpy()", torch.Tensor.__array__: "np.asarray() or a numpy function",
                 torch.Tensor.tolist: ".tolist()"}
 

@@ -453,6 +453,23 @@ def _laplacian_of(f):
     return lambda x: torch.func.hessian(f)(x).diagonal().sum()
 
 
+def test_a_closed_over_tensor_read_by_tolist_is_read_at_every_call():
+    """.tolist() reads values outside ATen (no op the trace sees): the program kept the first
+    call's box size after an in-place update (7.0 where 10.5 is right, the gradient x1.5 off)."""
+    box = torch.tensor([3.0, 3.0, 3.0], dtype=torch.float64)
+
+    def f(x):
+        return (x ** 2).sum() / box.tolist()[0]
+
+    cf = hoad.compile(f, order=1, backend="eager")
+    x = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    cf(x)
+    box.fill_(2.0)
+    res = cf(x)
+    torch.testing.assert_close(res.value, f(x))
+    torch.testing.assert_close(res[0], x)
+
+
 def test_a_closed_over_python_number_is_read_at_every_call():
     """Tracing bakes Python numbers into the program; a changed one traces the function again."""
     k = 2.0
