@@ -389,10 +389,13 @@ def squares_of_norms(gm) -> None:
 # (NaN, as torch's own backward). The singular ops of a branch read a safe value on the entries
 # the where does not take, as the double-where idiom writes by hand: the same function, exactly.
 _SAFE = {aten.reciprocal.default: 1.0, aten.log.default: 1.0, aten.log2.default: 1.0, aten.log10.default: 1.0,
-         aten.sqrt.default: 1.0, aten.rsqrt.default: 1.0, aten.acos.default: 0.0, aten.asin.default: 0.0,
-         aten.atanh.default: 0.0, aten.div.Tensor: 1.0, aten.pow.Tensor_Scalar: 1.0}
+         aten.log1p.default: 0.0, aten.sqrt.default: 1.0, aten.rsqrt.default: 1.0, aten.acos.default: 0.0,
+         aten.asin.default: 0.0, aten.atanh.default: 0.0, aten.acosh.default: 2.0, aten.erfinv.default: 0.0,
+         aten.lgamma.default: 1.0, aten.digamma.default: 1.0, aten.div.Tensor: 1.0, aten.pow.Tensor_Scalar: 1.0,
+         aten.pow.Tensor_Tensor: 1.0}
+# (a where inside a branch is pointwise too: xlogy's decomposition guards its NaN with one)
 _POINTWISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default,
-              aten.add.Scalar, aten.mul.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar)
+              aten.add.Scalar, aten.mul.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar, aten.where.self)
 
 
 def safe_branches(gm) -> None:
@@ -403,19 +406,24 @@ def safe_branches(gm) -> None:
     pointwise = set(_POINTWISE) | set(elementwise.RULES)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
+    # the branches taken under the same condition, of wheres of one shape, share a region: a
+    # distance read by two masked pair terms (Coulomb and Lennard-Jones over r = √Σd²) is the
+    # region of both, and its √ at r = 0 is guarded too (it was NaN in reverse mode)
+    groups: dict[tuple, list] = {}
     for node in list(gm.graph.nodes):
-        if node.target is not aten.where.self:
-            continue
-        cond, *branches = node.args
-        for k, branch in enumerate(branches):
-            region = _branch_region(branch, node, pointwise)
-            for op in region:
-                for i in _singular_inputs(op):
-                    u = op.args[i]
-                    if _already_safe(u, cond, k) or not _fits(cond, u) or order.get(cond, len(order)) > order[op]:
-                        continue  # (a condition computed after the branch: the NaN guard of xlogy)
-                    op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
-                    changed = True
+        if node.target is aten.where.self:
+            cond, *branches = node.args
+            for k, branch in enumerate(branches):
+                groups.setdefault((cond, k, _shape(node)), []).append((node, branch))
+    for (cond, k, _), members in groups.items():
+        region = _branch_region([b for _w, b in members], [w for w, _b in members], pointwise)
+        for op in region:
+            for i in _singular_inputs(op):
+                u = op.args[i]
+                if _already_safe(u, cond, k) or not _fits(cond, u) or order.get(cond, len(order)) > order[op]:
+                    continue  # (a condition computed after the branch: the NaN guard of xlogy)
+                op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
+                changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
@@ -431,20 +439,18 @@ def _where_safe(graph, op, cond, k: int, u, value: float):
         return traced_call(graph, aten.where.self, (taken, u, scalar))
 
 
-def _branch_region(branch, where, pointwise) -> list:
-    """The pointwise nodes of ``where``'s shape that compute ``branch`` and that nothing but the
-    region and the where reads (a value read elsewhere must keep its entries)."""
-    if not (hasattr(branch, "op") and branch.op == "call_function"):
-        return []
-    shape = _shape(where)
-    region, todo = [], [branch]
+def _branch_region(branches: list, wheres: list, pointwise) -> list:
+    """The pointwise nodes of the ``wheres``' shape that compute ``branches`` and that nothing but
+    the region and the wheres reads (a value read elsewhere must keep its entries)."""
+    shape = _shape(wheres[0])
+    region, todo = [], [b for b in branches if hasattr(b, "op") and b.op == "call_function"]
     while todo:
         node = todo.pop()
         if node in region or node.target not in pointwise or _shape(node) != shape or shape is None:
             continue
         region.append(node)
         todo += [a for a in node.all_input_nodes if a.op == "call_function"]
-    inside = set(region) | {where}
+    inside = set(region) | set(wheres)
     while True:  # drop nodes read from outside, and what only they led to
         outside = [n for n in region if not set(n.users) <= inside]
         if not outside:

@@ -448,6 +448,52 @@ def test_a_float32_input_times_a_float64_constant(mode):
         torch.testing.assert_close(res[0, 0, 0], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_two_masked_pair_terms_sharing_a_distance(mode):
+    """Coulomb and Lennard-Jones terms, each where(eye, 0, g(r)), read one r = √Σd²: the √ at
+    r_ii = 0 was in neither where's region alone, and reverse mode gave an all-NaN gradient."""
+    n = 4
+    eye = torch.eye(n, dtype=torch.bool)
+    q = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    iu = torch.triu_indices(n, n, 1)
+
+    def energy(x):
+        r = ((x[:, None] - x[None]) ** 2).sum(-1).sqrt()
+        s6 = torch.where(eye, 0.0, r ** -6)
+        return 0.5 * (torch.where(eye, 0.0, q[:, None] * q[None] / r) + 4 * (s6 * s6 - s6)).sum()
+
+    def pairs(x):  # the same sum over i < j
+        r = ((x[iu[0]] - x[iu[1]]) ** 2).sum(-1).sqrt()
+        return (q[iu[0]] * q[iu[1]] / r + 4 * (r ** -12 - r ** -6)).sum()
+
+    x = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 1.5
+    res = hoad.compile(energy, order=2, mode=mode, backend="eager")(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(pairs)(x))
+
+
+@pytest.mark.parametrize("name", ["pow", "acosh", "xlogy", "erfinv", "lgamma", "digamma", "log1p"])
+def test_singular_ops_in_an_untaken_branch_in_reverse_mode(name):
+    """Their argument is made safe where the branch is not taken: NaN in reverse mode before."""
+    p = torch.tensor(2.5, dtype=torch.float64)
+    op, inside, safe = {"pow": (lambda u: torch.pow(2.0 - u, p), lambda x: x < 2, 0.0),
+                        "acosh": (torch.acosh, lambda x: x > 1, 2.0),
+                        "xlogy": (lambda u: torch.xlogy(u, u), lambda x: x > 0, 1.0),
+                        "erfinv": (torch.erfinv, lambda x: x.abs() < 1, 0.0),
+                        "lgamma": (torch.lgamma, lambda x: x > 0, 1.0),
+                        "digamma": (torch.digamma, lambda x: x > 0, 1.0),
+                        "log1p": (torch.log1p, lambda x: x > -1, 0.0)}[name]
+    x = torch.linspace(-2.5, 3, 12, dtype=torch.float64)
+
+    def f(x):
+        return torch.where(inside(x), op(x), 0.0).sin().sum()
+
+    def plain(x):  # the double-where idiom
+        return torch.where(inside(x), op(torch.where(inside(x), x, safe)), 0.0).sin().sum()
+
+    res = hoad.compile(f, order=2, mode="reverse", backend="eager")(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(plain)(x))
+
+
 # ------------------------------------------------------------------ nothing stale between calls
 def _laplacian_of(f):
     return lambda x: torch.func.hessian(f)(x).diagonal().sum()
