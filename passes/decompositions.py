@@ -74,6 +74,8 @@ class FunctionOverrides(TorchFunctionMode):
             values = func(*args, **(kwargs or {}))
             VALUE_READS.append((args[0], values))
             return values
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and _traced_scalar_indices(args[1]):
+            return _indexed_by_scalar_tensors(*args)
         if func in _VALUE_EXITS and args and (func is not torch.Tensor.tolist or is_fake(args[0])):
             from hoad.source import user_frame
 
@@ -88,6 +90,31 @@ class FunctionOverrides(TorchFunctionMode):
         if _detached(func):
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         return out
+
+
+def _is_traced_scalar(i) -> bool:
+    return isinstance(i, torch.Tensor) and is_fake(i) and i.ndim == 0 and not i.dtype.is_floating_point \
+        and i.dtype is not torch.bool
+
+
+def _traced_scalar_indices(index) -> bool:
+    """Whether ``index`` holds traced 0-d integer tensors (``x[x.argmax()]``) and no other tensor:
+    Python indexing reads such a tensor as an int (its value, which the trace cannot know)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(_is_traced_scalar(i) for i in items) and not any(
+        isinstance(i, torch.Tensor) and not _is_traced_scalar(i) or isinstance(i, list) for i in items)
+
+
+def _indexed_by_scalar_tensors(x, index):
+    """``x[index]`` with its traced 0-d integer tensors as one-entry index tensors (a gather, whose
+    derivative follows the value), the size-1 axis they give then dropped: the shape the integers
+    would give, found on a meta tensor."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    items = index if isinstance(index, tuple) else (index,)
+    with _disable_current_modes():
+        shape = torch.empty(tuple(x.shape), device="meta")[tuple(0 if _is_traced_scalar(i) else i for i in items)].shape
+    return x[tuple(i.reshape(1) if _is_traced_scalar(i) else i for i in items)].reshape(shape)
 
 
 def _detached(func) -> bool:

@@ -494,6 +494,19 @@ def test_singular_ops_in_an_untaken_branch_in_reverse_mode(name):
     torch.testing.assert_close(res[0, 0], torch.func.hessian(plain)(x))
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_indexing_by_a_traced_integer_tensor(mode):
+    """x[x.argmax()] or x[i] for a 0-d index argument: Python indexing read the tensor's value (a
+    DataDependentControlFlowError advising torch.where); it is a one-entry gather."""
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    i, j = torch.tensor(2), torch.tensor(-1)
+    for f in (lambda x, i, j: (x[x.sum(1).argmax()] ** 2).sum() + x.sum(),
+              lambda x, i, j: (x[i] * x[:, j]).sum() + x[i, j] ** 3,
+              lambda x, i, j: (x[i, 1:] ** 2).sum() * x[None, j].sin().sum()):
+        res = hoad.compile(f, order=2, mode=mode, backend="eager")(x, i, j)
+        torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x, i, j))
+
+
 # ------------------------------------------------------------------ nothing stale between calls
 def _laplacian_of(f):
     return lambda x: torch.func.hessian(f)(x).diagonal().sum()
