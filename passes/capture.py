@@ -401,6 +401,13 @@ def _op_name(op) -> str:
     return f"aten.{schema.name.removeprefix('aten::')}" if schema is not None else str(op)
 
 
+# torch's errors for autograd run inside a traced function (torch.autograd.grad, requires_grad_(),
+# .backward())
+_AUTOGRAD_INSIDE = ("does not require grad and does not have a grad_fn",
+                    "inside of a function being transformed by a functorch transform",
+                    "backward() called inside a functorch transform")
+
+
 def _raise_capture_error(e: Exception) -> None:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -421,6 +428,13 @@ def _raise_capture_error(e: Exception) -> None:
             "differentiates ATen ops by its own rules to every order and cannot use a hand-written backward. Write "
             "its forward in torch ops, or make it a torch.library custom op and give hoad its derivatives "
             "(hoad.register_elementwise / register_linear / register_rule: README, Adding rules)") from e
+    if any(text in str(e) for text in _AUTOGRAD_INSIDE):
+        raise CaptureError(
+            f"the function runs autograd itself (requires_grad_(), .backward() or torch.autograd.grad)"
+            f"{_at(user_frame(e.__traceback__))}: hoad traces it without autograd, so no tensor in it has a gradient "
+            "graph. Take that derivative with torch.func inside it (a force as -torch.func.grad(energy)(x)), which "
+            "hoad differentiates further, or let hoad take it: compile u itself with one order more (res[0] is its "
+            "gradient, res[0, 0] its Hessian), or use hoad.laplacian for a Laplacian") from e
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     if isinstance(e, data_dependent) or "data-dependent" in str(e):
         line = user_frame(e.__traceback__)
@@ -430,12 +444,6 @@ def _raise_capture_error(e: Exception) -> None:
             "every input value: replace `if tensor_condition:` with torch.where(...) (both branches computed), and avoid "
             ".item()/.tolist()/nonzero() on traced tensors."
         ) from e
-    if "does not require grad and does not have a grad_fn" in str(e):  # torch.autograd.grad or .backward()
-        raise CaptureError(
-            f"the function calls torch.autograd.grad or .backward(){_at(user_frame(e.__traceback__))}: hoad traces it "
-            "without autograd, so no tensor in it has a gradient graph. Let hoad take that derivative: compile u "
-            "itself with one order more (res[0] is its gradient, res[0, 0] its Hessian), or use hoad.laplacian for "
-            "a Laplacian") from e
     if "mutating a non-functional tensor with a functional tensor" in str(e):  # an in-place update of a free tensor
         raise CaptureError(
             f"the function updates in place a tensor it does not receive{_at(user_frame(e.__traceback__))} (a buffer "

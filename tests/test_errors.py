@@ -555,3 +555,25 @@ def test_a_budget_that_not_even_the_results_fit_names_its_ways_out():
     """The list of ways out was empty ("Ways out: .") for an operator with batch_dim=0."""
     with pytest.raises(hoad.MemoryBudgetError, match="Ways out: fewer samples per call.*a larger memory_budget"):
         hoad.laplacian(lambda x: x.sin().sum(-1), batch_dim=0, memory_budget=1, backend="eager")(torch.ones(4, 3))
+
+
+def test_autograd_inside_the_function_names_torch_func():
+    """requires_grad_() or .backward() inside f gave torch's functorch message; a force taken
+    with torch.func.grad inside f is the way that works."""
+    def energy(x):
+        return (x ** 4).sum()
+
+    def by_backward(x):
+        x = x.detach().requires_grad_()
+        energy(x).backward()
+        return -x.grad
+
+    def by_autograd_grad(x):
+        return -torch.autograd.grad(energy(x), x, create_graph=True)[0]
+
+    x = torch.randn(3, dtype=torch.float64)
+    for f in (by_backward, by_autograd_grad):
+        with pytest.raises(hoad.CaptureError, match="runs autograd itself.*torch.func"):
+            hoad.compile(lambda x: f(x).sum(), order=1, backend="eager")(x)
+    res = hoad.compile(lambda x: -torch.func.grad(energy)(x), order=1, backend="eager")(x)
+    torch.testing.assert_close(res[0], -torch.func.hessian(energy)(x))
