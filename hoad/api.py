@@ -455,10 +455,15 @@ class Compiled(Rebuilt):
             self._twins.clear()
             self._families.clear()
             self._edits = EDITS[0]
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor) and a.is_nested:
-                raise InvalidArgumentError("an argument is a nested tensor; hoad traces dense tensors: pad it "
-                                           "(torch.nested.to_padded_tensor) or call once per component")
+        for i, a in enumerate((*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor) and (a.is_nested or a.layout is not torch.strided):  # (before the cache)
+                name = (self._positional[i] if i < len(self._positional) else f"argument {i}") if i < len(args) \
+                    else list(kwargs)[i - len(args)]
+                if a.is_nested:
+                    raise InvalidArgumentError(f"input {name!r} is a nested tensor; hoad traces dense tensors: pad it "
+                                               "(torch.nested.to_padded_tensor) or call once per component")
+                raise InvalidArgumentError(f"input {name!r} is a {str(a.layout).removeprefix('torch.')} tensor; hoad "
+                                           "traces dense (strided) tensors: pass t.to_dense()")
         transformed = torch._C._functorch.peek_interpreter_stack() is not None  # under torch.func.grad, vmap
         if (not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args)
                 and all(type(v) is torch.Tensor for v in kwargs.values())):

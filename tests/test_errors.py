@@ -577,3 +577,12 @@ def test_autograd_inside_the_function_names_torch_func():
             hoad.compile(lambda x: f(x).sum(), order=1, backend="eager")(x)
     res = hoad.compile(lambda x: -torch.func.grad(energy)(x), order=1, backend="eager")(x)
     torch.testing.assert_close(res[0], -torch.func.hessian(energy)(x))
+
+
+def test_a_sparse_tensor_after_a_dense_call_of_the_same_shape_is_named():
+    """The cached program for the dense call's shape ran on it: torch's "unsupported memory format"."""
+    cf = hoad.compile(lambda x, w: (x @ w).sin().sum(), order=1, backend="eager")
+    x, w = torch.eye(3, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64)
+    cf(x, w)
+    with pytest.raises(hoad.InvalidArgumentError, match="input 'x' is a sparse_coo tensor.*to_dense"):
+        cf(x.to_sparse(), w)
