@@ -962,4 +962,6 @@ def _leaf_key(leaf) -> Hashable:
         raise InvalidArgumentError(
             f"a non-tensor argument of type {type(leaf).__name__} is not hashable; hoad caches programs by "
             "the values of non-tensor arguments, so pass it as a tensor or as a hashable value") from None
+    if isinstance(leaf, float) and leaf != leaf:  # (NaN equals no NaN: each call built a new program)
+        return ("S", float, "nan")
     return ("S", type(leaf), leaf)

@@ -291,3 +291,12 @@ def test_samples_over_budget_with_the_general_program_are_refused():
     plan["budget"] = plan["plan"].peak * 2  # as if little memory were free
     with pytest.raises(hoad.MemoryBudgetError, match="chunk_size="):
         cf(rand(50, 3, seed=382))
+
+
+def test_a_nan_python_argument_reuses_its_program():
+    """NaN equals no NaN: every call with k=float('nan') built a new program."""
+    cf = hoad.compile(lambda x, k: (x * k).sum() + x.sin().sum(), order=1, backend="eager")
+    x = rand(3, seed=373)
+    for _ in range(3):
+        res = cf(x, float("nan"))
+    assert len(cf._cache) == 1 and res[0].isnan().all()
