@@ -164,7 +164,9 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
     if len(set(entries)) != len(entries):
         raise InvalidArgumentError(f"wrt names an input twice: {wrt!r}")
     if backend not in BACKENDS:
-        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        from_env = backend == os.environ.get("HOAD_DEFAULT_BACKEND")
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}"
+                                   f"{' (the environment variable HOAD_DEFAULT_BACKEND)' if from_env else ''}")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
     if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):

@@ -120,7 +120,8 @@ class _Operator(Rebuilt):
                 names = list(sig.parameters) if sig is not None else []
                 x = args[names.index(self.wrt)] if self.wrt in names and names.index(self.wrt) < len(args) else None
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-            raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor")
+            got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+            raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor, got {got}")
         return x
 
     def _operator_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
@@ -177,6 +178,8 @@ class Laplacian(_Operator):
             seeds, collapse_weights = self._eigenpairs()
         elif factor is not None:
             seeds = _matrix(factor, "factor", square=False).mT  # tr(L Lᵀ ∇²u) = Σ_k l_kᵀ ∇²u l_k
+            if seeds.shape[0] == 0:
+                raise InvalidArgumentError("factor=L has no columns: L must be (D, S) with S >= 1")
         elif directions is not None:
             seeds = _directions(directions)
             collapse_weights = _mean_weights(seeds)
