@@ -586,3 +586,14 @@ def test_a_sparse_tensor_after_a_dense_call_of_the_same_shape_is_named():
     cf(x, w)
     with pytest.raises(hoad.InvalidArgumentError, match="input 'x' is a sparse_coo tensor.*to_dense"):
         cf(x.to_sparse(), w)
+
+
+def test_operator_inputs_and_environment_named(monkeypatch):
+    u = lambda x: x.sin().sum(-1)  # noqa: E731
+    with pytest.raises(hoad.InvalidArgumentError, match="has no columns"):
+        hoad.laplacian(u, factor=torch.ones(3, 0, dtype=torch.float64))
+    with pytest.raises(hoad.InvalidArgumentError, match="floating-point tensor, got a torch.int64 tensor"):
+        hoad.laplacian(u, backend="eager")(torch.ones(3, dtype=torch.int64))
+    monkeypatch.setenv("HOAD_DEFAULT_BACKEND", "egaer")
+    with pytest.raises(hoad.InvalidArgumentError, match="environment variable HOAD_DEFAULT_BACKEND"):
+        hoad.compile(u, order=1)
