@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import re
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -435,6 +436,14 @@ def _raise_capture_error(e: Exception) -> None:
             "graph. Take that derivative with torch.func inside it (a force as -torch.func.grad(energy)(x)), which "
             "hoad differentiates further, or let hoad take it: compile u itself with one order more (res[0] is its "
             "gradient, res[0, 0] its Hessian), or use hoad.laplacian for a Laplacian") from e
+    float_read = isinstance(e, GuardOnDataDependentSymNode) and re.search(r"\bzuf\d", str(e))  # (a float() symbol)
+    if float_read or isinstance(e, DataDependentOutputException) and getattr(e, "func", None) is \
+            aten._local_scalar_dense.default:
+        raise DataDependentControlFlowError(
+            f"the function reads into Python (float(t), int(t), .item()) a value it computes"
+            f"{_at(user_frame(e.__traceback__))} (float(box[0]) of a tensor it closes over counts: box[0] is computed); "
+            "the derivative program cannot follow values through Python numbers. Keep it a tensor (x / box[0]), "
+            "or read the number outside the function and pass it in") from e
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     if isinstance(e, data_dependent) or "data-dependent" in str(e):
         line = user_frame(e.__traceback__)

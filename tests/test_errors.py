@@ -597,3 +597,12 @@ def test_operator_inputs_and_environment_named(monkeypatch):
     monkeypatch.setenv("HOAD_DEFAULT_BACKEND", "egaer")
     with pytest.raises(hoad.InvalidArgumentError, match="environment variable HOAD_DEFAULT_BACKEND"):
         hoad.compile(u, order=1)
+
+
+def test_a_number_read_from_a_value_the_function_computes_is_named():
+    """float(box[0]) of a closed-over box: box[0] is computed, so its number is data-dependent.
+    The message was the generic one about control flow, advising torch.where."""
+    box = torch.tensor([3.0, 2.0], dtype=torch.float64)
+    for f in (lambda x: (x ** 2).sum() / float(box[0]), lambda x: (x ** 2).sum() / float(box.max())):
+        with pytest.raises(hoad.DataDependentControlFlowError, match="reads into Python.*Keep it a tensor"):
+            hoad.compile(f, order=1, backend="eager")(torch.ones(3, dtype=torch.float64))
