@@ -190,15 +190,16 @@ def unfold_rule(ctx: Ctx, x: Jet, dimension: int, size: int, step: int):
 VJPS = RuleTable("linear")
 
 
+def _like(u: torch.Tensor, x, k: int) -> torch.Tensor:
+    """A stand-in for the pooled input of a backward op: x's spatial shape over u's (N, C)."""
+    return u.new_zeros(()).expand(list(u.shape[:2]) + list(x.shape[-k:]))
+
+
 def _unpooled(v, g: Block, x: Jet, k: int, backward) -> list:
     """The transpose of a pooling: ``backward(grad, like)`` maps (N, C, *spatial') to (N, C, *spatial)."""
     r = x.ndim
-    sp = list(x.shape[r - k:])
-
-    def op(u):
-        return backward(u, u.new_zeros(()).expand(list(u.shape[:2]) + sp))
-
-    return [(x, map_out(g, r, _spatially(r, k, op), x.shape, along(r, range(r - k, r))))]
+    op = _spatially(r, k, lambda u: backward(u, _like(u, x, k)))
+    return [(x, map_out(g, r, op, x.shape, along(r, range(r - k, r))))]
 
 
 @VJPS.register(aten.avg_pool2d.default)
@@ -270,7 +271,7 @@ for _op, (_backward, _k) in RESIZES.items():
 # transpose is the forward op.
 def _backward_of(k: int, apply, transpose):
     """Rule and VJP of such a backward op: ``apply(u, grad_shape, *args)`` and
-    ``transpose(u, grad_shape, *args)`` map (B, *spatial) stacks, ``grad_shape`` the gradient's."""
+    ``transpose(u, grad_shape, *args)`` map (N, C, *spatial) images, ``grad_shape`` the gradient's."""
 
     def rule(ctx: Ctx, grad, *args):
         if not isinstance(grad, Jet):
@@ -287,15 +288,10 @@ def _backward_of(k: int, apply, transpose):
     return rule, vjp
 
 
-def _like(u: torch.Tensor, x, k: int) -> torch.Tensor:
-    """A stand-in for the pooled input of a backward op: its spatial shape over u's batch."""
-    return u.new_zeros(()).expand(list(u.shape[:2]) + list(x.shape[-k:]))
-
-
 def _register_backward(backward, k: int, apply, transpose) -> None:
     rule, vjp = _backward_of(k, apply, transpose)
-    rule.__name__ = vjp.__name__ = backward.__name__.split(".")[0].lstrip("_")
-    rule.__name__, vjp.__name__ = f"{rule.__name__}_rule", f"{vjp.__name__}_vjp"
+    name = backward.__name__.split(".")[0].lstrip("_")
+    rule.__name__, vjp.__name__ = f"{name}_rule", f"{name}_vjp"
     RULES.register(backward)(rule)
     VJPS.register(backward)(vjp)
 
