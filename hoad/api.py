@@ -851,7 +851,8 @@ class _Entry:
             except (AttributeError, KeyError, IndexError, ValueError, TypeError):
                 same = False
             if not same:
-                self.why, self.expected = "a tensor whose values it reads (.item(), float(), int(), .tolist()) changed", False
+                self.why = "a tensor whose values it reads (.item(), float(), int(), .tolist()) changed"
+                self.expected = False
                 return None
         if not self.metas:
             return []

@@ -70,8 +70,9 @@ def _checked_rule(op, rule: Callable) -> Callable:
     was skipped, its derivatives silently 0)."""
     def checked(ctx, *args, **kwargs):
         blocks = rule(ctx, *args, **kwargs)
-        if not isinstance(blocks, dict) or not all(
-                isinstance(K, tuple) and all(isinstance(k, int) and not isinstance(k, bool) for k in K) for K in blocks):
+        multi_index = lambda K: isinstance(K, tuple) and all(  # noqa: E731
+            isinstance(k, int) and not isinstance(k, bool) for k in K)
+        if not isinstance(blocks, dict) or not all(multi_index(K) for K in blocks):
             raise InvalidArgumentError(
                 f"the forward rule registered for {op} returned {_described(blocks)}"
                 f"{' with keys ' + repr(list(blocks)[:4]) if isinstance(blocks, dict) else ''}; it must return "
@@ -90,8 +91,8 @@ def _checked_vjp(op, vjp: Callable) -> Callable:
             what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
                     if isinstance(pairs, (list, tuple)) else _described(pairs))
             raise InvalidArgumentError(
-                f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent block) "
-                "pairs, [] where no argument varies")
+                f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent "
+                "block) pairs, [] where no argument varies")
         return pairs
 
     checked.__name__ = getattr(vjp, "__name__", "user_vjp")

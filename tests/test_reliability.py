@@ -238,7 +238,8 @@ def test_a_count_used_as_a_value_keeps_one_program_per_count(how):
     def f(X):
         n = X.shape[0]
         s = {"/ count": lambda y: y / n, "* count": lambda y: y * n,
-             "/ tensor(count)": lambda y: y / torch.tensor(float(n), dtype=y.dtype), "* (count % 7)": lambda y: y * (n % 7)}
+             "/ tensor(count)": lambda y: y / torch.tensor(float(n), dtype=y.dtype),
+             "* (count % 7)": lambda y: y * (n % 7)}
         return s[how](mlp(X))
 
     cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")

@@ -407,7 +407,8 @@ def test_a_non_contiguous_argument_is_read_by_its_entries(layout):
     and stride" (Inductor's path copied the argument dense first; now both do)."""
     base = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     x = {"transposed": base.transpose(2, 3), "step-sliced": torch.randn(2, 3, 4, 8, dtype=torch.float64)[..., ::2],
-         "expanded": base[:, :1].expand(2, 3, 4, 4), "channels_last": base.to(memory_format=torch.channels_last)}[layout]
+         "expanded": base[:, :1].expand(2, 3, 4, 4),
+         "channels_last": base.to(memory_format=torch.channels_last)}[layout]
     conv = nn.Conv2d(3, 2, 3).double()
 
     def f(x):
