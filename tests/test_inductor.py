@@ -216,6 +216,21 @@ def test_a_scatter_add_along_the_last_dim_on_two_threads(mode):
         torch.set_num_threads(threads)
 
 
+def test_training_through_an_average_pooling_with_ceil_mode():
+    """Inductor (torch 2.13) compiled the autograd program of a ceil_mode pooling whose last
+    window is partial wrongly: a parameter's gradient through the Hessian was 0.56 off in the last
+    entry. Such programs train through the eager program."""
+    a = rand(7, seed=50).requires_grad_(True)
+
+    def f(x):
+        return F.avg_pool1d(x * a, 2, ceil_mode=True).pow(3).sum()
+
+    x = rand(2, 3, 7, seed=51)
+    got, = torch.autograd.grad(hoad.compile(f, order=2, backend="inductor")(x)[0, 0].sum(), a)
+    want, = torch.autograd.grad(torch.func.hessian(f)(x).sum(), a)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_strided_inputs_are_copied_dense():
     """An Inductor program asserts the dense strides it was traced with: a transposed, step-sliced
     or expanded input (or a closed-over transposed weight) was an ExecutionError naming a fake
