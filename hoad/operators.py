@@ -33,12 +33,18 @@ DIRECTIONS, WEIGHTS = "hoad_directions", "hoad_weights"
 
 
 class OperatorResult:
-    """What an operator returns: ``value``, ``directional`` (first derivatives along each
-    direction, the gradient itself when there are no directions), ``gradient`` (∇u, when the
-    directions determine it) and the operator's own result (``laplacian``, ``biharmonic``)."""
+    """What an operator returns. A Laplacian: ``value``, ``directional`` (first derivatives along
+    each direction, the gradient itself when there are no directions), ``gradient`` (∇u, when the
+    directions determine it) and ``laplacian``. A biharmonic: ``laplacian`` and ``biharmonic``
+    only. A field it does not hold is an AttributeError naming the ones it does."""
 
     def __init__(self, **fields: Any):
         self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"this operator result has no {name!r}; it holds {', '.join(self.__dict__)}")
 
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}

@@ -298,6 +298,14 @@ def _own_positions(x, size, stride, storage_offset):
     return size, stride, start
 
 
+def _copy(x, src, non_blocking=False):
+    """The functional ``copy`` (functionalization's form of ``copy_`` into a fresh buffer: circular
+    padding's) as src broadcast to x's shape in x's dtype: torch's autograd has no formula for
+    ``copy``, so training through a program holding it failed ("derivative for aten::copy is not
+    implemented")."""
+    return src.to(device=x.device, dtype=x.dtype).expand(x.shape).clone()
+
+
 def _flat_strided_index(size, stride, offset: int, device):
     """The flat positions a strided view reads: offset + Σ i_k·stride_k."""
     index = torch.full(size, offset, dtype=torch.long, device=device)
@@ -937,6 +945,7 @@ def _table() -> dict:
     table.update(_LINALG)  # factorizing ops -> single-output ops with rules (hoad/rules/linalg.py)
     table[aten._safe_softmax.default] = _safe_softmax
     table[aten.as_strided.default] = _as_strided
+    table[aten.copy.default] = _copy
     table[aten.mv.default] = _mv
     table[aten.linalg_vector_norm.default] = _vector_norm
     table[aten.hardtanh.default] = _hardtanh

@@ -231,6 +231,22 @@ def test_training_through_an_average_pooling_with_ceil_mode():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_training_through_a_circular_pad(backend):
+    """Circular padding copies into a fresh buffer, a functional copy torch's autograd has no
+    formula for: backward raised "derivative for aten::copy is not implemented" (eager) and the
+    autograd compile failed (Inductor)."""
+    a = rand(5, seed=52).requires_grad_(True)
+
+    def f(x):
+        return F.pad(torch.tanh(x * a), (1, 1), mode="circular").pow(3).sum()
+
+    x = rand(2, 3, 5, seed=53)
+    got, = torch.autograd.grad(hoad.compile(f, order=2, backend=backend)(x)[0, 0].sum(), a)
+    want, = torch.autograd.grad(torch.func.hessian(f)(x).sum(), a)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_strided_inputs_are_copied_dense():
     """An Inductor program asserts the dense strides it was traced with: a transposed, step-sliced
     or expanded input (or a closed-over transposed weight) was an ExecutionError naming a fake
