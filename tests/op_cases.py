@@ -98,7 +98,6 @@ CASES: dict = {
     aten.add.Scalar: Case(lambda x: aten.add.Scalar(x.sin(), 1.5).log().sum(), (rand(2, 3),)),
     aten.sub.Scalar: Case(lambda x: aten.sub.Scalar(x.sin(), 1.5).exp().sum(), (rand(2, 3),)),
     aten.where.self: Case(lambda x: torch.where(x > 0, x.sin(), x.exp()).prod(), (rand(2, 3),)),
-    aten.copy.default: Case(lambda x: _copy_into(x), (rand(2, 3),)),
     aten.cat.default: Case(lambda x, y: torch.cat([x.sin(), y, x * y], 0).tanh().sum(0), (rand(2, 3), rand(2, 3)), wrt=(0, 1), order=3),
     aten.split_with_sizes.default: Case(lambda x: (lambda a, b: a.sin().sum() * b.cos().sum())(*torch.split(x, [1, 2], 1)), (rand(2, 3),)),
     aten.repeat.default: Case(lambda x: x.repeat(2, 1).sin().cumsum(0).sum(1), (rand(2, 3),)),
@@ -326,9 +325,3 @@ def _cumprod_by_products(z):
     for i in range(1, z.shape[1]):
         cols.append(cols[-1] * z[:, i])
     return torch.stack(cols, 1)
-
-
-def _copy_into(x):
-    z = torch.zeros(2, 3, dtype=x.dtype)
-    z[0] = x[1].sin()
-    return (z * x).exp().sum()

@@ -250,3 +250,16 @@ def test_rrelu_evaluates_as_leaky_relu_and_training_is_refused():
 def test_frexp_mantissa():
     x = rand(2, 3, seed=59) * 10
     check(lambda x: torch.frexp(x.sin() * 3)[0].exp(), (x,), order=2)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_write_into_a_fresh_buffer(mode):
+    """Functionalization turns ``z[0] = v`` into a functional copy and scatters, and capture
+    decomposes the copy into a broadcast clone (torch's autograd has no formula for ``copy``)."""
+    def f(x):
+        z = torch.zeros(2, 3, dtype=x.dtype)
+        z[0] = x[1].sin()
+        z[:, 1:] = x[:, :1].cos()
+        return (z * x).exp().sum()
+
+    check(f, (rand(2, 3, seed=54),), order=3, mode=mode)

@@ -19,7 +19,6 @@ from op_cases import CASES
 
 # ops torch.func cannot differentiate out of place, with an equivalent reference
 REFERENCE = {
-    torch.ops.aten.copy.default: lambda dst, src, non_blocking=False: src.expand_as(dst).to(dst.dtype) + 0 * dst,
     # torch has no derivative of remainder(scalar, tensor)
     torch.ops.aten.remainder.Scalar_Tensor: lambda a, b: a - torch.div(a, b, rounding_mode="floor").detach() * b,
     # hoad's single-output linear-algebra ops (custom ops: their autograd formula is not functorch's)

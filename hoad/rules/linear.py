@@ -313,12 +313,6 @@ def diagonal_scatter_rule(ctx: Ctx, x: Jet, src: Jet, offset: int = 0, dim1: int
     return sum_blocks(kept, placed)
 
 
-@RULES.register(aten.copy.default)
-def copy_rule(ctx: Ctx, dst, src, non_blocking: bool = False):
-    """copy(dst, src) is src broadcast to dst's shape and dtype; dst's values are overwritten."""
-    return _combine(ctx, [(src, 1.0)])
-
-
 @RULES.register(aten.cat.default)
 def cat_rule(ctx: Ctx, tensors, dim: int = 0):
     """Each input's blocks padded with zeros to its place along ``dim``, then added."""
@@ -636,11 +630,6 @@ def diagonal_scatter_vjp(v, g: Block, x: Jet, src: Jet, offset: int = 0, dim1: i
     return _scatter_view_vjp(g, x, src, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2),
                              lambda t, u: aten.diagonal_scatter(t, u.movedim(r - 2, -1), offset, d1, d2),
                              along(r, [d1, d2]), along(r, [d1, d2], removed=True))
-
-
-@VJPS.register(aten.copy.default)
-def copy_vjp(v, g: Block, dst, src, non_blocking: bool = False):
-    return _spread(v, g, [(src, 1.0)])
 
 
 @VJPS.register(aten.cat.default)
