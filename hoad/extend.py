@@ -70,9 +70,7 @@ def _checked_rule(op, rule: Callable) -> Callable:
     was skipped, its derivatives silently 0)."""
     def checked(ctx, *args, **kwargs):
         blocks = rule(ctx, *args, **kwargs)
-        multi_index = lambda K: isinstance(K, tuple) and all(  # noqa: E731
-            isinstance(k, int) and not isinstance(k, bool) for k in K)
-        if not isinstance(blocks, dict) or not all(multi_index(K) for K in blocks):
+        if not isinstance(blocks, dict) or not all(_is_multi_index(K) for K in blocks):
             raise InvalidArgumentError(
                 f"the forward rule registered for {op} returned {_described(blocks)}"
                 f"{' with keys ' + repr(list(blocks)[:4]) if isinstance(blocks, dict) else ''}; it must return "
@@ -81,6 +79,10 @@ def _checked_rule(op, rule: Callable) -> Callable:
 
     checked.__name__ = getattr(rule, "__name__", "user_rule")
     return checked
+
+
+def _is_multi_index(K) -> bool:
+    return isinstance(K, tuple) and all(isinstance(k, int) and not isinstance(k, bool) for k in K)
 
 
 def _checked_vjp(op, vjp: Callable) -> Callable:

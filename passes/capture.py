@@ -442,8 +442,8 @@ def _raise_capture_error(e: Exception) -> None:
         raise DataDependentControlFlowError(
             f"the function reads into Python (float(t), int(t), .item()) a value it computes"
             f"{_at(user_frame(e.__traceback__))} (float(box[0]) of a tensor it closes over counts: box[0] is "
-            "computed); the derivative program cannot follow values through Python numbers. Keep it a tensor (x / box[0]), "
-            "or read the number outside the function and pass it in") from e
+            "computed); the derivative program cannot follow values through Python numbers. Keep it a tensor "
+            "(x / box[0]), or read the number outside the function and pass it in") from e
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     if isinstance(e, data_dependent) or "data-dependent" in str(e):
         line = user_frame(e.__traceback__)

@@ -11,7 +11,6 @@ usually stays below it.
 from __future__ import annotations
 
 import math
-
 import operator
 import os
 from dataclasses import dataclass

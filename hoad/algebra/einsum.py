@@ -9,7 +9,6 @@ prefers: the machine's choices (orientation, fused reductions, custom kernels) l
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Hashable, Sequence
 
