@@ -3,11 +3,14 @@ composites split into ops with rules (and a few decompositions of hoad's own).""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import heapq
 import math
 import operator
 
 import torch
+from torch import fx
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
@@ -439,7 +442,6 @@ def safe_branches(gm) -> None:
     from hoad.rules import elementwise
 
     pointwise = set(_POINTWISE) | set(elementwise.RULES)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
     # the branches taken under the same condition, of wheres of one shape, share a region: a
     # distance read by two masked pair terms (Coulomb and Lennard-Jones over r = √Σd²) is the
@@ -451,24 +453,94 @@ def safe_branches(gm) -> None:
             for k, branch in enumerate(branches):
                 groups.setdefault((cond, k, _shape(node)), []).append((node, branch))
     for (cond, k, _), members in groups.items():
-        region = _branch_region([b for _w, b in members], [w for w, _b in members], pointwise)
-        for op in region:
+        wheres = [w for w, _b in members]
+        region = _branch_region([b for _w, b in members], wheres, pointwise)
+        position = {n: j for j, n in enumerate(gm.graph.nodes)}
+        region.sort(key=position.get)
+        for op in list(region):
             for i in _singular_inputs(op):
                 u = op.args[i]
-                if _already_safe(u, cond, k) or not _fits(cond, u) or order.get(cond, len(order)) > order[op]:
-                    continue  # (a condition computed after the branch: the NaN guard of xlogy)
-                op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
+                if _already_safe(u, cond, k) or not _fits(cond, u):
+                    continue
+                tail = _tail(op, region)
+                inside = set(region) | set(wheres)
+                if _reads(cond, op) or any(not set(n.users) <= inside for n in tail):
+                    _guard_a_copy(gm.graph, op, i, tail, region, wheres, cond, k)
+                else:
+                    op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
                 changed = True
     if changed:
+        _stable_sort(gm.graph)
         gm.graph.lint()
         gm.recompile()
 
 
+def _guard_a_copy(graph, op, i: int, tail: list, region: list, wheres: list, cond, k: int) -> None:
+    """The wheres read a copy of ``op`` and of the region after it (``tail``), ``op`` reading a
+    guarded argument, where the condition is computed from ``op`` or its value is read by one
+    (nan_to_num(1 / r) masks 1 / r by its own isinf): the originals keep their entries for the
+    conditions (booleans, not differentiated). The region is updated to the copies."""
+    copies: dict = {}
+    with graph.inserting_before(min(wheres, key=list(graph.nodes).index)):
+        for node in tail:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: copies.get(a, a))
+            if node is op:
+                args = list(args)
+                args[i] = _where_safe(graph, None, cond, k, op.args[i], _SAFE[op.target])
+            copies[node] = traced_call(graph, node.target, tuple(args), dict(kwargs))
+    for w in wheres:
+        w.args = fx.node.map_arg(w.args, lambda a: copies.get(a, a))
+    region[:] = [copies.get(n, n) for n in region]
+
+
+def _tail(op, region: list) -> list:
+    """``op`` and the nodes of ``region`` that read it, directly or not, in ``region``'s order."""
+    reached = {op}
+    for n in region:
+        if any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+    return [n for n in region if n in reached]
+
+
+def _reads(node, op) -> bool:
+    """``node`` is computed from ``op``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is op:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return False
+
+
+def _stable_sort(graph) -> None:
+    """Reorder ``graph``'s nodes, in place, so each follows its inputs, keeping the order
+    otherwise (guarded copies were inserted before the first where that reads them)."""
+    nodes = list(graph.nodes)
+    index = {n: j for j, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [index[n] for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        n = nodes[heapq.heappop(ready)]
+        order.append(n)
+        for user in n.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, index[user])
+    for before, n in zip(order, order[1:]):
+        before.append(n)
+
+
 def _where_safe(graph, op, cond, k: int, u, value: float):
-    """``where(taken, u, value)`` before ``op``, with the values (meta) later passes read:
-    taken is ``cond`` for the where's first branch, ``¬cond`` for its second."""
+    """``where(taken, u, value)`` before ``op`` (where the graph inserts, for None), with the
+    values (meta) later passes read: taken is ``cond`` for the where's first branch, ``¬cond``
+    for its second."""
     val = u.meta["val"]
-    with graph.inserting_before(op):
+    with graph.inserting_before(op) if op is not None else contextlib.nullcontext():
         taken = cond if k == 0 else traced_call(graph, aten.logical_not.default, (cond,))
         scalar = traced_call(graph, aten.scalar_tensor.default, (value,), {"dtype": val.dtype, "device": val.device})
         return traced_call(graph, aten.where.self, (taken, u, scalar))
@@ -487,12 +559,21 @@ def _branch_region(branches: list, wheres: list, pointwise) -> list:
         todo += [a for a in node.all_input_nodes if a.op == "call_function"]
     inside = set(region) | set(wheres)
     while True:  # drop nodes read from outside, and what only they led to
-        outside = [n for n in region if not set(n.users) <= inside]
+        outside = [n for n in region if not all(u in inside or _condition_of(u) for u in n.users)]
         if not outside:
             return region
         for n in outside:
             region.remove(n)
             inside.discard(n)
+
+
+def _condition_of(user, depth: int = 3) -> bool:
+    """``user`` is boolean (``isinf(1 / r)``), or only leads to booleans (``|1 / r| ≠ ∞``): a
+    condition, which a guarded copy of the branch leaves its entries (:func:`_guard_a_copy`)."""
+    val = user.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype is torch.bool:
+        return True
+    return depth > 0 and bool(user.users) and all(_condition_of(u, depth - 1) for u in user.users)
 
 
 def _singular_inputs(op) -> list[int]:

@@ -472,6 +472,31 @@ def test_two_masked_pair_terms_sharing_a_distance(mode):
     torch.testing.assert_close(res[0, 0], torch.func.hessian(pairs)(x))
 
 
+@pytest.mark.parametrize("mask", ["nan_to_num", "isfinite", "masked_fill"])
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_branch_masked_by_its_own_infinity(mask, mode):
+    """1 / r at r_ii = 0 masked by a condition computed from 1 / r itself (nan_to_num, isfinite,
+    isinf): reverse mode's Hessian was NaN in every entry (the second-order term of the division
+    multiplies the untaken entries' zero cotangent by 1/0³). The branch reads a guarded copy."""
+    n = 4
+    iu = torch.triu_indices(n, n, 1)
+    masks = {"nan_to_num": lambda y: torch.nan_to_num(y, posinf=0.0),
+             "isfinite": lambda y: torch.where(torch.isfinite(y), y, 0.0),
+             "masked_fill": lambda y: y.masked_fill(y.isinf(), 0.0)}
+
+    def energy(x):
+        return masks[mask](1 / torch.cdist(x, x)).sum()
+
+    def pairs(x):  # the same sum over i ≠ j
+        return 2 * (1 / ((x[iu[0]] - x[iu[1]]) ** 2).sum(-1).sqrt()).sum()
+
+    x = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    res = hoad.compile(energy, order=3, mode=mode, backend="eager")(x)
+    torch.testing.assert_close(res[0], torch.func.grad(pairs)(x))
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(pairs)(x))
+    torch.testing.assert_close(res[0, 0, 0], torch.func.jacfwd(torch.func.hessian(pairs))(x))
+
+
 @pytest.mark.parametrize("name", ["pow", "acosh", "xlogy", "erfinv", "lgamma", "digamma", "log1p"])
 def test_singular_ops_in_an_untaken_branch_in_reverse_mode(name):
     """Their argument is made safe where the branch is not taken: NaN in reverse mode before."""
