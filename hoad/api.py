@@ -8,6 +8,7 @@ import difflib
 import functools
 import inspect
 import logging
+import numbers
 import os
 import weakref
 from collections.abc import Callable, Hashable
@@ -85,6 +86,7 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
                           "yields or awaits instead of returning; hoad differentiates a function that returns one "
                           "tensor")
     if fn is None:
+        order, wrt, options["batch_dim"], options["chunk_size"] = _plain_ints(order, wrt, batch_dim, chunk_size)
         _check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
         return lambda f: Compiled(f, order, wrt, **options)
     if not callable(fn):
@@ -139,6 +141,19 @@ def _entries(wrt) -> tuple:
 MAX_ORDER = 12  # order 1000 ran 10 minutes and was killed at 22.8 GB, in the differentiate stage
 
 
+def plain_int(value):
+    """numpy's integers (``np.int64(2)``, as ``shape`` and ``argmax`` give them) as Python ints;
+    anything else as given, for the option checks to judge."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def _plain_ints(order, wrt, batch_dim, chunk_size) -> tuple:
+    """The integer options and wrt's argnums through :func:`plain_int`."""
+    entries = tuple(plain_int(w) for w in _entries(wrt))
+    wrt = entries if isinstance(wrt, (tuple, list)) else entries[0]
+    return plain_int(order), wrt, plain_int(batch_dim), plain_int(chunk_size)
+
+
 def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chunk_size=None,
                    memory_budget=None) -> None:
     backend = default_backend() if backend is None else backend
@@ -169,7 +184,7 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
                                    f"{' (the environment variable HOAD_DEFAULT_BACKEND)' if from_env else ''}")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-    if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0):
         raise InvalidArgumentError(f"batch_dim must be None or 0 (samples along the first dim), got {batch_dim!r}")
     if not isinstance(diagonal, bool):
         raise InvalidArgumentError(f"diagonal must be True or False, got {diagonal!r}")
@@ -246,6 +261,7 @@ class Compiled(Rebuilt):
                              diagonal=diagonal, chunk_size=chunk_size, memory_budget=memory_budget,
                              module=module, operator=operator, roots=roots, nestable=nestable, target=target)
         backend = default_backend() if backend is None else backend
+        order, wrt, batch_dim, chunk_size = _plain_ints(order, wrt, batch_dim, chunk_size)
         _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget)
         if module is None and isinstance(fn, torch.nn.Module):
             module, fn = fn, type(fn).forward
@@ -661,9 +677,13 @@ class Compiled(Rebuilt):
                 if self.module is None:
                     raise InvalidArgumentError("wrt=hoad.parameters needs a module: decorate a module method, or pass "
                                                "a module or a bound method of one to hoad.compile")
-                out += [n for n, p in self.module.named_parameters() if p.requires_grad and n not in out]
-            elif w not in out:
+                out += [n for n, p in self.module.named_parameters() if p.requires_grad]
+            else:
                 out.append(w)
+        twice = sorted({w for w in out if out.count(w) > 1}, key=out.index)
+        if twice:
+            raise InvalidArgumentError(f"wrt names {', '.join(map(repr, twice))} twice: hoad.parameters includes every "
+                                       "trainable parameter; name it once")
         if not out:
             raise InvalidArgumentError(
                 f"wrt=hoad.parameters, but {type(self.module).__name__} has no parameter that requires grad (none, or "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from hoad.api import Compiled, Rebuilt, refuse_unknown
+from hoad.api import Compiled, Rebuilt, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -355,6 +355,7 @@ class Taylor(_Operator):
                  chunk_size=None, memory_budget=None):
         self._keep_arguments(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
                              chunk_size=chunk_size, memory_budget=memory_budget)
+        order = plain_int(order)
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
         super().__init__(u, order, wrt, batch_dim=batch_dim, directions=_directions(directions), weights=None,

@@ -58,6 +58,19 @@ def test_bad_order(order):
     assert "1" in msg, f"the message should say the valid range (>= 1): {msg}"
 
 
+def test_numpy_integers_are_integer_options():
+    """np.int64 (what a shape or argmax gives) was refused as order, chunk_size and argnum ("must
+    be an int >= 1, got np.int64(2)"), while batch_dim accepted it and a float 0.0 alike."""
+    np = pytest.importorskip("numpy")
+    res = hoad.compile(f_xy, order=np.int64(2), wrt=(np.int64(0), "y"), backend="eager")(X, Y)
+    assert res[0, "y"].shape == X.shape + Y.shape
+    g = lambda X: X.sin().sum(-1)  # noqa: E731
+    res = hoad.compile(g, order=np.int32(2), batch_dim=np.int64(0), chunk_size=np.int64(2), backend="eager")(X)
+    assert res[0, 0].shape == (X.shape[0], X.shape[1], X.shape[1])
+    assert hoad.taylor(g, order=np.int64(2), directions=rand(2, X.shape[1]), batch_dim=0)(X)[2].shape == (X.shape[0], 2)
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(g, order=2, batch_dim=0.0), "batch_dim", "0.0")
+
+
 def test_order_above_the_limit_is_refused_before_building():
     """order=1000 ran ten minutes in the differentiate stage and was killed at 22.8 GB."""
     for make in (lambda k: hoad.compile(f_xy, order=k),
@@ -528,6 +541,14 @@ def test_wrt_parameters_of_a_module_with_none_trainable_is_named():
     for module in (net, torch.nn.Tanh()):
         with pytest.raises(hoad.InvalidArgumentError, match="no parameter that requires grad"):
             hoad.compile(module, order=1, wrt=hoad.parameters, backend="eager")(torch.zeros(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("wrt", [(hoad.parameters, "weight"), ("bias", hoad.parameters)])
+def test_a_parameter_named_beside_hoad_parameters_is_a_duplicate(wrt):
+    """It was dropped silently, where naming an input twice is refused."""
+    net = torch.nn.Linear(2, 1, dtype=torch.float64)
+    with pytest.raises(hoad.InvalidArgumentError, match="twice.*hoad.parameters includes"):
+        hoad.compile(net, order=1, wrt=wrt, backend="eager")(torch.zeros(3, 2, dtype=torch.float64))
 
 
 def test_keys_that_cannot_name_a_block_are_named():
