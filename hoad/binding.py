@@ -721,20 +721,11 @@ def _function_refs(fn: types.FunctionType, through: str | None) -> Iterator[tupl
             yield ("cell", name), cell.cell_contents
         except ValueError:  # an empty cell
             continue
-    for name in _global_names(code):
-        if name in fn.__globals__:
+    for name in sorted(_loads(code)[1]):  # (not co_names: it holds attribute names too, and a global
+        if name in fn.__globals__:          # A found first for params.A hid the attribute's rebinding)
             yield ("global", name), fn.__globals__[name]
     yield from ((("default", i), v) for i, v in enumerate(fn.__defaults__ or ()))
     yield from ((("kwdefault", k), v) for k, v in (fn.__kwdefaults__ or {}).items())
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    """Names the code (and the code of functions and lambdas defined in it) may read as globals."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
 
 
 def roots_of(fn: Callable, module: torch.nn.Module | None = None) -> dict:

@@ -5,6 +5,7 @@ in plain ops where torch.func has no answer), in both directions.
 
 import copy
 import math
+import types
 
 import numpy as np
 import pytest
@@ -553,6 +554,39 @@ def test_a_closed_over_tensor_read_by_tolist_is_read_at_every_call():
     res = cf(x)
     torch.testing.assert_close(res.value, f(x))
     torch.testing.assert_close(res[0], x)
+
+
+_A = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)  # a global with an attribute's name
+_HOLDER = types.SimpleNamespace(_A=_A)
+
+
+class _Holds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._A = _A
+
+    def forward(self, x):
+        return torch.tanh(x @ self._A).sum()
+
+
+def test_an_attribute_named_like_a_global_is_read_through_the_attribute():
+    """``params._A`` (or a module's ``self._A``) read the global ``_A`` bound to the same tensor:
+    code.co_names lists attribute names too, so the global was the tensor's source. Rebinding the
+    attribute was not seen, and rebinding the global, which the function never reads, was."""
+    global _A
+    x = torch.tensor([[0.3, -0.7], [1.1, 0.2]], dtype=torch.float64)
+    m = _Holds()
+    f = lambda x: torch.tanh(x @ _HOLDER._A).sum()  # noqa: E731
+    for fn, cf in ((f, hoad.compile(f, order=1, backend="eager")), (m, hoad.compile(m, order=1, backend="eager"))):
+        cf(x)
+        _HOLDER._A = m._A = _HOLDER._A * 2 + 1
+        torch.testing.assert_close(cf(x)[0], torch.func.grad(fn)(x), msg="after rebinding the attribute")
+        saved, _A = _A, torch.zeros(2, 2, dtype=torch.float64)
+        try:
+            torch.testing.assert_close(cf(x)[0], torch.func.grad(fn)(x), msg="after rebinding the global")
+        finally:
+            _A = saved
+            _HOLDER._A = m._A = _A
 
 
 def test_a_closed_over_python_number_is_read_at_every_call():
