@@ -126,7 +126,7 @@ def _tied_names(module: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _in_class_body(fn) -> bool:
+def in_class_body(fn) -> bool:
     """Whether ``fn`` was defined in a class body (a method, whatever its first parameter is
     called): its qualified name is ``Class.name``, not ``name`` or ``outer.<locals>.name``."""
     parts = getattr(fn, "__qualname__", "").split(".")
@@ -221,7 +221,9 @@ class Rebuilt:
         self.__dict__["_arguments"] = (args, kwargs)
 
     def __reduce__(self):
-        return _blank, (type(self),), {"arguments": self._arguments}
+        if self.__dict__.get("_slot"):  # an instance's own method (decorated): pickled as None, its
+            return _none, ()            # function is reached through a class attribute that is the
+        return _blank, (type(self),), {"arguments": self._arguments}  # decorator; bound afresh after
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__["_pending"] = state["arguments"]
@@ -237,6 +239,10 @@ class Rebuilt:
 
 def _blank(cls):
     return cls.__new__(cls)
+
+
+def _none():
+    return None
 
 
 class Compiled(Rebuilt):
@@ -281,7 +287,7 @@ class Compiled(Rebuilt):
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
         self._method = module is None and bool(names) and names[0] == "self"
-        if not (self._method or (module is None and _in_class_body(fn))):  # (a method's wrt may name
+        if not (self._method or (module is None and in_class_body(fn))):  # (a method's wrt may name
             self._check_wrt_against_signature()                           # its module's parameters)
         self._cache: dict[Hashable, _Entry] = {}
         self._families: dict[Hashable, _Family] = {}
@@ -302,6 +308,8 @@ class Compiled(Rebuilt):
         own = getattr(instance, "__dict__", None)
         slot = f"_hoad_{getattr(self.fn, '__name__', 'method')}_{id(self):x}"
         bound = own.get(slot) if isinstance(own, dict) else self._bound.get(instance)
+        if bound is not None and (bound.module if bound.module is not None else bound.fn.args[0]) is not instance:
+            bound = None  # (a shallow copy's __dict__ holds the original's)
         if bound is None:
             if isinstance(instance, torch.nn.Module):
                 bound = Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
@@ -309,6 +317,7 @@ class Compiled(Rebuilt):
                 bound = Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
             if isinstance(own, dict):
                 own[slot] = bound
+                bound.__dict__["_slot"] = True
             else:  # (__slots__: no place of its own)
                 self._bound[instance] = bound
         return bound

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import inspect
 import math
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch._dynamo
 
-from hoad.api import Compiled, Rebuilt, plain_int, refuse_unknown
+from hoad.api import Compiled, Rebuilt, in_class_body, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -78,7 +80,27 @@ def _check_wrt(wrt) -> None:
                                    f"(int >= 0) or an argument name, got {wrt!r}")
 
 
-class _Operator(Rebuilt):
+class _Method(Rebuilt):
+    """An operator decorating a method (``@hoad.laplacian`` on ``def u(self, x)``): each instance
+    gets the operator of its bound method, kept on the instance as ``hoad.compile`` keeps its own."""
+
+    def __get__(self, instance, owner=None):
+        args, kwargs = self._arguments
+        u = args[0]
+        if instance is None or not (isinstance(u, types.FunctionType) and in_class_body(u)):
+            return self
+        own = getattr(instance, "__dict__", None)
+        table = own if isinstance(own, dict) else self.__dict__.setdefault("_bound", weakref.WeakKeyDictionary())
+        key = f"_hoad_{u.__name__}_{id(self):x}" if table is own else instance
+        bound = table.get(key)
+        if bound is None or bound._arguments[0][0].__self__ is not instance:  # (a shallow copy's)
+            bound = type(self)(types.MethodType(u, instance), *args[1:], **kwargs)
+            bound.__dict__["_slot"] = True
+            table[key] = bound
+        return bound
+
+
+class _Operator(_Method):
     """Shared machinery: a compiled program of ``u`` over the first-order directions."""
 
     def __init__(self, u: Callable, order: int, wrt, *, batch_dim, directions, weights, collapse: int | None,
@@ -297,7 +319,7 @@ def _directions(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-class Biharmonic(Rebuilt):
+class Biharmonic(_Method):
     """``hoad.biharmonic(u, ...)``: Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j², the Laplacian of the Laplacian.
 
     The inner Laplacian is built as an eager program; the outer Laplacian differentiates that
@@ -399,7 +421,7 @@ class TaylorResult:
 _OPTIONS = ["wrt", "batch_dim", "weights", "factor", "directions", "backend", "mode", "chunk_size", "memory_budget"]
 
 
-def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
+def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, backend: str | None = None,
               mode: str = "auto", chunk_size: int | None = None, memory_budget: float | None = None,
               **unknown) -> Laplacian:
@@ -416,11 +438,15 @@ def laplacian(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torc
     ``chunk_size`` and ``memory_budget`` mean what they mean for :func:`hoad.compile`.
     """
     refuse_unknown("hoad.laplacian", unknown, _OPTIONS)
+    if u is None:  # @hoad.laplacian(batch_dim=0)
+        return lambda u: laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
+                                   directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
+                                   memory_budget=memory_budget)
     return Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                      backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
 
 
-def taylor(u: Callable, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
+def taylor(u: Callable | None = None, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
            batch_dim: int | None = None, backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
            memory_budget: float | None = None, **unknown) -> Taylor:
     """Directional Taylor coefficients: ``taylor(u, order=K, directions=V)(x)[k]`` is
@@ -430,11 +456,14 @@ def taylor(u: Callable, order: int | None = None, directions: torch.Tensor | Non
     if order is None or directions is None:
         raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x): the coefficients "
                                    "d^k/dt^k u(x + t v) for k = 1..K along each direction v")
+    if u is None:  # @hoad.taylor(order=K, directions=V)
+        return lambda u: taylor(u, order, directions, wrt, batch_dim=batch_dim, backend=backend, mode=mode,
+                                chunk_size=chunk_size, memory_budget=memory_budget)
     return Taylor(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
                   chunk_size=chunk_size, memory_budget=memory_budget)
 
 
-def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
+def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
                factor: torch.Tensor | None = None, directions: torch.Tensor | None = None,
                backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
                memory_budget: float | None = None, **unknown) -> Biharmonic:
@@ -443,5 +472,9 @@ def biharmonic(u: Callable, wrt=0, *, batch_dim: int | None = None, weights: tor
     ``weights=C``, ``factor=L`` and ``directions=V`` mean what they mean for :func:`laplacian`,
     applied twice: ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u."""
     refuse_unknown("hoad.biharmonic", unknown, _OPTIONS)
+    if u is None:  # @hoad.biharmonic(batch_dim=0)
+        return lambda u: biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
+                                    directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
+                                    memory_budget=memory_budget)
     return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
                       backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)

@@ -81,7 +81,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     VALUE_READS.clear()
     INPUT_STORAGES.append(set())
     try:
-        with FunctionOverrides(), _quiet_fake_tensors(), torch.enable_grad():  # only no_grad inside fn counts
+        with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), torch.enable_grad():
             gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))
@@ -380,6 +380,22 @@ def _read_value(t: torch.Tensor):
         with _disable_current_modes():  # read outside the trace (not through this decomposition again)
             VALUE_READS.append((t, t.item()))
     return NotImplemented
+
+
+@contextlib.contextmanager
+def _uncached_parametrizations():
+    """A trace inside ``parametrize.cached()`` stored its fake values in torch's cache (the model's
+    next plain call in the block returned them) and read values cached before it as constants
+    (no derivative reaches the parametrized parameter). The trace computes parametrizations
+    afresh; the caller's cache is kept as it was."""
+    from torch.nn.utils import parametrize
+
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
 
 
 @contextlib.contextmanager

@@ -346,6 +346,105 @@ def test_a_copied_module_differentiates_the_copy(how, when):
         assert_close(module.hess(X)[0, 0].diagonal(dim1=1, dim2=2).sum(-1), want, f"{how} {when}: Hessian")
 
 
+class DecoratedOperators(nn.Module):
+    """The operators and hoad.compile as method decorators, as ``hoad.compile`` is one."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(DT)
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+    @hoad.laplacian
+    def lap(self, x):
+        return self(x)
+
+    @hoad.biharmonic(batch_dim=0, backend="eager")
+    def bih(self, x):
+        return self(x)
+
+    @hoad.taylor(order=2, directions=torch.eye(3, dtype=DT), batch_dim=0, backend="eager")
+    def jets(self, x):
+        return self(x)
+
+    @hoad.compile(order=2, batch_dim=0, backend="eager")
+    def hess(self, x):
+        return self(x)
+
+
+def test_operators_decorate_methods_and_a_saved_module_keeps_working():
+    """``@hoad.laplacian`` on a method said "decorate a method of a class and call it on an
+    instance", which the user had done; ``@hoad.laplacian(batch_dim=0)`` was a raw TypeError;
+    torch.save of a module whose decorated method ran raised a PicklingError."""
+    import io
+
+    X = rand(4, 3, seed=8)
+    a, b = DecoratedOperators(1), DecoratedOperators(2)
+    for m in (a, b, a):
+        want = torch.func.vmap(lambda x: torch.func.hessian(lambda x: m(x[None])[0])(x).diagonal().sum())(X)
+        assert_close(m.lap(X[0]).laplacian, want[0], "laplacian of one point")
+        assert_close(m.bih(X).laplacian, want, "biharmonic's Δu")
+        assert_close(m.jets(X)[2].sum(-1), want, "taylor")
+        assert_close(m.hess(X)[0, 0].diagonal(dim1=1, dim2=2).sum(-1), want, "Hessian")
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        twin.net[0].weight.mul_(0.5)
+    for m in (twin, a):
+        want = torch.func.vmap(lambda x: torch.func.hessian(lambda x: m(x[None])[0])(x).diagonal().sum())(X)
+        assert_close(m.bih(X).laplacian, want, "after torch.save")
+        assert_close(m.hess(X)[0, 0].diagonal(dim1=1, dim2=2).sum(-1), want, "Hessian after torch.save")
+
+
+def test_a_shallow_copy_of_an_object_differentiates_the_copy():
+    """copy.copy shares the instance's dict, and with it the original's compiled method: the copy's
+    calls read the original's values."""
+    import copy
+
+    class Scaled:
+        def __init__(self, w):
+            self.w = w
+
+        @hoad.compile(order=1, backend="eager")
+        def e(self, x):
+            return (x * self.w).sum()
+
+    x = rand(3, seed=9)
+    p = Scaled(torch.ones(3, dtype=DT))
+    p.e(x)
+    q = copy.copy(p)
+    q.w = torch.full((3,), 3.0, dtype=DT)
+    assert_close(q.e(x)[0], q.w, "the copy's gradient")
+    assert_close(p.e(x)[0], p.w, "the original's gradient")
+
+
+def test_a_call_inside_parametrize_cached_leaves_torch_cache_alone():
+    """Tracing inside ``parametrize.cached()`` stored fake tensors in torch's cache (the model's
+    next plain call returned one) and read the weight cached before it as a constant."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).T
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(DT)
+    parametrize.register_parametrization(net[0], "weight", Symmetric())
+    x = rand(2, 3, seed=10)
+    loss = lambda params: functional_call(net, params, (x,)).sum()  # noqa: E731
+    want = torch.func.grad(loss)(dict(net.named_parameters()))
+    with parametrize.cached():
+        before = net(x).sum()
+        res = hoad.compile(net, order=1, wrt=hoad.parameters, backend="eager")(x)
+        after = net(x).sum()
+    assert type(after) is torch.Tensor and float(after) == float(before)
+    for name, g in want.items():
+        assert_close(res[name].sum((0, 1)), g, name)
+
+
 class SmallCNN(nn.Module):
     """Conv2d + MaxPool2d + AvgPool2d + Linear: the layer ops of issue 17 in one model."""
 
