@@ -30,7 +30,7 @@ from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layo
 from hoad.algebra import Target
 from hoad.rules import EDITS
 from hoad.passes.memory import human, samples_that_fit
-from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, same_at_count, smaller_programs
+from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, name_of, same_at_count, smaller_programs
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -568,13 +568,18 @@ class Compiled(Rebuilt):
             log.info("hoad: %s called with another number of samples; building one program for every number",
                      name)
         elif not nested and any(not _is_nested(k) for k in self._cache):
-            shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                               for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
-            log.log(level, "hoad: %s called with a new signature (tensors %s); compiling program %d for it. "
-                        "Each distinct shape, dtype or Python-scalar value is its own program (under batch_dim=0, "
-                        "a second number of samples tries one program for every number).", name, shapes,
-                    len(self._cache) + 1)
+            why = _what_changed(key, [k for k in self._cache if not _is_nested(k)])
+            if why:
+                log.log(level, "hoad: %s called after %s; compiling program %d for it (kept: changing it back "
+                               "compiles nothing).", name, why, len(self._cache) + 1)
+            else:
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                                   for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                log.log(level, "hoad: %s called with a new signature (tensors %s); compiling program %d for it. "
+                               "Each distinct shape, dtype or Python-scalar value is its own program (under "
+                               "batch_dim=0, a second number of samples tries one program for every number).",
+                        name, shapes, len(self._cache) + 1)
         if nested or torch._C._functorch.peek_interpreter_stack() is not None:
             # built outside the outer trace (and its tracing context: torch.export's would lend the
             # build its symbolic sizes) or the torch.func transform (inside one the trace saw its
@@ -839,7 +844,7 @@ class _Entry:
         if lost:
             log.warning("hoad: %s reads tensors (%s) reached through objects hoad does not follow; each call reads "
                         "the same tensor objects, so in-place updates are seen but rebinding them to new tensors "
-                        "is not. Pass them as arguments to be safe.", getattr(b.fn, "__name__", "the function"),
+                        "is not. Pass them as arguments to be safe.", name_of(b.fn),
                         ", ".join(lost))
 
     def check_samples(self, count: int) -> None:
@@ -971,6 +976,29 @@ def _meta(t: torch.Tensor) -> tuple:
     """What a program assumes of a free tensor, its layout too: traced views and strided reads of
     it rely on it (and an Inductor program asserts its strides)."""
     return t.shape, t.dtype, t.device, t.stride(), t.storage_offset()
+
+
+def _what_changed(key, keys: list) -> str:
+    """What sets ``key`` apart from the nearest cached key with the same arguments (a module's
+    train/eval switch, its trainable parameters, the default dtype or autocast), or "" where no
+    cached key has them."""
+    if not (isinstance(key, tuple) and len(key) == 4):
+        return ""
+    alike = [k for k in keys if isinstance(k, tuple) and len(k) == 4 and _same_key(k[:2], key[:2])]
+    n = sum(isinstance(v, bool) for v in key[2])  # (the training flags, then wrt's names)
+    if any(k[3] == key[3] and k[2][:n] == key[2][:n] for k in alike):
+        return "a change of which parameters require grad (wrt=hoad.parameters)"
+    if any(k[3] == key[3] for k in alike):
+        return "a switch of the module between train() and eval()"
+    return "a change of the default dtype or of autocast" if alike else ""
+
+
+def _same_key(a, b) -> bool:
+    """Equal keys; False where comparing them raises (a frozen dataclass of tensors, say)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - what a user's __eq__ raises: not the same
+        return False
 
 
 def _ambient() -> tuple:

@@ -163,10 +163,10 @@ def _check_stores(b: Build, rebound: list) -> None:
     if left:
         log.warning("hoad: tracing %s stored tensors on objects (%s); hoad put the old values back, since its "
                     "program does not run the function's Python: values saved that way (a hook's features, a cached "
-                    "activation) are not updated by its calls", _name_of(b.fn), ", ".join(r.where for r in left))
+                    "activation) are not updated by its calls", name_of(b.fn), ", ".join(r.where for r in left))
 
 
-def _name_of(fn) -> str:
+def name_of(fn) -> str:
     """The user's function (or module class) behind ``fn``, which may be hoad's wrapper method."""
     fn = getattr(getattr(fn, "__self__", None), "fn", fn)
     return getattr(fn, "__qualname__", None) or type(fn).__name__

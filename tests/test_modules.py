@@ -422,6 +422,24 @@ def test_a_shallow_copy_of_an_object_differentiates_the_copy():
     assert_close(p.e(x)[0], p.w, "the original's gradient")
 
 
+def test_a_new_program_for_a_train_eval_switch_says_so(caplog):
+    """The log said "called with a new signature (tensors …)" listing the same shapes as before."""
+    import logging
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh()).to(DT)
+    cf = hoad.compile(net, order=1, wrt=hoad.parameters, backend="eager")
+    x = rand(5, 3, seed=11)
+    cf(x)
+    with caplog.at_level(logging.INFO, logger="hoad"):
+        net.eval()
+        cf(x)
+        net[0].weight.requires_grad_(False)
+        cf(x)
+    said = [r.getMessage() for r in caplog.records if "compiling program" in r.getMessage()]
+    assert len(said) == 2 and not any("new signature" in m for m in said), said
+    assert "train() and eval()" in said[0] and "require grad" in said[1], said
+
+
 def test_a_call_inside_parametrize_cached_leaves_torch_cache_alone():
     """Tracing inside ``parametrize.cached()`` stored fake tensors in torch's cache (the model's
     next plain call returned one) and read the weight cached before it as a constant."""
