@@ -242,9 +242,12 @@ def _x_log(log):
         """x·log(y) (or log1p(y)), 0 where x = 0. Core wrote where(x = 0, 0, x·log y), whose
         derivative in x is 0 at x = 0 (torch: log y), and NaN in reverse mode at y = 0 (0·log 0).
         Here y is replaced by a safe value only where x = 0 and log y is not finite (torch: 0)."""
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.dtype.is_floating_point):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return NotImplemented
+        dtype = torch.result_type(a, b)  # (Poisson counts: xlogy(k int64, λ float64))
+        if not dtype.is_floating_point:
+            return NotImplemented
+        a, b = a.to(dtype), b.to(dtype)
         finite = torch.isfinite(log(b))
         safe = 1.0 if log is torch.log else 0.0
         out = a * log(torch.where((a == 0) & ~finite, safe, b))

@@ -976,6 +976,16 @@ def test_atan2_at_the_origin_is_nan_and_xlogy_at_zero_follows_torch(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_xlogy_of_counts_and_rates_of_two_dtypes(mode):
+    """A Poisson log-likelihood xlogy(k int64, λ) - λ, and xlogy of float32 and float64 tensors,
+    were refused ("no derivative rule for aten.xlogy.Tensor"): torch promotes, so does hoad."""
+    k = torch.tensor([0, 1, 3, 7])
+    w = torch.tensor([0.0, 0.5, 2.0, 1.5], dtype=torch.float32)
+    check(lambda lam: (torch.xlogy(k, lam) - lam).sum() + torch.special.xlog1py(k, lam).sum()
+          + torch.xlogy(w, lam).sum(), (rand(4, seed=12).abs() + 0.5,), order=3, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_std_of_a_constant_row_has_torchs_zero_derivative(mode):
     """√var at var = 0 gave inf · 0 = NaN; torch's derivative there is 0 (a subgradient)."""
     X = torch.tensor([[1.0, 1.0, 1.0], [1.0, 2.0, 4.0]], dtype=torch.float64)
