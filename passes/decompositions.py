@@ -1074,10 +1074,17 @@ _NO_MIXED_DTYPES = {
 
 def _refuse_mixed_dtypes(op, decomposition, low_precision_ok: bool):
     def checked(*args, **kwargs):
-        floats = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        dtypes = list(dict.fromkeys(t.dtype for t in floats))
-        mixed_precision = (low_precision_ok and dtypes[0] in (torch.float16, torch.bfloat16)
+        dtypes = list(dict.fromkeys(t.dtype for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                                    if isinstance(t, torch.Tensor)))
+        exact = [str(d).removeprefix("torch.") for d in dtypes if not d.is_floating_point]
+        # (an integer matrix times a float vector, typed as an integer, failed later; the norms
+        # take floats only; an integer product of integers is torch's too)
+        if exact and (low_precision_ok or len(exact) < len(dtypes)):
+            names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise InvalidArgumentError(
+                f"{op.name()} gets tensors of dtypes {names}: torch refuses {exact[0]} tensors there (the function "
+                "itself fails when run). Cast them to the floating dtype first (A.to(x.dtype))")
+        mixed_precision = (low_precision_ok and bool(dtypes) and dtypes[0] in (torch.float16, torch.bfloat16)
                            and set(dtypes[1:]) <= {torch.float32})
         if len(dtypes) > 1 and not mixed_precision:
             names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)

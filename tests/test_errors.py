@@ -172,6 +172,24 @@ def test_mixed_dtypes_where_torch_refuses_them(name):
            "float64", "float32", "mixed dtypes", "module.to(x.dtype)")
 
 
+@pytest.mark.parametrize("fn", [lambda x: _INTS @ x.sin(), lambda x: (_INTS @ x.sin()).float(),
+                                lambda x: x.sum() * F.layer_norm(_INTS, (4,))], ids=["mv", "mv-cast", "layer_norm"])
+def test_integer_tensors_where_torch_refuses_them(fn):
+    """An integer matrix times a float vector was typed as an integer: "the function's output has
+    dtype int64", or "the derivative program failed while running"; an integer layer norm was
+    hoad's own IndexError. A product of integers stays torch's (path counts)."""
+    x = torch.randn(4, dtype=torch.float64)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the reference: torch itself refuses
+        fn(x)
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(lambda x: fn(x).sum(), order=2, backend="eager")(x),
+           "int64", "torch refuses", "Cast")
+    counts = lambda x: ((_INTS @ _INTS).to(x.dtype) @ x.sin()).sum()  # noqa: E731
+    torch.testing.assert_close(hoad.compile(counts, order=1, backend="eager")(x)[0], torch.func.grad(counts)(x))
+
+
+_INTS = torch.tensor([[1, 0, 2, 1], [0, 1, 1, 0], [2, 1, 0, 1], [1, 1, 1, 1]])
+
+
 def test_float32_parameters_of_a_half_input_norm_are_torchs_mixed_precision():
     x = torch.randn(4, 3, dtype=torch.bfloat16)
     f = lambda x: F.layer_norm(x, (3,), _F32["b"], _F32["b"]).float().sum()  # noqa: E731
