@@ -460,8 +460,8 @@ class Compiled(Rebuilt):
         results = plan.results * chunks
         total = results + plan.peak  # (the joined results, and one chunk's program)
         if total > budget:
-            n = self.config.chunk_size
-            fit = samples_that_fit(samples, plan.results / n, plan.peak / n, budget)
+            n, shared = self.config.chunk_size, self._last.build.shared_bytes()
+            fit = samples_that_fit(samples, plan.results / n, (plan.peak - shared) / n, budget, shared)
             ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(self.config)
             raise MemoryBudgetError(
                 f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
@@ -819,7 +819,7 @@ class _Entry:
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
-        self.n_user = len(b.tensors) - len(b.captured.free)
+        self.n_user = b.n_user
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
@@ -853,11 +853,12 @@ class _Entry:
         memory = self.build.stats.get("memory")
         if not memory or memory["budget"] is None:
             return
-        built = self.build.captured.out_shape[0]
-        peak = memory["plan"].peak * count / built
+        built, plan = self.build.captured.out_shape[0], memory["plan"]
+        shared = self.build.shared_bytes()
+        peak = shared + (plan.peak - shared) * count / built
         if peak > memory["budget"]:
-            plan = memory["plan"]
-            fit = max(1, samples_that_fit(count, plan.results / built, plan.peak / built, memory["budget"]))
+            fit = max(1, samples_that_fit(count, plan.results / built, (plan.peak - shared) / built, memory["budget"],
+                                          shared))
             raise MemoryBudgetError(
                 f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
                 f"{human(memory['budget'])}. Ways out: "

@@ -106,6 +106,20 @@ class Build:
     samples: list[int] = field(default_factory=list)   # inputs whose dim 0 is a symbol in the compiled main
     stats: dict = field(default_factory=dict)
 
+    @property
+    def n_user(self) -> int:
+        """How many of ``tensors`` are the call's own leaves (the free tensors follow)."""
+        return len(self.tensors) - len(self.captured.free)
+
+    def shared_bytes(self) -> int:
+        """Bytes of the program's inputs that are not per sample (parameters, free tensors): a
+        chunk of any number of samples holds all of them. (Not the hoisted terms of weights
+        alone: a program for fewer samples may hoist fewer, as the cost model finds them worth it.)"""
+        count = self.captured.out_shape[0] if self.captured.out_shape else None
+        places = list(self.layout.places) + [None] * len(self.captured.free)
+        return sum(t.numel() * t.element_size() for i, (t, place) in enumerate(zip(self.tensors, places))
+                   if i >= self.n_user or isinstance(place, StateEntry) or not t.ndim or t.shape[0] != count)
+
 
 def _capture(b: Build) -> Build:
     def name_free(free: list[torch.Tensor]) -> list[str]:
@@ -147,7 +161,7 @@ def _check_stores(b: Build, rebound: list) -> None:
     buffer reached otherwise (``self.ema = 0.9 * self.ema + ...``) is state the program would
     drop: refused. Any other store (a hook's features, a cached
     activation) is a value of the trace's Python, which calls do not run: a warning."""
-    n = len(b.tensors) - len(b.captured.free)
+    n = b.n_user
     written = {id(b.tensors[i]) for i in written_inputs(b.captured.gm) if i >= n}
     left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
     if any(isinstance(place, StateEntry) for place in b.layout.places):
@@ -234,6 +248,8 @@ def _plan(b: Build) -> Build:
 def smaller_programs(c: Config) -> list[str]:
     """The ways out of a memory budget that compute less, where the call does not take them already."""
     ways = []
+    if c.mode != "auto":
+        ways.append(f"mode='auto' (mode={c.mode!r} was asked for; the other direction may need less memory)")
     if not c.diagonal:
         ways.append("diagonal=True when pure derivatives (∂^k/∂x_i^k) are enough")
     if c.operator is None:
@@ -250,12 +266,17 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     if c.batch_dim is None:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
     else:
-        n = p.out_shape[0]
-        fit = samples_that_fit(n, plan.results / n, plan.peak / n, budget)
+        n, shared = p.out_shape[0], b.shared_bytes()
+        fit = samples_that_fit(n, plan.results / n, (plan.peak - shared) / n, budget, shared)
         if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
+        elif plan.results + shared >= budget:
+            ways.append(f"fewer samples per call (their results, {human(plan.results)}, and the parameters and "
+                        f"shared inputs, {human(shared)}, leave no room)")
         else:
-            ways.append("fewer samples per call (their results alone are over the budget)")
+            one = shared + (plan.peak - shared) / n + plan.results / n
+            ways.append(f"none by chunking (one sample at a time still needs about {human(one)}, the parameters "
+                        f"and shared inputs {human(shared)} of it)")
     ways += smaller_programs(c) + ["a larger memory_budget"]
     return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
@@ -263,7 +284,7 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
 
 def _compile(b: Build) -> Build:
     p = b.program
-    n_user = len(b.tensors) - len(b.captured.free)
+    n_user = b.n_user
     # an Inductor program is called with the call's tensors dense (hoad.api, _Entry.result)
     dense = list(b.tensors)
     if b.config.backend == "inductor":
@@ -298,7 +319,7 @@ def same_at_count(b: Build, count: int) -> bool:
     """The function traced at ``count`` samples has the structure it has at its own count, sizes
     aside: it uses the number of samples only as a size, never as a value (``/ X.shape[0]``)."""
     here = b.captured.out_shape[0]
-    n_user = len(b.tensors) - len(b.captured.free)
+    n_user = b.n_user
     tensors = [t.new_empty((count, *t.shape[1:])) if i in b.wrt_leaves else t for i, t in enumerate(b.tensors[:n_user])]
     try:
         with untouched(b.roots):

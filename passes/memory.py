@@ -104,15 +104,18 @@ def default_budget(device: torch.device) -> int | None:
     return None if free is None else int(BUDGET_SHARE * free)
 
 
-def samples_that_fit(samples: int, result: float, peak: float, budget: float) -> int:
+def samples_that_fit(samples: int, result: float, peak: float, budget: float, shared: float = 0.0) -> int:
     """How many of ``samples`` one chunk may hold, for a program whose results take ``result`` and
-    whose peak is ``peak`` per sample: the joined results of every chunk (the last padded to a
-    whole chunk) stay next to one chunk's program, whose peak is not all per sample (a margin).
-    The same answer whatever chunk size the program was built for, so advice is followed once."""
+    whose working memory ``peak`` per sample, beside ``shared`` bytes every chunk holds whatever
+    its size (parameters, free tensors, hoisted terms): the joined results of every chunk (the last
+    padded to a whole chunk) stay next to one chunk's program, whose peak per sample is not exact
+    (a margin). The same answer whatever chunk size the program was built for, so advice is
+    followed once."""
     def need(c: int) -> float:
-        return result * c * math.ceil(samples / c) + peak * c / 0.75
+        return result * c * math.ceil(samples / c) + shared + peak * c / 0.75
 
-    c = min(samples, int((budget - result * samples) / peak * 0.75)) if budget > result * samples else 0
+    room = budget - result * samples - shared
+    c = min(samples, int(room / peak * 0.75)) if room > 0 and peak > 0 else samples if room > 0 else 0
     while c >= 1 and need(c) > budget:
         c -= 1
     return c

@@ -633,6 +633,8 @@ def test_operator_inputs_and_environment_named(monkeypatch):
         hoad.laplacian(u, factor=torch.ones(3, 0, dtype=torch.float64))
     with pytest.raises(hoad.InvalidArgumentError, match="floating-point tensor, got a torch.int64 tensor"):
         hoad.laplacian(u, backend="eager")(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(hoad.InvalidArgumentError, match="directions must be .*, got a torch.int64 tensor"):
+        hoad.taylor(u, order=2, directions=torch.ones(1, 3, dtype=torch.int64))  # (it named the shape, (1, 3))
     monkeypatch.setenv("HOAD_DEFAULT_BACKEND", "egaer")
     with pytest.raises(hoad.InvalidArgumentError, match="environment variable HOAD_DEFAULT_BACKEND"):
         hoad.compile(u, order=1)

@@ -159,6 +159,48 @@ def test_a_suggested_chunk_size_fits_where_the_results_take_most_of_the_budget()
     assert_close(res[0, 0, 0], hoad.compile(f, order=3, batch_dim=0, backend="eager")(X)[0, 0, 0], "chunked")
 
 
+def test_a_suggested_chunk_size_counts_the_inputs_every_chunk_holds():
+    """A program for 300 samples hoists W1⊗W1⊗W1 (8 MB), one for fewer samples does not: the
+    advice counts the inputs every chunk holds (weights, free tensors), not those hoisted terms
+    (counting them, nothing fit; a chunk of the size advised fits)."""
+    g = torch.Generator().manual_seed(9)
+    W1, W2 = torch.randn(16, 256, generator=g, dtype=torch.float64), torch.randn(256, 1, generator=g, dtype=torch.float64)
+
+    def energy(X):
+        return (torch.tanh(X @ W1) @ W2).squeeze(-1)
+
+    X = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    cf = hoad.compile(energy, order=3, batch_dim=0, mode="forward", backend="eager")
+    plan = cf.explain(X).build.stats["memory"]["plan"]
+    budget = plan.results + 0.6 * (plan.peak - plan.results)
+    with pytest.raises(hoad.MemoryBudgetError, match=r"chunk_size=(\d+)") as e:
+        hoad.compile(energy, order=3, batch_dim=0, mode="forward", backend="eager", memory_budget=budget)(X)
+    size = int(re.search(r"chunk_size=(\d+)", str(e.value)).group(1))
+    res = hoad.compile(energy, order=3, batch_dim=0, mode="forward", backend="eager", memory_budget=budget,
+                       chunk_size=size)(X)
+    assert_close(res[0, 0, 0], cf(X)[0, 0, 0], "chunked")
+
+
+def test_a_sample_too_large_for_the_budget_is_not_blamed_on_the_results():
+    """The results take a fraction of the budget and one sample's program is over it: the advice
+    said "fewer samples per call (their results alone are over the budget)"."""
+    X = rand(4, 16, seed=354)
+    cf = hoad.compile(_per_sample_16, order=3, batch_dim=0, backend="eager")
+    plan = cf.explain(X).build.stats["memory"]["plan"]
+    budget = (plan.results + plan.peak / 4) / 2  # over the results, under one sample's share
+    assert plan.results < budget < plan.peak / 4
+    with pytest.raises(hoad.MemoryBudgetError, match="none by chunking.*one sample at a time still needs") as e:
+        hoad.compile(_per_sample_16, order=3, batch_dim=0, backend="eager", memory_budget=budget)(X)
+    assert "results alone" not in str(e.value)
+
+
+def _per_sample_16(X):
+    return torch.tanh(X @ _W16).pow(3).sum(-1)
+
+
+_W16 = rand(16, 64, seed=355)
+
+
 def test_chunks_give_the_unchunked_result_with_one_program():
     X = rand(10, 3, seed=352)
     chunked = hoad.compile(_per_sample, order=3, batch_dim=0, chunk_size=4)  # 4 + 4 + 2 (padded)
