@@ -158,23 +158,45 @@ class _Interpreter:
         for i, node in enumerate(self.placeholders):
             deps[node] = frozenset({self.wrt_of[i]}) if i in self.wrt_of else frozenset()
         live = self._live()
-        for node in self.nodes:
+        complex_ = []  # complex values computed from a wrt input: kept in the flow until it is known
+        for node in self.nodes:  # whether a derivative reaches the output through one
             if node.op != "call_function":
                 deps.setdefault(node, frozenset())
                 continue
             inputs = frozenset().union(*[deps.get(a, frozenset()) for a in node.all_input_nodes])
-            if inputs and node in live and _complex(node.meta.get("val")):
+            if inputs and node in live and "val" not in node.meta:  # a rewrite's node: no dtype to go by
+                raise HoadInternalError(f"node {node.name} ({node.target}) has no traced value (meta['val']); "
+                                        "its derivatives would be taken as 0")
+            if inputs and node in live and _complex(node.meta.get("val")) and node.target not in PIECEWISE_CONSTANT:
+                complex_.append(node)
+            elif node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")) or node not in live:
+                inputs = frozenset()
+            deps[node] = inputs
+        if complex_:
+            self._refuse_complex(deps, complex_)
+        return deps
+
+    def _refuse_complex(self, deps: dict, complex_: list) -> None:
+        """Refuse a complex value a derivative flows through to the output; one computed under
+        no_grad or detached (a constant to autograd) only loses its dependencies."""
+        needed, todo = set(), [self.output] if isinstance(self.output, fx.Node) and deps.get(self.output) else []
+        while todo:
+            node = todo.pop()
+            if node not in needed:
+                needed.add(node)
+                todo += [a for a in node.all_input_nodes if deps.get(a)]
+        for node in complex_:
+            if node in needed:
                 raise UnsupportedOperatorError(
                     f"{node.target} (node {node.name}){self.where(node)} computes complex values from a "
                     "differentiated input; hoad differentiates real floating-point programs only. Write the "
                     "computation with real and imaginary parts as separate real tensors.")
-            if inputs and node in live and "val" not in node.meta:  # a rewrite's node: no dtype to go by
-                raise HoadInternalError(f"node {node.name} ({node.target}) has no traced value (meta['val']); "
-                                        "its derivatives would be taken as 0")
-            if node.target in PIECEWISE_CONSTANT or not _differentiable(node.meta.get("val")) or node not in live:
-                inputs = frozenset()
-            deps[node] = inputs
-        return deps
+            deps[node] = frozenset()
+        for node in self.nodes:  # (what read only such values depends on nothing)
+            if node.op == "call_function" and node not in complex_:
+                inputs = frozenset().union(*[deps.get(a, frozenset()) for a in node.all_input_nodes])
+                if deps.get(node) and not inputs:
+                    deps[node] = frozenset()
 
     def _live(self) -> set:
         """Nodes the output depends on. Others (e.g. a batchnorm's running-stat update) are only
