@@ -307,6 +307,9 @@ def _compile(b: Build) -> Build:
             p.gm = general
             samples += b.wrt_leaves
         b.stats["any_samples"] = general is not None
+        if general is not None:  # (the sizes its nodes were traced with)
+            shown = [n for n in general.graph.nodes if n.op == "placeholder"][b.wrt_leaves[0]].meta.get("val")
+            b.stats["samples_shown"] = shown.shape[0] if isinstance(shown, torch.Tensor) else None
     own_outputs(p.gm)
     b.main = compile_program(p, b.config.backend, example_inputs=dense + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)

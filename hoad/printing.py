@@ -84,6 +84,9 @@ class ProgramView:
             change = "" if before is None or stage == "differentiate" else f" ({count - before:+d})"
             lines.append(f"# {stage}: {count} ATen calls{change}, {st['seconds'] * 1e3:.0f} ms")
             before = count
+        if self.stats.get("any_samples"):
+            lines.append(f"# one program for every number of samples: the shapes shown are those of "
+                         f"{self.stats.get('samples_shown') or 'the first'} samples (sym_size_int is the call's)")
         if self.program.prefix is not None:
             n = sum(1 for node in self.program.prefix.graph.nodes if node.op == "call_function")
             lines.append(f"# hoisted: {n} ATen calls on free tensors alone, rerun only when those change")

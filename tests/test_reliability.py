@@ -252,6 +252,8 @@ def test_one_program_serves_every_number_of_samples(backend):
     assert len(entries) == 2, "one program for 6 samples, one for every number"
     general = [e for e in cf._cache.values() if e.build.stats.get("any_samples")]
     assert general and "sym_size" in general[0].build.program.gm.code
+    # the graph's shapes are those it was traced with (it showed [6, …] for a call of 9, unsaid)
+    assert "one program for every number of samples: the shapes shown are those of 6 samples" in str(cf.graph)
 
 
 def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
