@@ -475,6 +475,41 @@ def test_a_float32_input_times_a_float64_constant(mode):
         torch.testing.assert_close(res[0, 0, 0], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
+_EPS = 1e-12
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,fn,order", [
+    ("sqrt", lambda x: torch.sqrt(x * x + _EPS), 4), ("log", lambda x: torch.log(x * x + _EPS), 4),
+    ("rsqrt", lambda x: torch.rsqrt(x * x + _EPS), 3), ("pow", lambda x: (x * x + _EPS) ** -0.5, 3),
+    ("norm", lambda x: x.norm() * 1.0, 4), ("reciprocal", lambda x: 1 / (x * x + _EPS), 3),
+])
+def test_float32_derivatives_whose_scalar_factor_overflows(name, fn, order, mode):
+    """φ^(4) of √u at u = 1e-12 is ∝ u^-3.5 = 1e42, past float32's range, while the derivative of
+    √(x² + ε) is -3e18: NaN or -inf, where torch.func is finite. The powers of 1/u now go onto the
+    first-order factors of each term (hoad.rules.combinators.Scaled)."""
+    x = torch.tensor([0.0, 1e-7, -1e-6], dtype=torch.float64) if name != "norm" else \
+        torch.tensor([1e-6, -2e-6, 0.5e-6], dtype=torch.float64)
+    f = (lambda x: fn(x).sum()) if name != "norm" else fn
+    res = hoad.compile(f, order=order, mode=mode, backend="eager")(x.float())[(0,) * order]
+    g = jacrev(f)
+    for _ in range(order - 1):
+        g = jacfwd(g)
+    want = g(x)
+    assert torch.isfinite(res).all(), res
+    torch.testing.assert_close(res.double(), want, rtol=1e-3, atol=1e-5 * float(want.abs().max()))
+
+
+def test_float16_derivatives_of_a_reciprocal_keep_their_sign():
+    """1/(1 + x²) at x = 5 in float16: φ^(4) = 24 y^5 = 8e-8 underflowed, and the fourth derivative
+    came out -2.1e-4 where it is 5.8e-3."""
+    x = torch.tensor([5.0, 6.0, -3.0], dtype=torch.float64)
+    f = lambda x: (1 / (1 + x * x)).sum()  # noqa: E731
+    res = hoad.compile(f, order=4, backend="eager")(x.half())[0, 0, 0, 0]
+    want = jacfwd(jacfwd(jacfwd(jacrev(f))))(x)
+    torch.testing.assert_close(res.double(), want, rtol=2e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_two_masked_pair_terms_sharing_a_distance(mode):
     """Coulomb and Lennard-Jones terms, each where(eye, 0, g(r)), read one r = √Σd²: the √ at

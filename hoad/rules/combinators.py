@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,11 +24,31 @@ from hoad.rules.base import Contracted, Ctx, Jet, VjpCtx, adjoint_labels, out_la
 Coefficient = torch.Tensor | float | int | None
 
 
-def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient], axis: int | None = None, keepdim: bool = False) -> dict:
+@dataclass(frozen=True)
+class Scaled:
+    """Scalar derivatives φ^(m)(u) = ``coeffs[m-1]`` · ``scale``^m, for φ whose derivatives are
+    powers (x^p, 1/x, √x, log x: scale = 1/u). φ^(m) itself overflows (or underflows) where the
+    value does not: √(x² + ε) in float32 has φ^(4) ∝ u^-3.5 = 1e42 at ε = 1e-12, and a float16
+    1/(1+x²) at x = 5 needs y^5 = 8e-8. :func:`chain` multiplies each first-order factor of a
+    term by ``scale`` instead, so no power above half the order is formed."""
+
+    coeffs: list
+    scale: torch.Tensor
+
+    def plain(self, m: int) -> Coefficient:
+        """φ^(m) itself."""
+        c = self.coeffs[m - 1]
+        return None if c is None else c * self.scale ** m
+
+
+def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient] | Scaled, axis: int | None = None,
+          keepdim: bool = False) -> dict:
     """Blocks of φ(u) for elementwise φ, from ``coeffs[m-1] = φ^(m)(u)`` (None: a structural zero).
 
     Faà di Bruno with terms grouped by the multiset partition of the slots: each distinct product
-    φ^(m)(u) ⊙ Π D^{K_B}u is contracted once and its slot permutations are added.
+    φ^(m)(u) ⊙ Π D^{K_B}u is contracted once and its slot permutations are added. With
+    :class:`Scaled` coefficients, the first-order factors carry the scale (their products then
+    stay in range).
 
     With ``axis``, φ maps each line of u along that axis to one number (a reduction, the axis
     kept with size 1 where ``keepdim``): ``coeffs[m-1]`` is a tensor with the output's axes then
@@ -36,6 +56,10 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient], axis: int | None = No
     """
     o = out_labels(u.ndim if axis is None else ctx.out.ndim)
     lead, r = _lead(ctx, o)
+    scale, firsts, powers = None, {}, {}  # (u's first-order blocks times the scale; φ^(m) · scale^rest)
+    if isinstance(coeffs, Scaled):
+        scale = off_flat(u, [coeffs.scale])[0]
+        coeffs = coeffs.coeffs
     if axis is None:
         coeffs = off_flat(u, coeffs)
     result = {}
@@ -46,9 +70,20 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient], axis: int | None = No
             coeff = coeffs[m - 1]
             if coeff is None:
                 continue
-            factors = [u.blocks.get(sub) for sub in term.sub_indices(K)]
+            subs = term.sub_indices(K)
+            factors = [u.blocks.get(sub) for sub in subs]
             if any(f is None for f in factors):
                 continue
+            if scale is not None:  # the first-order factors scaled, the rest of the power on φ^(m)
+                for j, sub in enumerate(subs):
+                    if len(sub) == 1:
+                        if sub not in firsts:
+                            firsts[sub] = scale_out(factors[j], scale, u.shape)
+                        factors[j] = firsts[sub]
+                rest = sum(len(sub) > 1 for sub in subs)
+                if rest and (m, rest) not in powers:
+                    powers[m, rest] = coeff * scale ** rest
+                coeff = powers[m, rest] if rest else coeff
             lines = [("l", j) for j in range(m)]
             labels = [o] * m if axis is None else [o[:axis] + [line] + o[axis + keepdim:] for line in lines]
             operands = [(f, ul + ctx.slots(K, part)) for f, ul, part in zip(factors, labels, term.parts)]

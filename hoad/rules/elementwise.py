@@ -15,7 +15,8 @@ import torch
 
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.algebra import Block
-from hoad.rules.combinators import broadcast, chain, leibniz, off_flat, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.combinators import (Scaled, broadcast, chain, leibniz, off_flat, scale_out, scaled, sum_blocks,
+                                    unbroadcast)
 from hoad.rules.flat import FLAT, unary
 from hoad.rules.linear import _select, _select_vjp, _spread
 
@@ -31,7 +32,8 @@ def elementwise_pair(derivs):
         return chain(ctx, x, derivs(ctx.max_order, x.primal, ctx.out, *args, **kwargs))
 
     def vjp(v, g: Block, x: Jet, *args, **kwargs):
-        (first,) = off_flat(x, derivs(1, x.primal, v.out, *args, **kwargs)[:1])
+        coeffs = derivs(1, x.primal, v.out, *args, **kwargs)
+        (first,) = off_flat(x, [coeffs.plain(1)] if isinstance(coeffs, Scaled) else coeffs[:1])
         return [] if first is None else [(x, scale_out(g, first, x.shape))]
 
     rule.__name__ = rule.__qualname__ = derivs.__name__ + "_rule"
@@ -100,14 +102,13 @@ def expm1(n, x, y):
 
 @derivatives(aten.log.default)
 def log(n, x, y):
-    r = x.reciprocal()
-    return [((-1) ** (k - 1)) * math.factorial(k - 1) * _power_of(r, k) for k in range(1, n + 1)]
+    """φ^(k) = (-1)^(k-1) (k-1)! x^-k: the powers of 1/x on the factors (:class:`Scaled`)."""
+    return Scaled([((-1) ** (k - 1)) * math.factorial(k - 1) for k in range(1, n + 1)], x.reciprocal())
 
 
 @derivatives(aten.log1p.default)
 def log1p(n, x, y):
-    r = (x + 1).reciprocal()
-    return [((-1) ** (k - 1)) * math.factorial(k - 1) * _power_of(r, k) for k in range(1, n + 1)]
+    return Scaled([((-1) ** (k - 1)) * math.factorial(k - 1) for k in range(1, n + 1)], (x + 1).reciprocal())
 
 
 @derivatives(aten.sin.default)
@@ -178,40 +179,43 @@ def erf(n, x, y):
     return out
 
 
-def _power(n, x, y, p: float):
+def _power(n, x, y, p: float) -> Scaled:
     """Derivatives of y = x^p written with y: φ^(k) = p(p-1)…(p-k+1) · y · x^-k."""
-    out, r = [], None
-    for k in range(1, n + 1):
-        c = _falling(p, k)
-        if c == 0:
-            out.append(None)
-            continue
-        r = x.reciprocal() if r is None else r
-        out.append(y * _power_of(r, k) * c)
-    return out
+    return Scaled([None if _falling(p, k) == 0 else y * _falling(p, k) for k in range(1, n + 1)], x.reciprocal())
+
+
+def _root(n, x, y, p: float) -> Scaled:
+    """Derivatives of y = x^p, 0 < p < 1: φ^(k) = c_k x^(p-k) = c_k (1/y)^(k-1) · (x^(p-1))^k, inf at
+    0 as in torch (y · x^-k would be 0 · inf)."""
+    r = y.reciprocal()
+    s = r if p == 0.5 else x.pow(p - 1)
+    return Scaled([_falling(p, 1)] + [_power_of(r, k - 1) * _falling(p, k) for k in range(2, n + 1)], s)
 
 
 @derivatives(aten.sqrt.default)
 def sqrt(n, x, y):
-    """φ^(k) = c_k x^(1/2 - k) = c_k (1/y)^(2k-1): inf at 0 as in torch (y · x^-k is 0 · inf)."""
-    r = y.reciprocal()
-    return [_power_of(r, 2 * k - 1) * _falling(0.5, k) for k in range(1, n + 1)]
+    return _root(n, x, y, 0.5)
 
 
 @derivatives(aten.rsqrt.default)
 def rsqrt(n, x, y):
-    """φ^(k) = c_k x^(-1/2 - k) = c_k y^(2k+1): inf at 0 as in torch."""
-    return [_power_of(y, 2 * k + 1) * _falling(-0.5, k) for k in range(1, n + 1)]
+    """φ^(k) = c_k x^(-1/2 - k) = c_k y · (y²)^k: inf at 0 as in torch."""
+    return Scaled([y * _falling(-0.5, k) for k in range(1, n + 1)], y * y)
 
 
 @derivatives(aten.reciprocal.default)
 def reciprocal(n, x, y):
-    return [_falling(-1, k) * _power_of(y, k + 1) for k in range(1, n + 1)]
+    """φ^(k) = (-1)^k k! y^(k+1) = (-1)^k k! y · y^k."""
+    return Scaled([y * _falling(-1, k) for k in range(1, n + 1)], y)
 
 
 @derivatives(aten.pow.Tensor_Scalar)
 def pow_scalar(n, x, y, exponent):
     p = float(exponent)
+    if p < 0:  # (x^-6 of a small x: x^(p-k) itself overflows from some order on)
+        return _power(n, x, y, p)
+    if 0 < p < 1:  # (a norm's √: as sqrt's, inf at 0)
+        return _root(n, x, y, p)
     out = []
     for k in range(1, n + 1):
         c = _falling(p, k)
@@ -350,12 +354,12 @@ def atanh(n, x, y):
 # ------------------------------------------------------------------ other bases and erfc
 @derivatives(aten.log2.default)
 def log2(n, x, y):
-    return [d / math.log(2) for d in log(n, x, y)]
+    return Scaled([c / math.log(2) for c in log(n, x, y).coeffs], x.reciprocal())
 
 
 @derivatives(aten.log10.default)
 def log10(n, x, y):
-    return [d / math.log(10) for d in log(n, x, y)]
+    return Scaled([c / math.log(10) for c in log(n, x, y).coeffs], x.reciprocal())
 
 
 @derivatives(aten.exp2.default)
