@@ -149,9 +149,15 @@ def _capture(b: Build) -> Build:
                 raise InvalidArgumentError(
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
                     "samples along dim 0; every wrt input must have the same number of samples in dim 0")
-        keep_samples_apart(b.captured.gm, b.captured.wrt_leaves)
-    fold_broadcasts(b.captured.gm, b.captured.wrt_leaves)
+    _settle(b.captured, b.config)
     return b
+
+
+def _settle(captured: Captured, config: Config) -> None:
+    """The rewrites every captured program gets: samples kept apart (batch_dim), broadcasts folded."""
+    if config.batch_dim is not None:
+        keep_samples_apart(captured.gm, captured.wrt_leaves)
+    fold_broadcasts(captured.gm, captured.wrt_leaves)
 
 
 def _check_stores(b: Build, rebound: list) -> None:
@@ -327,6 +333,7 @@ def same_at_count(b: Build, count: int) -> bool:
     try:
         with untouched(b.roots):
             captured = capture(b.fn, b.layout, tensors, b.wrt_leaves)
+        _settle(captured, b.config)  # (as the program it is compared with: a (B, N, d) product unmerged)
     except HoadError:
         return False
     return same_structure(b.captured.gm, here, captured.gm, count)

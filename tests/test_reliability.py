@@ -256,6 +256,27 @@ def test_one_program_serves_every_number_of_samples(backend):
     assert "one program for every number of samples: the shapes shown are those of 6 samples" in str(cf.graph)
 
 
+def test_points_of_a_sample_keep_one_program_and_chunk():
+    """nn.Linear on (B, N, d) points: the check that the function uses its count only as a size
+    compared a fresh trace with the program after its samples were kept apart (torch's B·N rows
+    unmerged), so chunk_size was refused ("uses its number of samples as a value") and every
+    count built its own program."""
+    fc = torch.nn.Linear(3, 1, dtype=torch.float64)
+
+    def f(X):
+        return fc(X.view(X.shape[0], -1, 3).tanh()).squeeze(-1).sum(-1)
+
+    one = lambda x: f(x[None])[0]  # noqa: E731
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    for count in (8, 16, 5):
+        X = rand(count, 6, seed=375 + count)
+        assert_close(cf(X)[0, 0], vmap(hessian(one))(X), f"{count} samples")
+    assert len({id(e) for e in cf._cache.values()}) == 2, "one program for 8 samples, one for every number"
+    X = rand(10, 6, seed=380)
+    chunked = hoad.compile(f, order=2, batch_dim=0, backend="eager", chunk_size=4)
+    assert_close(chunked(X)[0, 0], vmap(hessian(one))(X), "chunked")
+
+
 def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
     """The count squared is a constant of the program, not a size that follows the input: no
     general program exists, and each count is built on its own, correctly."""
