@@ -81,7 +81,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     VALUE_READS.clear()
     INPUT_STORAGES.append(set())
     try:
-        with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), torch.enable_grad():
+        with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), _without_mkldnn(), \
+                torch.enable_grad():
             gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))
@@ -380,6 +381,18 @@ def _read_value(t: torch.Tensor):
         with _disable_current_modes():  # read outside the trace (not through this decomposition again)
             VALUE_READS.append((t, t.item()))
     return NotImplemented
+
+
+@contextlib.contextmanager
+def _without_mkldnn():
+    """A float32 LSTM on the CPU dispatches to aten.mkldnn_rnn_layer, a fused kernel with no rule:
+    traced without mkldnn it is torch's plain gate arithmetic (as float64's is)."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 @contextlib.contextmanager

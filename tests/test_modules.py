@@ -630,6 +630,20 @@ def test_values_saved_by_a_hook_are_put_back_with_a_warning(caplog):
     assert "stored tensors on objects (a dict's entry 'fc0')" in caplog.text
 
 
+def test_a_float32_lstm_is_differentiated_as_its_float64_twin():
+    """On the CPU a float32 LSTM runs aten.mkldnn_rnn_layer (a fused kernel with no rule): it was
+    refused, while float64 (torch's plain gate ops) worked. Traced without mkldnn it is the same."""
+    import copy
+
+    torch.manual_seed(12)
+    lstm = nn.LSTM(2, 3, batch_first=True)
+    twin = copy.deepcopy(lstm).double()
+    x = torch.randn(1, 3, 2)
+    res = hoad.compile(lambda x: lstm(x)[0].sum(), order=2, backend="eager")(x)
+    want = jacfwd(jacrev(lambda x: twin(x)[0].sum()))(x.double())
+    torch.testing.assert_close(res[0, 0].double(), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM])
 def test_a_recurrent_layers_list_of_its_weights_is_no_stored_value(cls, caplog):
     """RNNBase keeps its parameters in ``_flat_weights``, rebuilt from them: the trace's rebuild
