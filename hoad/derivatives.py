@@ -126,7 +126,7 @@ class Derivatives(Mapping):
     __hash__ = None
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(self[k].shape)}" for k in self)
+        shapes = ", ".join(f"{k}: {self._shape(self._resolve(k)[0])}" for k in self)
         return f"Derivatives(value={tuple(self.value.shape)}, order={self._max_order}, {{{shapes}}})"
 
     # ----------------------------------------------------------------------------- internals
@@ -136,6 +136,10 @@ class Derivatives(Mapping):
         if K not in self._zero_cache:
             self._zero_cache[K] = self.value.new_zeros(self._zero_shape(K))
         return self._zero_cache[K]
+
+    def _shape(self, K: MultiIndex) -> tuple[int, ...]:
+        """A canonical block's shape, without making a structural zero's tensor (repr showed 2 GB)."""
+        return tuple(self._blocks[K].shape) if K in self._blocks else self._zero_shape(K)
 
     def _slots(self, K) -> list[int]:
         """The wrt positions whose axes a block of K carries, in order (once each when diagonal)."""

@@ -427,6 +427,7 @@ def test_structural_zeros_of_a_quadratic():
     assert not res.is_structural_zero((0, 0))
     assert not res.is_structural_zero(0)
     assert res.is_structural_zero((0, 0, 0))
+    assert "(0, 0, 0): (3, 3, 3)" in repr(res) and not res._zero_cache, "repr made the zero block (2 GB at 400)"
     z = res[0, 0, 0]
     assert z.shape == (3, 3, 3) and z.dtype == DT
     assert torch.count_nonzero(z) == 0
