@@ -29,6 +29,7 @@ from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layo
                           positional_names)
 from hoad.algebra import Target
 from hoad.rules import EDITS
+from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, name_of, same_at_count, smaller_programs
 from hoad.printing import ProgramView
@@ -820,6 +821,7 @@ class _Entry:
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
+        self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
@@ -914,6 +916,9 @@ class _Entry:
         return out
 
     def result(self, tensors, free) -> Derivatives:
+        if self.written and get_proxy_mode() is None:
+            _check_written_aliases(list(tensors) + list(free or ()), self.written,
+                                   list(self.build.layout.names) + [f"c{i}" for i in range(len(free or ()))])
         if not all(t.is_contiguous() for t in tensors):
             # the program was traced on dense copies of the call's tensors (free ones keep their
             # strides: read_free), and it relies on them: a reshape traced as a view, an Inductor
@@ -953,6 +958,20 @@ class _Entry:
         if b.prefix is None:
             return b.main(*tensors)
         return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
+
+
+def _check_written_aliases(tensors, written: set, names) -> None:
+    """The program traced each input on storage of its own: a function that writes into one
+    input, called with another input sharing its memory (f(x, x) with y.mul_(2)), reads the
+    other as it was, where torch reads the write. Refused rather than answered wrongly."""
+    storages = [t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors]
+    for i in written:
+        for j, other in enumerate(storages):
+            if j != i and other is not None and other == storages[i] and tensors[j].numel() and tensors[i].numel():
+                raise InvalidArgumentError(
+                    f"the function writes into input {names[i]!r} in place, and input {names[j]!r} shares its memory "
+                    "(the same tensor, or a view of it); hoad's program reads each input as a tensor of its own, so "
+                    f"{names[j]!r} would not see the write. Pass a copy (x.clone()) for one of them")
 
 
 def _check_own_storage(tensors, names) -> None:

@@ -627,6 +627,23 @@ def test_a_sparse_tensor_after_a_dense_call_of_the_same_shape_is_named():
         cf(x.to_sparse(), w)
 
 
+def test_an_input_written_in_place_and_passed_again_is_refused():
+    """f(x, x) writing y.mul_(2): torch reads the write through x, hoad's program (each input on
+    storage of its own) read x as it was: 1.56 where 2.56 is right."""
+    def f(x, y):
+        y.mul_(2)
+        return (x.sin() * y).sum()
+
+    x = torch.tensor([0.3, 0.5, 0.7], dtype=torch.float64)
+    cf = hoad.compile(f, order=1, backend="eager")
+    for same in (x, x.view(3)):  # the tensor itself, a view of it
+        with pytest.raises(hoad.InvalidArgumentError, match="writes into input 'y' in place, and input 'x' shares"):
+            cf(x, same)
+    y = x.clone()
+    want = f(x.clone(), y.clone())
+    assert torch.allclose(cf(x, y).value, want)  # separate tensors: as before
+
+
 def test_operator_inputs_and_environment_named(monkeypatch):
     u = lambda x: x.sin().sum(-1)  # noqa: E731
     with pytest.raises(hoad.InvalidArgumentError, match="has no columns"):
