@@ -1069,6 +1069,10 @@ _NO_MIXED_DTYPES = {
     aten.native_layer_norm: True, aten.native_group_norm: True, aten.native_batch_norm: True,
     aten._native_batch_norm_legit: True, aten._native_batch_norm_legit_no_training: True,
     aten._native_batch_norm_legit_functional: True,
+    # (a decomposition computed these in one of the two dtypes: cholesky_solve(b float64, L float32)
+    # gave float32 derivatives of a float64 input)
+    aten.cholesky_solve: False, aten.lerp: False, aten.linalg_cross: False, aten._cdist_forward: False,
+    aten.linalg_solve: False, aten._linalg_solve_ex: False,
 }
 
 

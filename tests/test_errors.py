@@ -157,6 +157,12 @@ _MIXED = {  # a float64 input meets float32 weights: eager torch raises for each
     "layer_norm": (lambda x: F.layer_norm(x, (3,), _F32["b"], _F32["b"]), (4, 3)),
     "group_norm": (lambda x: F.group_norm(x, 3, _F32["b"], _F32["b"]), (2, 3, 4)),
     "batch_norm": (lambda x: F.batch_norm(x, _F32["b"], _F32["b"].abs(), _F32["b"], _F32["b"]), (2, 3, 4)),
+    # (decomposed in one of the dtypes: cholesky_solve gave float32 derivatives of a float64 input)
+    "cholesky_solve": (lambda x: torch.cholesky_solve(x, torch.eye(3) + _F32["w"].tril(-1) * 0.1), (3, 3)),
+    "lerp": (lambda x: torch.lerp(x, _F32["w"], 0.3), (3, 3)),
+    "cross": (lambda x: torch.linalg.cross(x, _F32["w"]), (3, 3)),
+    "cdist": (lambda x: torch.cdist(x, _F32["w"]), (4, 3)),
+    "solve": (lambda x: torch.linalg.solve(torch.eye(3) * 3 + _F32["w"], x), (3, 2)),
 }
 
 
