@@ -44,8 +44,28 @@ def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node 
 
     Re-runs the function eagerly on zeros under a dispatch mode that stops at the node's op the
     same number of times it occurs before ``node`` in the graph (or at the first op ``match``
-    accepts). Only called on the way to an error, so it costs nothing otherwise.
+    accepts). Only called on the way to an error, so it costs nothing otherwise. An op that only
+    a decomposition made (unbind's slices) is not run eagerly: then ' near' the line of the
+    closest op around it that is (its users first, a few tries).
     """
+    found = _locate(fn, layout, tensors, node, match)
+    if found or node is None or match is not None:
+        return found
+    seen, frontier, tries = {node}, [node], 0
+    while frontier and tries < 8:
+        around = [n for x in frontier for n in [*x.users, *x.all_input_nodes] if n not in seen]
+        seen.update(around)
+        frontier = [n for n in around if n.op == "call_function"]
+        for near in frontier:
+            tries += 1
+            found = _locate(fn, layout, tensors, near, None)
+            if found or tries >= 8:
+                return found.replace(" at ", " near ", 1)
+    return ""
+
+
+def _locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node | None,
+            match: Callable | None) -> str:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     occurrence = 0

@@ -487,7 +487,11 @@ class _Interpreter:
             if parents_ok and not tied and node.op == "call_function":
                 user = (" A rule registered by hoad.register_linear acts on all of x's dims unless told: "
                         "register_linear(op, transpose, acts_on=k) for an op acting on the last k only."
-                        if FAMILIES.get(node.target) == "user" else "")
+                        if FAMILIES.get(node.target) == "user" else
+                        " A Python loop over the samples (for x in X, X.unbind(0)) takes them apart and joins them "
+                        "again, which reads as such an op: write the function for a batch, or map the per-sample "
+                        "function with torch.vmap inside it." if getattr(node.target, "overloadpacket", None) in
+                        _SAMPLE_LOOP_OPS else "")
                 return BatchCouplingError(
                     f"batch_dim=0 promises that samples are independent, but {node.target} (node {node.name})"
                     f"{self.where(node)} mixes entries along the batch axis. Derivatives of such a function are "
@@ -549,6 +553,12 @@ def _complex(out) -> bool:
     if isinstance(out, (tuple, list)):
         return any(_complex(o) for o in out)
     return False
+
+
+# what a loop over the samples traces to (unbind's slices and selects, stack's cat)
+_SAMPLE_LOOP_OPS = {torch.ops.aten.slice.Tensor.overloadpacket, torch.ops.aten.select.int.overloadpacket,
+                    torch.ops.aten.cat.default.overloadpacket, torch.ops.aten.stack.default.overloadpacket,
+                    torch.ops.aten.unbind.int.overloadpacket}
 
 
 def _differentiable(out) -> bool:

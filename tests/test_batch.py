@@ -118,6 +118,21 @@ def test_attention_across_the_batch_is_a_coupling_error():
     assert "aten.mm" in msg and "test_batch.py" in msg and "batch_dim" in msg
 
 
+def test_a_python_loop_over_the_samples_is_named_with_its_line_and_the_way_out():
+    """unbind's slices come from a decomposition (no eager op to stop at): the error named no line.
+    It names the line around them now, and torch.vmap, which hoad keeps per sample."""
+    def looped(X):
+        return torch.stack([x.sin().sum() for x in X.unbind(0)])
+
+    X = rand(3, 2)
+    with pytest.raises(hoad.BatchCouplingError) as e:
+        hoad.compile(looped, order=2, batch_dim=0, backend="eager")(X)
+    assert "near " in str(e.value) and "test_batch.py" in str(e.value) and "torch.vmap" in str(e.value)
+    mapped = lambda X: torch.vmap(lambda x: x.sin().sum())(X)  # noqa: E731
+    assert_close(hoad.compile(mapped, order=2, batch_dim=0, backend="eager")(X)[0, 0],
+                 vmap(hessian(lambda x: x.sin().sum()))(X), "the vmapped function")
+
+
 def test_batchnorm_in_training_mode_is_a_coupling_error():
     """The error names the user's line and the module it called into: the op that mixes the
     samples (a sum of batch norm's decomposition) is located by running the same decompositions."""
