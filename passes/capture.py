@@ -458,6 +458,13 @@ def _raise_capture_error(e: Exception) -> None:
             "differentiates ATen ops by its own rules to every order and cannot use a hand-written backward. Write "
             "its forward in torch ops, or make it a torch.library custom op and give hoad its derivatives "
             "(hoad.register_elementwise / register_linear / register_rule: README, Adding rules)") from e
+    if "Interpreter.cpp" in str(e) and "wrapper" in str(e):  # (functorch's own assert)
+        raise CaptureError(
+            f"the function reads a tensor a torch.func transform wraps without receiving it"
+            f"{_at(user_frame(e.__traceback__))}: a module's parameter that functional_call swapped in inside "
+            "torch.func.grad, say. hoad builds its program outside the transform and cannot read that tensor there. "
+            "Pass such tensors to the compiled function as arguments (hoad.laplacian(lambda P, ps: "
+            "functional_call(net, ps, (P,)))(P, ps)), or differentiate the loss with loss.backward()") from e
     if any(text in str(e) for text in _AUTOGRAD_INSIDE):
         raise CaptureError(
             f"the function runs autograd itself (requires_grad_(), .backward() or torch.autograd.grad)"

@@ -528,6 +528,27 @@ def test_torch_func_transforms_over_an_inductor_program():
         torch.autograd.grad(r, live["0.weight"], grad_outputs=torch.eye(8, dtype=torch.float64), is_grads_batched=True)
 
 
+def test_a_parameter_a_transform_wraps_read_without_being_passed_is_named():
+    """grad of a functional_call loss whose module's operator reads the module's own parameters
+    (swapped for torch.func's wrappers): a CaptureError wrapping functorch's internal assert
+    ("wrapper == nullptr"). It names the tensor and the way out (pass them, as above)."""
+    torch.manual_seed(12)
+
+    class Field(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+            self.lap = hoad.laplacian(lambda P: self.net(P).squeeze(-1), batch_dim=0, backend="eager")
+
+        def forward(self, P):
+            return (self.lap(P).laplacian ** 2).mean()
+
+    field, P = Field(), rand(5, 2, seed=125)
+    params = {n: p.detach().clone() for n, p in field.named_parameters()}
+    with pytest.raises(hoad.CaptureError, match="a torch.func transform wraps.*as arguments"):
+        torch.func.grad(lambda ps: torch.func.functional_call(field, ps, (P,)))(params)
+
+
 def test_a_torch_compiled_training_step_calls_hoad_through_a_graph_break():
     """Dynamo traced into hoad's call on the first call (InternalTorchDynamoError); hoad's calls
     are graph breaks, and the loss and its gradients are those of the plain step."""
