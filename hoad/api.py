@@ -964,10 +964,18 @@ def _check_written_aliases(tensors, written: set, names) -> None:
     """The program traced each input on storage of its own: a function that writes into one
     input, called with another input sharing its memory (f(x, x) with y.mul_(2)), reads the
     other as it was, where torch reads the write. Refused rather than answered wrongly."""
-    storages = [t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None for t in tensors]
+    def span(t):  # (storage, first byte, byte past the last) of a tensor's entries
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return None
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        lo = t.storage_offset() * t.element_size()
+        return t.untyped_storage().data_ptr(), lo, lo + (last + 1) * t.element_size()
+
+    spans = [span(t) for t in tensors]
     for i in written:
-        for j, other in enumerate(storages):
-            if j != i and other is not None and other == storages[i] and tensors[j].numel() and tensors[i].numel():
+        for j, other in enumerate(spans):
+            if j != i and other is not None and spans[i] is not None and other[0] == spans[i][0] \
+                    and other[1] < spans[i][2] and spans[i][1] < other[2]:
                 raise InvalidArgumentError(
                     f"the function writes into input {names[i]!r} in place, and input {names[j]!r} shares its memory "
                     "(the same tensor, or a view of it); hoad's program reads each input as a tensor of its own, so "
@@ -1002,15 +1010,18 @@ def _what_changed(key, keys: list) -> str:
     """What sets ``key`` apart from the nearest cached key with the same arguments (a module's
     train/eval switch, its trainable parameters, the default dtype or autocast), or "" where no
     cached key has them."""
-    if not (isinstance(key, tuple) and len(key) == 4):
+    def full(k) -> bool:  # (treedef, leaves, extra, ambient); a call of plain tensors keys by them alone
+        return isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
+
+    if not full(key):
         return ""
-    alike = [k for k in keys if isinstance(k, tuple) and len(k) == 4 and _same_key(k[:2], key[:2])]
+    alike = [k for k in keys if full(k) and _same_key(k[:2], key[:2])]
     n = sum(isinstance(v, bool) for v in key[2])  # (the training flags, then wrt's names)
-    if any(k[3] == key[3] and k[2][:n] == key[2][:n] for k in alike):
+    if any(k[3] == key[3] and k[2][:n] == key[2][:n] for k in alike) and len(key[2]) > n:
         return "a change of which parameters require grad (wrt=hoad.parameters)"
-    if any(k[3] == key[3] for k in alike):
+    if any(k[3] == key[3] and k[2] != key[2] for k in alike):
         return "a switch of the module between train() and eval()"
-    return "a change of the default dtype or of autocast" if alike else ""
+    return "a change of the default dtype or of autocast" if any(k[3] != key[3] for k in alike) else ""
 
 
 def _same_key(a, b) -> bool:

@@ -87,7 +87,8 @@ class _Method(Rebuilt):
     def __get__(self, instance, owner=None):
         args, kwargs = self._arguments
         u = args[0]
-        if instance is None or not (isinstance(u, types.FunctionType) and in_class_body(u)):
+        if instance is None or not (isinstance(u, types.FunctionType) and in_class_body(u)
+                                    and u.__name__ != "<lambda>"):  # (a lambda in the body is no method)
             return self
         own = getattr(instance, "__dict__", None)
         table = own if isinstance(own, dict) else self.__dict__.setdefault("_bound", weakref.WeakKeyDictionary())

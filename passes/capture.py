@@ -386,7 +386,9 @@ def _read_value(t: torch.Tensor):
 @contextlib.contextmanager
 def _without_mkldnn():
     """A float32 LSTM on the CPU dispatches to aten.mkldnn_rnn_layer, a fused kernel with no rule:
-    traced without mkldnn it is torch's plain gate arithmetic (as float64's is)."""
+    traced without mkldnn it is torch's plain gate arithmetic (as float64's is). (The switch is
+    process-wide, as torch's own flags context is: another thread's ops run without mkldnn while a
+    trace runs, slower, not different.)"""
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:

@@ -15,7 +15,7 @@ from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
-from hoad.errors import DataDependentControlFlowError, InvalidArgumentError
+from hoad.errors import DataDependentControlFlowError, HoadInternalError, InvalidArgumentError
 from hoad.passes.clean import traced_call
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
@@ -460,7 +460,11 @@ def safe_branches(gm) -> None:
         region = _branch_region([b for _w, b in members], wheres, pointwise)
         position = {n: j for j, n in enumerate(gm.graph.nodes)}
         region.sort(key=position.get)
-        for op in list(region):
+        first = min(wheres, key=position.get)
+        at = 0
+        while at < len(region):  # (the live region: a guarded copy replaces its original in place)
+            op = region[at]
+            at += 1
             for i in _singular_inputs(op):
                 u = op.args[i]
                 if _already_safe(u, cond, k) or not _fits(cond, u):
@@ -468,7 +472,7 @@ def safe_branches(gm) -> None:
                 tail = _tail(op, region)
                 inside = set(region) | set(wheres)
                 if _reads(cond, op) or any(not set(n.users) <= inside for n in tail):
-                    _guard_a_copy(gm.graph, op, i, tail, region, wheres, cond, k)
+                    _guard_a_copy(gm.graph, op, i, tail, region, wheres, first, cond, k)
                 else:
                     op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
                 changed = True
@@ -478,13 +482,13 @@ def safe_branches(gm) -> None:
         gm.recompile()
 
 
-def _guard_a_copy(graph, op, i: int, tail: list, region: list, wheres: list, cond, k: int) -> None:
+def _guard_a_copy(graph, op, i: int, tail: list, region: list, wheres: list, first, cond, k: int) -> None:
     """The wheres read a copy of ``op`` and of the region after it (``tail``), ``op`` reading a
     guarded argument, where the condition is computed from ``op`` or its value is read by one
     (nan_to_num(1 / r) masks 1 / r by its own isinf): the originals keep their entries for the
     conditions (booleans, not differentiated). The region is updated to the copies."""
     copies: dict = {}
-    with graph.inserting_before(min(wheres, key=list(graph.nodes).index)):
+    with graph.inserting_before(first):
         for node in tail:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: copies.get(a, a))
             if node is op:
@@ -534,6 +538,8 @@ def _stable_sort(graph) -> None:
             waiting[user] -= 1
             if waiting[user] == 0:
                 heapq.heappush(ready, index[user])
+    if len(order) != len(nodes):
+        raise HoadInternalError("safe_branches made a cycle in the captured graph")
     for before, n in zip(order, order[1:]):
         before.append(n)
 
@@ -1079,7 +1085,7 @@ _NO_MIXED_DTYPES = {
 def _refuse_mixed_dtypes(op, decomposition, low_precision_ok: bool):
     def checked(*args, **kwargs):
         dtypes = list(dict.fromkeys(t.dtype for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                                    if isinstance(t, torch.Tensor)))
+                                    if isinstance(t, torch.Tensor) and t.ndim))  # (lerp's 0-d weight is free)
         exact = [str(d).removeprefix("torch.") for d in dtypes if not d.is_floating_point]
         # (an integer matrix times a float vector, typed as an integer, failed later; the norms
         # take floats only; an integer product of integers is torch's too)

@@ -488,8 +488,8 @@ class _Interpreter:
                 user = (" A rule registered by hoad.register_linear acts on all of x's dims unless told: "
                         "register_linear(op, transpose, acts_on=k) for an op acting on the last k only."
                         if FAMILIES.get(node.target) == "user" else
-                        " A Python loop over the samples (for x in X, X.unbind(0)) takes them apart and joins them "
-                        "again, which reads as such an op: write the function for a batch, or map the per-sample "
+                        " If it comes from a Python loop over the samples (for x in X, X.unbind(0)), which takes "
+                        "them apart and joins them again, write the function for a batch, or map the per-sample "
                         "function with torch.vmap inside it." if getattr(node.target, "overloadpacket", None) in
                         _SAMPLE_LOOP_OPS else "")
                 return BatchCouplingError(

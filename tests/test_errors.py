@@ -196,6 +196,14 @@ def test_integer_tensors_where_torch_refuses_them(fn):
 _INTS = torch.tensor([[1, 0, 2, 1], [0, 1, 1, 0], [2, 1, 0, 1], [1, 1, 1, 1]])
 
 
+def test_a_0d_weight_of_another_dtype_is_torchs_scalar():
+    """lerp's 0-d weight may have any dtype (torch takes it as a scalar): it was refused."""
+    x = torch.randn(3, dtype=torch.float64)
+    for w in (torch.tensor(0.3), torch.tensor(1)):
+        f = lambda x: torch.lerp(x.sin(), x * x, w).sum()  # noqa: E731
+        torch.testing.assert_close(hoad.compile(f, order=2, backend="eager")(x)[0, 0], torch.func.hessian(f)(x))
+
+
 def test_float32_parameters_of_a_half_input_norm_are_torchs_mixed_precision():
     x = torch.randn(4, 3, dtype=torch.bfloat16)
     f = lambda x: F.layer_norm(x, (3,), _F32["b"], _F32["b"]).float().sum()  # noqa: E731

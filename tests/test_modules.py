@@ -400,6 +400,16 @@ def test_operators_decorate_methods_and_a_saved_module_keeps_working():
         assert_close(m.hess(X)[0, 0].diagonal(dim1=1, dim2=2).sum(-1), want, "Hessian after torch.save")
 
 
+def test_an_operator_of_a_lambda_in_a_class_body_is_no_method():
+    """``lap = hoad.laplacian(lambda x: …)`` in a class body was bound to the instance (its x
+    taken for self): "wrt=0 but <lambda> takes 0 positional arguments"."""
+    class Solver:
+        lap = hoad.laplacian(lambda x: (x ** 3).sum(-1), batch_dim=0, backend="eager")
+
+    X = rand(4, 3, seed=14)
+    assert_close(Solver().lap(X).laplacian, (6 * X).sum(-1), "through an instance")
+
+
 def test_a_shallow_copy_of_an_object_differentiates_the_copy():
     """copy.copy shares the instance's dict, and with it the original's compiled method: the copy's
     calls read the original's values."""

@@ -180,21 +180,26 @@ def erf(n, x, y):
 
 
 def _power(n, x, y, p: float) -> Scaled:
-    """Derivatives of y = x^p written with y: φ^(k) = p(p-1)…(p-k+1) · y · x^-k."""
-    return Scaled([None if _falling(p, k) == 0 else y * _falling(p, k) for k in range(1, n + 1)], x.reciprocal())
+    """Derivatives of y = x^p written with y: φ^(k) = p(p-1)…(p-k+1) · y · x^-k, as :class:`Scaled`
+    by 1/x. For a fractional p, by 1/|x| and with |y|: x^(p-k) is +inf at -0.0 (IEEE pow)."""
+    c = [_falling(p, k) for k in range(1, n + 1)]
+    if p != int(p):
+        x, y = x.abs(), y.abs()  # (x < 0 is NaN through y either way)
+    return Scaled([None if ck == 0 else y * ck for ck in c], x.reciprocal())
 
 
-def _root(n, x, y, p: float) -> Scaled:
+def _root(n, x, y, p: float, signed: bool = False) -> Scaled:
     """Derivatives of y = x^p, 0 < p < 1: φ^(k) = c_k x^(p-k) = c_k (1/y)^(k-1) · (x^(p-1))^k, inf at
-    0 as in torch (y · x^-k would be 0 · inf)."""
-    r = y.reciprocal()
-    s = r if p == 0.5 else x.pow(p - 1)
+    0 as in torch (y · x^-k would be 0 · inf). +inf at -0.0 (IEEE pow), or, ``signed`` (sqrt), the
+    sign torch's sqrt gives there (1/√-0 = -inf)."""
+    r = y.reciprocal() if signed else y.abs().reciprocal()
+    s = r if p == 0.5 else x.abs().pow(p - 1)
     return Scaled([_falling(p, 1)] + [_power_of(r, k - 1) * _falling(p, k) for k in range(2, n + 1)], s)
 
 
 @derivatives(aten.sqrt.default)
 def sqrt(n, x, y):
-    return _root(n, x, y, 0.5)
+    return _root(n, x, y, 0.5, signed=True)
 
 
 @derivatives(aten.rsqrt.default)
@@ -354,12 +359,14 @@ def atanh(n, x, y):
 # ------------------------------------------------------------------ other bases and erfc
 @derivatives(aten.log2.default)
 def log2(n, x, y):
-    return Scaled([c / math.log(2) for c in log(n, x, y).coeffs], x.reciprocal())
+    d = log(n, x, y)
+    return Scaled([c / math.log(2) for c in d.coeffs], d.scale)
 
 
 @derivatives(aten.log10.default)
 def log10(n, x, y):
-    return Scaled([c / math.log(10) for c in log(n, x, y).coeffs], x.reciprocal())
+    d = log(n, x, y)
+    return Scaled([c / math.log(10) for c in d.coeffs], d.scale)
 
 
 @derivatives(aten.exp2.default)
