@@ -30,7 +30,8 @@ class Scaled:
     powers (x^p, 1/x, √x, log x: scale = 1/u). φ^(m) itself overflows (or underflows) where the
     value does not: √(x² + ε) in float32 has φ^(4) ∝ u^-3.5 = 1e42 at ε = 1e-12, and a float16
     1/(1+x²) at x = 5 needs y^5 = 8e-8. :func:`chain` multiplies each first-order factor of a
-    term by ``scale`` instead, so no power above half the order is formed."""
+    term by ``scale`` instead, so no power above half the order is formed (in float64, whose range
+    holds such powers, it forms φ^(m), with fewer ops)."""
 
     coeffs: list
     scale: torch.Tensor
@@ -57,7 +58,10 @@ def chain(ctx: Ctx, u: Jet, coeffs: Sequence[Coefficient] | Scaled, axis: int | 
     o = out_labels(u.ndim if axis is None else ctx.out.ndim)
     lead, r = _lead(ctx, o)
     scale, firsts, powers = None, {}, {}  # (u's first-order blocks times the scale; φ^(m) · scale^rest)
-    if isinstance(coeffs, Scaled):
+    if isinstance(coeffs, Scaled) and coeffs.scale.dtype == torch.float64:
+        # (float64's range holds the powers of the scale a program meets: fewer ops unscaled)
+        coeffs = [coeffs.plain(m) for m in range(1, len(coeffs.coeffs) + 1)]
+    elif isinstance(coeffs, Scaled):
         scale = off_flat(u, [coeffs.scale])[0]
         coeffs = coeffs.coeffs
     if axis is None:
