@@ -316,7 +316,8 @@ def _directions(v: torch.Tensor) -> torch.Tensor:
     if not isinstance(v, torch.Tensor) or v.ndim < 1 or not v.dtype.is_floating_point or v.shape[0] == 0:
         got = (type(v).__name__ if not isinstance(v, torch.Tensor) else
                f"a {v.dtype} tensor" if not v.dtype.is_floating_point else tuple(v.shape))
-        raise InvalidArgumentError(f"directions must be a floating-point tensor (S, *x) of S >= 1 directions, got {got}")
+        raise InvalidArgumentError(f"directions must be a floating-point tensor (S, *x) of S >= 1 directions, "
+                                   f"got {got}")
     _check_values(v, "directions")
     return v
 

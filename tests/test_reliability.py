@@ -164,7 +164,8 @@ def test_a_suggested_chunk_size_counts_the_inputs_every_chunk_holds():
     advice counts the inputs every chunk holds (weights, free tensors), not those hoisted terms
     (counting them, nothing fit; a chunk of the size advised fits)."""
     g = torch.Generator().manual_seed(9)
-    W1, W2 = torch.randn(16, 256, generator=g, dtype=torch.float64), torch.randn(256, 1, generator=g, dtype=torch.float64)
+    W1 = torch.randn(16, 256, generator=g, dtype=torch.float64)
+    W2 = torch.randn(256, 1, generator=g, dtype=torch.float64)
 
     def energy(X):
         return (torch.tanh(X @ W1) @ W2).squeeze(-1)
