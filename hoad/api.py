@@ -238,6 +238,26 @@ class Rebuilt:
         return getattr(self, name)
 
 
+def bind_per_instance(descriptor, instance, name: str, make: Callable, belongs: Callable):
+    """What a decorator (``descriptor``) gives ``instance``: ``make()``'s object, kept on the instance
+    (a weak table whose values hold their keys never lets one go), or in the descriptor's weak table
+    where the instance has no ``__dict__`` (``__slots__``). Made again where the kept one does not
+    ``belong`` to the instance (a shallow copy's ``__dict__`` holds the original's). Kept on the
+    instance, it pickles as None (``_slot``: see :class:`Rebuilt`) and binds afresh after."""
+    own = getattr(instance, "__dict__", None)
+    if isinstance(own, dict):
+        table, key = own, f"_hoad_{name}_{id(descriptor):x}"
+    else:
+        table, key = descriptor.__dict__.setdefault("_bound", weakref.WeakKeyDictionary()), instance
+    bound = table.get(key)
+    if bound is None or not belongs(bound):
+        bound = make()
+        if table is own:
+            bound.__dict__["_slot"] = True
+        table[key] = bound
+    return bound
+
+
 def _blank(cls):
     return cls.__new__(cls)
 
@@ -298,30 +318,21 @@ class Compiled(Rebuilt):
         self._wrt_leaves: dict[Hashable, list[int]] = {}
         self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: _Entry | None = None
-        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------ binding
     def __get__(self, instance, owner=None):
         """``@hoad.compile`` on a method: each instance gets its own compiled callable."""
         if instance is None:
             return self
-        # kept on the instance (a weak table whose values hold their keys never let one go)
-        own = getattr(instance, "__dict__", None)
-        slot = f"_hoad_{getattr(self.fn, '__name__', 'method')}_{id(self):x}"
-        bound = own.get(slot) if isinstance(own, dict) else self._bound.get(instance)
-        if bound is not None and (bound.module if bound.module is not None else bound.fn.args[0]) is not instance:
-            bound = None  # (a shallow copy's __dict__ holds the original's)
-        if bound is None:
+
+        def make():
             if isinstance(instance, torch.nn.Module):
-                bound = Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
-            else:  # a plain object: it is a non-tensor argument of the function
-                bound = Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
-            if isinstance(own, dict):
-                own[slot] = bound
-                bound.__dict__["_slot"] = True
-            else:  # (__slots__: no place of its own)
-                self._bound[instance] = bound
-        return bound
+                return Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
+            # a plain object: it is a non-tensor argument of the function
+            return Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
+
+        return bind_per_instance(self, instance, getattr(self.fn, "__name__", "method"), make,
+                                 lambda b: (b.module if b.module is not None else b.fn.args[0]) is instance)
 
     def _state(self) -> dict[str, torch.Tensor]:
         """The module's parameters and buffers as they are now: the live tensors, so that autograd

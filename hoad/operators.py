@@ -20,14 +20,13 @@ from __future__ import annotations
 import inspect
 import math
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch._dynamo
 
-from hoad.api import Compiled, Rebuilt, in_class_body, plain_int, refuse_unknown
+from hoad.api import Compiled, Rebuilt, bind_per_instance, in_class_body, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -90,15 +89,11 @@ class _Method(Rebuilt):
         if instance is None or not (isinstance(u, types.FunctionType) and in_class_body(u)
                                     and u.__name__ != "<lambda>"):  # (a lambda in the body is no method)
             return self
-        own = getattr(instance, "__dict__", None)
-        table = own if isinstance(own, dict) else self.__dict__.setdefault("_bound", weakref.WeakKeyDictionary())
-        key = f"_hoad_{u.__name__}_{id(self):x}" if table is own else instance
-        bound = table.get(key)
-        if bound is None or bound._arguments[0][0].__self__ is not instance:  # (a shallow copy's)
-            bound = type(self)(types.MethodType(u, instance), *args[1:], **kwargs)
-            bound.__dict__["_slot"] = True
-            table[key] = bound
-        return bound
+
+        def make():
+            return type(self)(types.MethodType(u, instance), *args[1:], **kwargs)
+
+        return bind_per_instance(self, instance, u.__name__, make, lambda b: b._arguments[0][0].__self__ is instance)
 
 
 class _Operator(_Method):
