@@ -65,20 +65,30 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
     EDITS[0] += 1
 
 
+def _checked(fn: Callable, default_name: str, complaint: Callable) -> Callable:
+    """``fn`` with its result checked: ``complaint(result)`` is None, or what is wrong with it."""
+    def checked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        wrong = complaint(out)
+        if wrong is not None:
+            raise InvalidArgumentError(wrong)
+        return out
+
+    checked.__name__ = getattr(fn, "__name__", default_name)
+    return checked
+
+
 def _checked_rule(op, rule: Callable) -> Callable:
     """A user's forward rule, its result checked: {multi-index: block} (a key of another kind
     was skipped, its derivatives silently 0)."""
-    def checked(ctx, *args, **kwargs):
-        blocks = rule(ctx, *args, **kwargs)
-        if not isinstance(blocks, dict) or not all(_is_multi_index(K) for K in blocks):
-            raise InvalidArgumentError(
-                f"the forward rule registered for {op} returned {_described(blocks)}"
+    def complaint(blocks):
+        if isinstance(blocks, dict) and all(_is_multi_index(K) for K in blocks):
+            return None
+        return (f"the forward rule registered for {op} returned {_described(blocks)}"
                 f"{' with keys ' + repr(list(blocks)[:4]) if isinstance(blocks, dict) else ''}; it must return "
                 "{multi-index: Block} for the multi-indices in ctx.keys (tuples of wrt positions, e.g. (0,), (0, 0))")
-        return blocks
 
-    checked.__name__ = getattr(rule, "__name__", "user_rule")
-    return checked
+    return _checked(rule, "user_rule", complaint)
 
 
 def _is_multi_index(K) -> bool:
@@ -87,18 +97,15 @@ def _is_multi_index(K) -> bool:
 
 def _checked_vjp(op, vjp: Callable) -> Callable:
     """A user's VJP, its result checked: a list of (argument jet, cotangent block) pairs."""
-    def checked(vctx, g, *args, **kwargs):
-        pairs = vjp(vctx, g, *args, **kwargs)
-        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
-            what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
-                    if isinstance(pairs, (list, tuple)) else _described(pairs))
-            raise InvalidArgumentError(
-                f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent "
+    def complaint(pairs):
+        if isinstance(pairs, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            return None
+        what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
+                if isinstance(pairs, (list, tuple)) else _described(pairs))
+        return (f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent "
                 "block) pairs, [] where no argument varies")
-        return pairs
 
-    checked.__name__ = getattr(vjp, "__name__", "user_vjp")
-    return checked
+    return _checked(vjp, "user_vjp", complaint)
 
 
 def unregister_rule(op) -> None:
