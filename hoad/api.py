@@ -472,7 +472,7 @@ class Compiled(Rebuilt):
         results = plan.results * chunks
         total = results + plan.peak  # (the joined results, and one chunk's program)
         if total > budget:
-            n, shared = self.config.chunk_size, self._last.build.shared_bytes()
+            n, shared = self.config.chunk_size, self._last.build.shared_bytes
             fit = samples_that_fit(samples, plan.results / n, (plan.peak - shared) / n, budget, shared)
             ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(self.config)
             raise MemoryBudgetError(
@@ -867,7 +867,7 @@ class _Entry:
         if not memory or memory["budget"] is None:
             return
         built, plan = self.build.captured.out_shape[0], memory["plan"]
-        shared = self.build.shared_bytes()
+        shared = self.build.shared_bytes
         peak = shared + (plan.peak - shared) * count / built
         if peak > memory["budget"]:
             fit = max(1, samples_that_fit(count, plan.results / built, (plan.peak - shared) / built, memory["budget"],

@@ -7,6 +7,7 @@ list :data:`PIPELINE` is the architecture. Per-stage node counts and times land 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -111,10 +112,12 @@ class Build:
         """How many of ``tensors`` are the call's own leaves (the free tensors follow)."""
         return len(self.tensors) - len(self.captured.free)
 
+    @functools.cached_property
     def shared_bytes(self) -> int:
         """Bytes of the program's inputs that are not per sample (parameters, free tensors): a
         chunk of any number of samples holds all of them. (Not the hoisted terms of weights
-        alone: a program for fewer samples may hoist fewer, as the cost model finds them worth it.)"""
+        alone: a program for fewer samples may hoist fewer, as the cost model finds them worth it.)
+        Read once the build is done (each call of the program for every count checks its budget)."""
         count = self.captured.out_shape[0] if self.captured.out_shape else None
         places = list(self.layout.places) + [None] * len(self.captured.free)
         return sum(t.numel() * t.element_size() for i, (t, place) in enumerate(zip(self.tensors, places))
@@ -272,7 +275,7 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     if c.batch_dim is None:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
     else:
-        n, shared = p.out_shape[0], b.shared_bytes()
+        n, shared = p.out_shape[0], b.shared_bytes
         fit = samples_that_fit(n, plan.results / n, (plan.peak - shared) / n, budget, shared)
         if fit >= 1:  # chunks bound the working memory, not the results
             ways.append(f"chunk_size={fit} to run {fit} samples at a time")
