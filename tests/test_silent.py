@@ -510,6 +510,29 @@ def test_float16_derivatives_of_a_reciprocal_keep_their_sign():
     torch.testing.assert_close(res.double(), want, rtol=2e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,fn,xs", [
+    ("atan", torch.atan, [12.0, 15.0, -40.0, 0.5]),
+    ("atan2", lambda x: torch.atan2(x, torch.ones_like(x)), [12.0, 15.0, -40.0, 0.5]),
+    ("erf", torch.erf, [25.0, -30.0, 3.0, 0.5]),
+])
+def test_float16_derivatives_out_of_range_factors(name, fn, xs, mode):
+    """float16 at orders 3-4: atan's P_k(x) (1 + x²)^-k underflowed to 0 (-9e-5 at x = 12) or gave
+    0 · inf = NaN (x = 15), and erf's Hermite polynomial times exp(-x²) was NaN from |x| = 25, where
+    the derivative is 0."""
+    x = torch.tensor(xs, dtype=torch.float64)
+    f = lambda x: fn(x).sum()  # noqa: E731
+    for order in (3, 4):
+        res = hoad.compile(f, order=order, mode=mode, backend="eager")(x.half())[(0,) * order]
+        g = jacrev(f)
+        for _ in range(order - 1):
+            g = jacfwd(g)
+        want = torch.einsum("i" * order + "->i", g(x))
+        got = torch.einsum("i" * order + "->i", res.double())
+        assert torch.isfinite(got).all(), got
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=2e-7)
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_two_masked_pair_terms_sharing_a_distance(mode):
     """Coulomb and Lennard-Jones terms, each where(eye, 0, g(r)), read one r = √Σd²: the √ at

@@ -166,7 +166,13 @@ def tan(n, x, y):
 
 @derivatives(aten.erf.default)
 def erf(n, x, y):
+    """erf^(k) = (2/√π) (-1)^(k-1) H_{k-1}(x) exp(-x²). The Hermite polynomial takes x clamped to where
+    exp(-x²) underflows to 0 in its dtype (float16 from |x| ≈ 4.2): beyond, H_{k-1}(x) overflows and
+    0 · inf would be NaN where the derivative is 0."""
     g = (-x * x).exp() * (2 / math.sqrt(math.pi))
+    info = torch.finfo(x.dtype)
+    edge = math.sqrt(-math.log(info.tiny * info.eps)) + 0.5
+    x = x.clamp(-edge, edge)
     out, h_prev, h = [], None, None  # physicists' Hermite polynomials H_{k-1}(x)
     for k in range(1, n + 1):
         if k == 1:
@@ -256,12 +262,30 @@ def clamp(n, x, y, min=None, max=None):
 
 
 @derivatives(aten.atan.default)
-def atan(n, x, y):
-    """atan^(k) = P_k(x) / (1 + x²)^k with P_1 = 1, P_{k+1} = P_k' (1 + x²) - 2k x P_k."""
-    q = (x * x + 1).reciprocal()
-    out, p, qk = [], [1], q
+def atan(n, x, y) -> Scaled:
+    """atan^(k) = P_k(x) / (1 + x²)^k with P_1 = 1, P_{k+1} = P_k' (1 + x²) - 2k x P_k. P_k has degree
+    k - 1 and the parity of k - 1, so with s = (1 + x²)^-½ and t = x s (t² + s² = 1) it is
+    s^(k+1) R_k(t), R_k(t) = Σ_i p_i t^i (1 - t²)^((k-1-i)/2): :class:`Scaled` by s, with |t| <= 1.
+    (1 + x²)^-k underflows and P_k(x) overflows float16 from |x| ≈ 12.)"""
+    s = (x * x + 1).rsqrt()
+    t = x * s
+    coeffs = []
+    for p in _atan_polynomials(n):
+        r = [0] * len(p)
+        for i, c in enumerate(p):  # c t^i (1 - t²)^j, j = (k-1-i)/2, expanded
+            j = (len(p) - 1 - i) // 2
+            for m in range(j + 1):
+                r[i + 2 * m] += c * math.comb(j, m) * (-1) ** m
+        poly = _polynomial(r, t)
+        coeffs.append(s if isinstance(poly, int) and poly == 1 else s * poly)
+    return Scaled(coeffs, s)
+
+
+def _atan_polynomials(n: int) -> list[list[int]]:
+    """P_1 … P_n of :func:`atan` as coefficient lists (P_k of length k: its degree is k - 1)."""
+    out, p = [], [1]
     for k in range(1, n + 1):
-        out.append(qk if p == [1] else _polynomial(p, x) * qk)
+        out.append(p + [0] * (k - len(p)))
         dp = [i * c for i, c in enumerate(p)][1:] or [0]
         nxt = [0] * (max(len(dp) + 2, len(p) + 1))
         for i, c in enumerate(dp):
@@ -271,7 +295,7 @@ def atan(n, x, y):
             nxt[i + 1] -= 2 * k * c
         while len(nxt) > 1 and nxt[-1] == 0:
             nxt.pop()
-        p, qk = nxt, qk * q
+        p = nxt
     return out
 
 
@@ -689,7 +713,8 @@ def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
     branches = []
     for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
         q = _ratio(ctx, num, den, taken)
-        coeffs = [c * sign for c in atan(ctx.max_order, q.primal, q.primal.atan())]
+        d = atan(ctx.max_order, q.primal, q.primal.atan())
+        coeffs = Scaled([c * sign for c in d.coeffs], d.scale)
         branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
     return _select(plain, branches)
 
