@@ -247,8 +247,13 @@ def bind_per_instance(descriptor, instance, name: str, make: Callable, belongs: 
     own = getattr(instance, "__dict__", None)
     if isinstance(own, dict):
         table, key = own, f"_hoad_{name}_{id(descriptor):x}"
-    else:
+    elif type(instance).__weakrefoffset__:
         table, key = descriptor.__dict__.setdefault("_bound", weakref.WeakKeyDictionary()), instance
+    else:
+        cls = type(instance).__name__
+        raise InvalidArgumentError(
+            f"{cls}.{name} is decorated by hoad, but {cls} has __slots__ without '__weakref__', so hoad has "
+            f"nowhere to keep the program it builds for each {cls}: add '__weakref__' to {cls}.__slots__")
     bound = table.get(key)
     if bound is None or not belongs(bound):
         bound = make()

@@ -701,12 +701,25 @@ def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:
         attrs = getattr(obj, "__dict__", None)
     except Exception:  # noqa: BLE001 - a __dict__ property that raises: nothing to follow
         return
-    if not isinstance(attrs, dict):
-        return
+    attrs = dict(attrs) if isinstance(attrs, dict) else {}
+    for name in _slots(type(obj)):  # (a class with __slots__ keeps these outside __dict__)
+        try:
+            attrs.setdefault(name, object.__getattribute__(obj, name))
+        except AttributeError:  # (a slot never set)
+            continue
     for name, value in list(attrs.items())[:MAX_ITEMS]:
         # (not hoad's own programs a decorated method keeps on its instance)
         if isinstance(name, str) and name not in skip and not name.startswith(("__", "_hoad_")):
             yield ("attr", name), value
+
+
+def _slots(cls: type) -> list[str]:
+    """The names the ``__slots__`` of ``cls`` and its bases declare."""
+    names = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if isinstance(n, str)]
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _function_refs(fn: types.FunctionType, through: str | None) -> Iterator[tuple[Step, object]]:

@@ -5,6 +5,8 @@ under both backends, over several optimizer steps; closed-over tensors are read 
 The reference is plain autograd on the same maths (a Laplacian by two nested torch.autograd.grad).
 """
 
+import collections
+
 import pytest
 import torch
 import torch.nn as nn
@@ -436,20 +438,16 @@ def test_a_laplacian_built_inside_a_compiled_loss_reads_the_traced_parameters():
 
 
 def test_an_operator_holding_a_traced_value_builds_again_in_the_next_trace():
-    """An operator that reads a traced value through an object hoad does not follow (a
-    ``__slots__`` holder) holds that value; when the compiled loss traces again (a new shape of
-    another argument), the held value belongs to the old trace: the operator builds again (before,
-    the new program read the old trace's fake tensor and returned garbage)."""
-
-    class Holder:
-        __slots__ = ("t",)
-
-    holder = Holder()
+    """An operator that reads a traced value through an object hoad does not follow (a deque)
+    holds that value; when the compiled loss traces again (a new shape of another argument), the
+    held value belongs to the old trace: the operator builds again (before, the new program read
+    the old trace's fake tensor and returned garbage)."""
+    holder = collections.deque(maxlen=1)
     X = rand(5, 2, seed=9)
-    lap = hoad.laplacian(lambda x: torch.tanh(x @ holder.t).sum(-1), batch_dim=0, backend="eager")
+    lap = hoad.laplacian(lambda x: torch.tanh(x @ holder[0]).sum(-1), batch_dim=0, backend="eager")
 
     def loss(W, f):
-        holder.t = W
+        holder.append(W)
         return (lap(X).laplacian * f.sum()).sum()
 
     step = hoad.compile(loss, order=1, backend="eager")
