@@ -70,6 +70,7 @@ def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
         except ValueError:  # (a parameter order the extra ones cannot join)
             pass
     wrapped.__name__ = getattr(u, "__name__", type(u).__name__)
+    wrapped.__qualname__ = getattr(u, "__qualname__", wrapped.__name__)
     return wrapped
 
 

@@ -192,6 +192,8 @@ def _check_stores(b: Build, rebound: list) -> None:
 def name_of(fn) -> str:
     """The user's function (or module class) behind ``fn``, which may be hoad's wrapper method."""
     fn = getattr(getattr(fn, "__self__", None), "fn", fn)
+    while isinstance(fn, functools.partial):  # (a decorated method of a plain object: the method, self bound)
+        fn = fn.func
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 

@@ -432,6 +432,78 @@ def test_a_shallow_copy_of_an_object_differentiates_the_copy():
     assert_close(p.e(x)[0], p.w, "the original's gradient")
 
 
+def test_warnings_name_the_decorated_method(caplog):
+    """A plain object's decorated method is bound as ``functools.partial(method, self)``, and an
+    operator's as a wrapper: warnings said "partial reads tensors ..." and
+    "_wrapper.<locals>.wrapped reads tensors ..."."""
+    import collections
+    import logging
+
+    class Holder:
+        def __init__(self):
+            self.box = collections.deque([torch.ones(3, dtype=DT)])  # (a container hoad does not follow)
+
+        @hoad.compile(order=1, backend="eager")
+        def e(self, x):
+            return (self.box[0] * x).sum()
+
+        @hoad.laplacian(backend="eager")
+        def u(self, x):
+            return (self.box[0] * x).sin().sum()
+
+    h = Holder()
+    with caplog.at_level(logging.WARNING, logger="hoad"):
+        h.e(rand(3, seed=9))
+        h.u(rand(3, seed=9))
+    said = [r.getMessage() for r in caplog.records if "reads tensors" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith("hoad: test_warnings_name_the_decorated_method.<locals>.Holder.e reads"), said
+    assert said[1].startswith("hoad: test_warnings_name_the_decorated_method.<locals>.Holder.u reads"), said
+
+
+def test_an_object_with_slots_is_read_afresh():
+    """A ``__slots__`` object's attributes were not followed: rebinding ``self.w`` or changing
+    ``self.k`` kept the traced values (gradient 2 where 10, then 15, is right)."""
+
+    class Slotted:
+        __slots__ = ("w", "k", "__weakref__")
+
+        def __init__(self):
+            self.w, self.k = torch.ones(3, dtype=DT), 2.0
+
+        @hoad.compile(order=1, backend="eager")
+        def e(self, x):
+            return (self.w * x * self.k).sum()
+
+    x = rand(3, seed=9)
+    s = Slotted()
+    assert_close(s.e(x)[0], torch.full((3,), 2.0, dtype=DT), "first call")
+    s.w = torch.full((3,), 5.0, dtype=DT)
+    assert_close(s.e(x)[0], torch.full((3,), 10.0, dtype=DT), "w rebound")
+    s.k = 3.0
+    assert_close(s.e(x)[0], torch.full((3,), 15.0, dtype=DT), "k changed")
+
+
+@pytest.mark.parametrize("decorator", ["compile", "laplacian"])
+def test_a_decorated_method_on_slots_without_weakref_is_refused(decorator):
+    """hoad keeps each instance's program on it or in a weak table; an object with neither
+    ``__dict__`` nor ``__weakref__`` was torch's raw TypeError "cannot create weak reference"."""
+    wrap = hoad.compile(order=1, backend="eager") if decorator == "compile" else hoad.laplacian(backend="eager")
+
+    class Slotted:
+        __slots__ = ("w",)
+
+        def __init__(self):
+            self.w = torch.ones(3, dtype=DT)
+
+        @wrap
+        def e(self, x):
+            return (self.w * x).sin().sum()
+
+    with pytest.raises(hoad.InvalidArgumentError, match="add '__weakref__' to Slotted.__slots__"):
+        Slotted().e(rand(3, seed=9))
+
+
 def test_a_new_program_for_a_train_eval_switch_says_so(caplog):
     """The log said "called with a new signature (tensors …)" listing the same shapes as before."""
     import logging
