@@ -1058,43 +1058,48 @@ def _table() -> dict:
     table[aten.var.correction] = _var
     table[aten.std.correction] = _std
     table[aten.std_mean.correction] = _std_mean
-    for packet, low_precision_ok in _NO_MIXED_DTYPES.items():
+    for packet, accepts in _NO_MIXED_DTYPES.items():
         for name in packet.overloads():
             op = getattr(packet, name)
-            table[op] = _refuse_mixed_dtypes(op, table.get(op), low_precision_ok)
+            table[op] = _refuse_mixed_dtypes(op, table.get(op), accepts)
     return table
 
 
 # ops whose kernels refuse tensors of different floating dtypes (eager raises), where a
 # decomposition (addmm's, the norms') promoted them silently and a fake trace (mm, conv) passed
-# them on to fail in the program (conv as an internal error): True where torch accepts float32
-# parameters for a half or bfloat16 input (the norms' mixed precision)
+# them on to fail in the program (conv as an internal error), each with what else torch accepts:
+# "floats" only (no integer operands), "norm" (float32 parameters for a half or bfloat16 input:
+# the norms' mixed precision), "indices" (integer and bool operands are indices or masks, free)
 _NO_MIXED_DTYPES = {
-    aten.mm: False, aten.bmm: False, aten.addmm: False, aten.baddbmm: False, aten.addbmm: False,
-    aten.mv: False, aten.addmv: False, aten.dot: False, aten.vdot: False, aten.convolution: False,
-    aten.native_layer_norm: True, aten.native_group_norm: True, aten.native_batch_norm: True,
-    aten._native_batch_norm_legit: True, aten._native_batch_norm_legit_no_training: True,
-    aten._native_batch_norm_legit_functional: True,
+    aten.mm: "floats", aten.bmm: "floats", aten.addmm: "floats", aten.baddbmm: "floats", aten.addbmm: "floats",
+    aten.mv: "floats", aten.addmv: "floats", aten.dot: "floats", aten.vdot: "floats", aten.convolution: "floats",
+    aten.native_layer_norm: "norm", aten.native_group_norm: "norm", aten.native_batch_norm: "norm",
+    aten._native_batch_norm_legit: "norm", aten._native_batch_norm_legit_no_training: "norm",
+    aten._native_batch_norm_legit_functional: "norm",
     # (a decomposition computed these in one of the two dtypes: cholesky_solve(b float64, L float32)
     # gave float32 derivatives of a float64 input)
-    aten.cholesky_solve: False, aten.lerp: False, aten.linalg_cross: False, aten._cdist_forward: False,
-    aten.linalg_solve: False, aten._linalg_solve_ex: False,
+    aten.cholesky_solve: "floats", aten.lerp: "floats", aten.linalg_cross: "floats", aten._cdist_forward: "floats",
+    aten.linalg_solve: "floats", aten._linalg_solve_ex: "floats",
+    aten.masked_scatter: "indices", aten.nll_loss_forward: "indices", aten.nll_loss2d_forward: "indices",
+    aten.binary_cross_entropy: "indices",
 }
 
 
-def _refuse_mixed_dtypes(op, decomposition, low_precision_ok: bool):
+def _refuse_mixed_dtypes(op, decomposition, accepts: str):
     def checked(*args, **kwargs):
         dtypes = list(dict.fromkeys(t.dtype for t in torch.utils._pytree.tree_leaves((args, kwargs))
                                     if isinstance(t, torch.Tensor) and t.ndim))  # (lerp's 0-d weight is free)
+        if accepts == "indices":
+            dtypes = [d for d in dtypes if d.is_floating_point]
         exact = [str(d).removeprefix("torch.") for d in dtypes if not d.is_floating_point]
         # (an integer matrix times a float vector, typed as an integer, failed later; the norms
         # take floats only; an integer product of integers is torch's too)
-        if exact and (low_precision_ok or len(exact) < len(dtypes)):
+        if exact and (accepts == "norm" or len(exact) < len(dtypes)):
             names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise InvalidArgumentError(
                 f"{op.name()} gets tensors of dtypes {names}: torch refuses {exact[0]} tensors there (the function "
                 "itself fails when run). Cast them to the floating dtype first (A.to(x.dtype))")
-        mixed_precision = (low_precision_ok and bool(dtypes) and dtypes[0] in (torch.float16, torch.bfloat16)
+        mixed_precision = (accepts == "norm" and bool(dtypes) and dtypes[0] in (torch.float16, torch.bfloat16)
                            and set(dtypes[1:]) <= {torch.float32})
         if len(dtypes) > 1 and not mixed_precision:
             names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
