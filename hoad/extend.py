@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from hoad.algebra import along, map_out
+from hoad.algebra import Block, along, map_out
 from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
 from hoad.rules import EDITS, FAMILIES, RULES, USER_OPS, VJPS
 from hoad.rules.base import Jet
@@ -66,10 +66,10 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
 
 
 def _checked(fn: Callable, default_name: str, complaint: Callable) -> Callable:
-    """``fn`` with its result checked: ``complaint(result)`` is None, or what is wrong with it."""
+    """``fn`` with its result checked: ``complaint(result, args)`` is None, or what is wrong with it."""
     def checked(*args, **kwargs):
         out = fn(*args, **kwargs)
-        wrong = complaint(out)
+        wrong = complaint(out, (args, kwargs))
         if wrong is not None:
             raise InvalidArgumentError(wrong)
         return out
@@ -81,7 +81,7 @@ def _checked(fn: Callable, default_name: str, complaint: Callable) -> Callable:
 def _checked_rule(op, rule: Callable) -> Callable:
     """A user's forward rule, its result checked: {multi-index: block} (a key of another kind
     was skipped, its derivatives silently 0)."""
-    def complaint(blocks):
+    def complaint(blocks, _args):
         if isinstance(blocks, dict) and all(_is_multi_index(K) for K in blocks):
             return None
         return (f"the forward rule registered for {op} returned {_described(blocks)}"
@@ -97,13 +97,25 @@ def _is_multi_index(K) -> bool:
 
 def _checked_vjp(op, vjp: Callable) -> Callable:
     """A user's VJP, its result checked: a list of (argument jet, cotangent block) pairs."""
-    def complaint(pairs):
-        if isinstance(pairs, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
-            return None
-        what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
-                if isinstance(pairs, (list, tuple)) else _described(pairs))
-        return (f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, cotangent "
-                "block) pairs, [] where no argument varies")
+    def complaint(pairs, args):
+        (v, g, *inputs), kwargs = args
+        jets = [a for a in torch.utils._pytree.tree_leaves((inputs, kwargs)) if isinstance(a, Jet)]
+        if not (isinstance(pairs, (list, tuple)) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs)):
+            what = (f"a {type(pairs).__name__} whose entries are not all (argument jet, cotangent block) pairs"
+                    if isinstance(pairs, (list, tuple)) else _described(pairs))
+            return (f"the VJP registered for {op} returned {what}; it must return a list of (argument jet, "
+                    "cotangent block) pairs, [] where no argument varies")
+        for jet, cotangent in pairs:
+            if not any(jet is j for j in jets):
+                return (f"the VJP registered for {op} paired a cotangent with {_described(jet)}, not one of the "
+                        "op's arguments as the VJP got them (the jet itself, x, not x.primal)")
+            expected = tuple(jet.shape) + tuple(g.shape[v.out.ndim:])
+            if not isinstance(cotangent, Block) or tuple(cotangent.shape) != expected:
+                got = f"a Block of shape {tuple(cotangent.shape)}" if isinstance(cotangent, Block) else \
+                    _described(cotangent)
+                return (f"the VJP registered for {op} returned {got} as a cotangent; it must be a Block of shape "
+                        f"{expected}: the argument's axes, then g's axes after the op's output axes")
+        return None
 
     return _checked(vjp, "user_vjp", complaint)
 

@@ -278,8 +278,8 @@ class _Interpreter:
         ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
                   self.batch_dim is not None)
         blocks = self._call(rule, node, ctx, args, kwargs)
-        if adjoint is not None:
-            return blocks
+        if adjoint is not None:  # remainders: ⟨ḡ, R⟩ already (Contracted), or R over the node's axes
+            return self._checked(blocks, out, ctx, node, remainders=True) if isinstance(blocks, dict) else blocks
         if isinstance(out, (tuple, list)):
             return tuple(Jet(o, self._checked(b, o, ctx, node), varies=varies and o.dtype.is_floating_point)
                          if isinstance(o, torch.Tensor) else o for o, b in zip(out, blocks))
@@ -318,18 +318,26 @@ class _Interpreter:
             raise HoadInternalError(f"the {FAMILIES.get(node.target)} rule {rule.__name__} for {node.target} failed on "
                                     f"node {node.name}{self.where(node)}: {type(e).__name__}: {e}") from e
 
-    def _checked(self, blocks: dict, out: torch.Tensor, ctx: Ctx, node: fx.Node) -> dict:
-        """The rule's blocks, shape-checked. Unevaluated (lazy) blocks stay so only while the
-        node has a single user that can absorb them; order 1, which everything reads, is forced."""
+    def _checked(self, blocks: dict, out: torch.Tensor, ctx: Ctx, node: fx.Node, remainders: bool = False) -> dict:
+        """The rule's blocks for ``ctx.keys`` (a rule may give others: a user's linear rule maps every
+        block of its input), shape-checked. Unevaluated (lazy) blocks stay so only while the node has a
+        single user that can absorb them; order 1, which everything reads, is forced. ``remainders``:
+        a reverse sweep's (see :meth:`reverse_program`), kept as they are."""
         shared = len(node.users) != 1 or node is self.output
         kept = {}
         for K, b in blocks.items():
             if K not in ctx.keys:
                 continue
+            if remainders and isinstance(b, Contracted):
+                kept[K] = b
+                continue
             expected = tuple(out.shape) + ctx.slot_shape(K)
             if not isinstance(b, (Block, Lazy)) or b.shape != expected:
                 error = InvalidArgumentError if FAMILIES.get(node.target) == "user" else HoadInternalError
                 raise error(f"rule for {node.target} gave block {K} = {b!r}, expected a Block of shape {expected}")
+            if remainders:
+                kept[K] = b
+                continue
             if isinstance(b, Lazy) and (shared or len(K) == 1):
                 b = b.force()
             kept[K] = b

@@ -298,3 +298,48 @@ def test_user_functions_that_return_the_wrong_kind_of_value_are_named():
     finally:
         if SCALED_TANH in hoad.rules.USER_OPS:
             hoad.unregister_rule(SCALED_TANH)
+
+
+def _stencil_of_every_block(ctx, x):
+    """A user's linear rule written the natural way: the op applied to every block its input has
+    (not only ``ctx.keys``), each block's last axis the stencil's."""
+    r = x.ndim - 1
+    return {K: hoad.algebra.Block.dense(_stencil(b.materialize().movedim(r, -1)).movedim(-1, r))
+            for K, b in x.blocks.items()}
+
+
+def _stencil_vjp(v, g, x):
+    r = x.ndim - 1
+    return [(x, hoad.algebra.Block.dense(_stencil_transpose(g.materialize().movedim(r, -1), (x.shape[-1],))
+                                         .movedim(-1, r)))]
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_rule_giving_blocks_of_other_orders(mode):
+    """A rule returning every block of its input: forward mode kept ctx.keys only, but the reverse
+    sweep used the lower-order blocks as remainders and overwrote right blocks (an order-3
+    program's Hessian off by 6.8)."""
+    x = rand(7, seed=431)
+    hoad.register_rule(STENCIL, _stencil_of_every_block, _stencil_vjp)
+    try:
+        check(lambda x: STENCIL(x.sin()).exp().sum(), (x,), order=3, mode=mode,
+              reference_fn=lambda x: _stencil(x.sin()).exp().sum(), backend="eager")
+    finally:
+        hoad.unregister_rule(STENCIL)
+
+
+@pytest.mark.parametrize("vjp, fragment", [
+    (lambda v, g, x, s: [(x, hoad.algebra.Block.dense(torch.ones(5, dtype=torch.float64)))],
+     r"returned a Block of shape \(5,\) as a cotangent; it must be a Block of shape \(2, 3\)"),
+    (lambda v, g, x, s: [(x, g.materialize())], r"returned a tensor of shape \(2, 3\) as a cotangent"),
+    (lambda v, g, x, s: [(x.primal, g)], "not one of the op's arguments .* not x.primal"),
+], ids=["shape", "tensor", "primal"])
+def test_a_vjp_returning_a_wrong_cotangent_is_named(vjp, fragment):
+    """A cotangent of the wrong shape came back as a (5,) gradient of a (2, 3) input; one paired
+    with ``x.primal`` was skipped (gradient 0); a plain tensor was a HoadInternalError."""
+    hoad.register_rule(SCALED_TANH, lambda ctx, x, s: {}, vjp)
+    try:
+        with pytest.raises(hoad.InvalidArgumentError, match=fragment):
+            hoad.compile(lambda x: SCALED_TANH(x, 1.0).sum(), order=1, mode="reverse", backend="eager")(rand(2, 3))
+    finally:
+        hoad.unregister_rule(SCALED_TANH)
