@@ -28,7 +28,8 @@ from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgument
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names)
 from hoad.algebra import Target
-from hoad.rules import EDITS
+from hoad.extend import has_autograd
+from hoad.rules import EDITS, USER_OPS
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, name_of, same_at_count, smaller_programs
@@ -838,6 +839,9 @@ class _Entry:
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
         self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)
+        # user ops autograd cannot see through: results through them do not train (hoad.extend._give_autograd)
+        self.blind = sorted({str(n.target) for n in b.captured.gm.graph.nodes if n.target in USER_OPS
+                             and not has_autograd(n.target)})
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
@@ -963,7 +967,14 @@ class _Entry:
     def _run(self, tensors) -> tuple:
         if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
             return self._traced(tensors)
-        if self.trainable is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if training and self.blind:
+            raise InvalidArgumentError(
+                f"a tensor the results depend on requires grad, but {self.blind[0]} (registered by "
+                "hoad.register_rule) has no autograd formula, and hoad's program runs it: gradients through the "
+                "results would be wrong. Register one with torch.library.register_autograd, or call under "
+                "torch.no_grad() when no gradient is wanted")
+        if self.trainable is not None and training:
             return self.trainable(*tensors)
         return self.run(*tensors)
 

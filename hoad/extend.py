@@ -12,6 +12,8 @@ Three ways to give a rule, from the least to the most work:
 
 A registration applies to every compiled function: programs built before it are built again at
 their next call. The op stays out of the decompositions capture applies, so it reaches its rule.
+An op autograd cannot see through gets the first two's first derivative (or transpose) as its
+autograd formula, so results train through it (:func:`_give_autograd`).
 :func:`unregister_rule` restores what was there before.
 """
 
@@ -30,6 +32,45 @@ from hoad.rules.combinators import linear
 from hoad.rules.elementwise import elementwise_pair
 
 _saved: dict = {}  # op -> (rule, vjp, family) before the first user registration, or None
+_autograd: dict = {}  # op -> the torch.library.Library holding the autograd formula hoad gave it
+_AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd")
+
+
+def has_autograd(op) -> bool:
+    """Whether autograd sees through ``op``: a formula of its own (or hoad's), or a composite of ops."""
+    return op in _autograd or any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _AUTOGRAD_KEYS)
+
+
+def _give_autograd(op, how: str, cotangent: Callable) -> None:
+    """Results are differentiable (training through them), and hoad's programs run the op itself:
+    where autograd cannot see through it (a kernel of the user's own, or CompositeExplicitAutograd,
+    whose ops Inductor's autograd does not trace), a W.grad through it was None or silently wrong.
+    Such an op gets the formula of the registered derivatives: ``cotangent(g, x, y, args, kwargs)``
+    for its first argument (hoad's registrations differentiate that one only)."""
+    if has_autograd(op):
+        return
+    tensors = [i for i, a in enumerate(op._schema.arguments) if a.type.isSubtypeOf(torch._C.TensorType.get())]
+    if tensors[:1] != [0]:
+        return  # (refused at the first use: the op's first argument is differentiated)
+    names = [a.name for a in op._schema.arguments]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+        ctx.rest = inputs[1:]
+
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        late = [names[i] for i in tensors[1:] if ctx.needs_input_grad[i]]
+        if late:
+            raise InvalidArgumentError(
+                f"{op} is registered by hoad.{how}, which gives it the autograd formula of its first argument only "
+                f"(it has none of its own), but {late[0]} needs a gradient too: register the op's autograd with "
+                "torch.library.register_autograd")
+        return (cotangent(g, x, y, ctx.rest, {}),) + (None,) * (len(names) - 1)
+
+    lib = torch.library.Library(op.namespace, "FRAGMENT")
+    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=lib)
+    _autograd[op] = lib
 
 
 def _check_op(op) -> None:
@@ -126,6 +167,9 @@ def unregister_rule(op) -> None:
     if op not in _saved:
         raise InvalidArgumentError(f"{op} has no registered rule to remove")
     before = _saved.pop(op)
+    lib = _autograd.pop(op, None)
+    if lib is not None:
+        lib._destroy()
     USER_OPS.discard(op)
     EDITS[0] += 1
     if before is None:
@@ -162,6 +206,12 @@ def register_elementwise(op, derivatives: Callable | None = None, *, override: b
         checked.__name__ = getattr(fn, "__name__", "user")
         rule, vjp = elementwise_pair(checked)
         register_rule(op, rule, vjp, override=override)
+
+        def cotangent(g, x, y, args, kwargs):
+            (d,) = checked(1, x, y, *args, **kwargs)
+            return torch.zeros_like(x) if d is None else g * d
+
+        _give_autograd(op, "register_elementwise", cotangent)
         return fn
 
     _check_op(op)
@@ -215,6 +265,7 @@ def register_linear(op, transpose: Callable, *, acts_on: int | None = None, over
 
     rule.__name__ = vjp.__name__ = f"user_linear_{op}"
     register_rule(op, rule, vjp, override=override)
+    _give_autograd(op, "register_linear", lambda g, x, y, args, kwargs: transpose(g, tuple(x.shape), *args, **kwargs))
 
 
 def _constants(op, how: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
