@@ -201,6 +201,11 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
                                    f"got {memory_budget!r}")
 
 
+# what torch.compile(fullgraph=True) says of a hoad call inside it
+GRAPH_BREAK = ("a hoad call (hoad.compile's program, or an operator's) runs a program of hoad's own, so torch.compile "
+               "breaks its graph there; with fullgraph=True, call hoad outside the compiled region")
+
+
 class _Parameters:
     """``hoad.parameters``: in ``wrt``, every trainable parameter of the bound module."""
 
@@ -378,7 +383,7 @@ class Compiled(Rebuilt):
             t.copy_(now)
 
     # ------------------------------------------------------------------------------- calling
-    @torch._dynamo.disable  # inside a torch.compile'd function: a graph break, hoad runs its own program
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # inside torch.compile: a graph break, hoad runs its own program
     def __call__(self, *args, **kwargs) -> Derivatives:
         n = self.config.chunk_size
         if n is not None and get_proxy_mode() is None:

@@ -81,6 +81,15 @@ def _check_op(op) -> None:
                              if isinstance(op, torch._ops.OpOverloadPacket) else ""))
 
 
+def _check_first_is_tensor(op, how: str) -> None:
+    """register_elementwise and register_linear differentiate the op's first argument."""
+    args = op._schema.arguments
+    if not args or not args[0].type.isSubtypeOf(torch._C.TensorType.get()):
+        first = f"its first argument {args[0].name} is a {args[0].type}" if args else "it takes no arguments"
+        raise InvalidArgumentError(f"hoad.{how} differentiates an op's first argument, but {first} ({op._schema}): "
+                                   "register the op with hoad.register_rule, or put the tensor argument first")
+
+
 def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) -> None:
     """Register ``rule(ctx, *args, **kwargs) -> {multi-index: Block}`` and
     ``vjp(vctx, g, *args, **kwargs) -> [(argument jet, cotangent block), ...]`` for ``op``.
@@ -215,6 +224,7 @@ def register_elementwise(op, derivatives: Callable | None = None, *, override: b
         return fn
 
     _check_op(op)
+    _check_first_is_tensor(op, "register_elementwise")
     return register if derivatives is None else register(derivatives)
 
 
@@ -229,6 +239,7 @@ def register_linear(op, transpose: Callable, *, acts_on: int | None = None, over
     keep their ties, so samples stay apart under ``batch_dim=0``; by default every dim of x is
     acted on."""
     _check_op(op)
+    _check_first_is_tensor(op, "register_linear")
     if not callable(transpose):
         raise InvalidArgumentError("register_linear needs the op's transpose (a callable)")
     if acts_on is not None and (isinstance(acts_on, bool) or not isinstance(acts_on, int) or acts_on < 0):
@@ -312,11 +323,13 @@ def _functional(fn: Callable) -> Callable:
 
 def _batched(fn: Callable, r: int, new: tuple) -> Callable:
     """``fn`` on data laid out as (r op axes, *rest) -> (new axes, *rest), calling it with the
-    rest flattened into one leading batch dim."""
+    rest flattened into one leading batch dim, contiguous (a user's fake kernel, ``empty_like(x)``,
+    gives a permuted input's strides where the real kernel's output is contiguous: Inductor's
+    programs then failed on a stride check)."""
     def apply(t: torch.Tensor) -> torch.Tensor:
         rest = tuple(t.shape[r:])
         batch = math.prod(rest)
-        moved = t.movedim(tuple(range(r)), tuple(range(t.ndim - r, t.ndim))).reshape(batch, *t.shape[:r])
+        moved = t.movedim(tuple(range(r)), tuple(range(t.ndim - r, t.ndim))).reshape(batch, *t.shape[:r]).contiguous()
         out = fn(moved).reshape(*rest, *new)
         return out.movedim(tuple(range(len(rest), out.ndim)), tuple(range(len(new))))
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from hoad.api import Compiled, Rebuilt, bind_per_instance, in_class_body, plain_int, refuse_unknown
+from hoad.api import GRAPH_BREAK, Compiled, Rebuilt, bind_per_instance, in_class_body, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
@@ -240,7 +240,7 @@ class Laplacian(_Operator):
             return self._given, self.weights, "directions"
         return None, None, "directions"
 
-    @torch._dynamo.disable  # (a graph break under torch.compile, as hoad.compile's call)
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> OperatorResult:
         res = self.compiled(*args, **self._extra(args, kwargs))
         x = self._point(args, kwargs)
@@ -354,7 +354,7 @@ class Biharmonic(_Method):
         """The outer Laplacian's explanation (its program runs the inner one's)."""
         return self.outer.explain(*args, **kwargs)
 
-    @torch._dynamo.disable  # (a graph break under torch.compile, as hoad.compile's call)
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> OperatorResult:
         res = self.outer(*args, **kwargs)
         return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
@@ -383,7 +383,7 @@ class Taylor(_Operator):
                          collapse=None, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
         self.order = order
 
-    @torch._dynamo.disable  # (a graph break under torch.compile, as hoad.compile's call)
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> TaylorResult:
         res = self.compiled(*args, **self._extra(args, kwargs))
         return TaylorResult(res, self.wrt, self.order)

@@ -486,6 +486,20 @@ def test_torch_compiled_module_names_the_fix():
            "torch.compile'd", "without torch.compile", "_orig_mod")
 
 
+@pytest.mark.parametrize("which", ["compile", "laplacian"])
+def test_a_hoad_call_in_a_fullgraph_torch_compile_says_why(which):
+    """Inside torch.compile(fullgraph=True) a hoad call is a graph break: dynamo's message said
+    "(reason: None) Hint: Remove the torch.compiler.disable call", pointing at hoad's internals."""
+    import torch._dynamo
+
+    u = lambda X: torch.tanh(X).sum(-1)  # noqa: E731
+    call = (hoad.compile(lambda X: u(X).sum(), order=1, backend="eager") if which == "compile"
+            else hoad.laplacian(u, batch_dim=0, backend="eager"))
+    step = torch.compile(lambda X: call(X).value.sum(), backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="call hoad outside the compiled region"):
+        step(torch.randn(4, 3, dtype=torch.float64))
+
+
 def test_batch_norm_with_a_cumulative_average_is_refused():
     """BatchNorm(momentum=None) in training mode weighs its update by 1/float(num_batches_tracked):
     the program kept the first call's factor, so from the second call on the running statistics

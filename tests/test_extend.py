@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.func import hessian, jacrev
 
 import hoad
@@ -159,6 +160,9 @@ def test_override_an_aten_rule_and_restore_it():
     (lambda: hoad.register_rule("sin", lambda *a: {}, lambda *a: []), "per ATen overload"),
     (lambda: hoad.unregister_rule(torch.ops.aten.cos.default), "no registered rule"),
     (lambda: hoad.register_linear(STENCIL, None), "transpose"),
+    (lambda: hoad.register_elementwise(torch.ops.aten.pow.Scalar, lambda n, x, y: []),
+     "first argument self is a number"),  # (it failed at the first use: "'float' object has no attribute 'primal'")
+    (lambda: hoad.register_linear(torch.ops.aten.pow.Scalar, lambda g, s: g), "first argument self is a number"),
 ])
 def test_bad_registrations(call, fragment):
     with pytest.raises(hoad.InvalidArgumentError, match=fragment):
@@ -410,3 +414,27 @@ def test_training_through_a_register_rule_op_autograd_cannot_see_through_is_refu
             assert_close(cf(x)[0], torch.func.grad(lambda x: torch.tanh(W.detach() @ x).sum())(x), "gradient")
     finally:
         hoad.unregister_rule(NUMPY_TANH)
+
+
+LIB.define("cumsum_last(Tensor x) -> Tensor")
+torch.library.impl(LIB, "cumsum_last", "CompositeExplicitAutograd")(lambda x: x.cumsum(-1))
+torch.library.register_fake("hoadtest::cumsum_last")(lambda x: torch.empty_like(x))  # (the README's fake)
+CUMSUM_LAST = torch.ops.hoadtest.cumsum_last.default
+
+
+def test_a_linear_op_gets_contiguous_blocks():
+    """hoad called a linear op on permuted blocks, where the fake kernel's empty_like(x) strides
+    differ from the real kernel's contiguous output: "view size is not compatible" (eager) or a
+    stride check (Inductor), an ExecutionError asking to report it."""
+    hoad.register_linear(CUMSUM_LAST, lambda g, shape: g.flip(-1).cumsum(-1).flip(-1), acts_on=1)
+    try:
+        W = rand(3, 4, seed=461)
+        f = lambda x, y: CUMSUM_LAST(F.softplus(x @ W, 1.7) * y.sin()).pow(2).sum(-1)  # noqa: E731
+        plain = lambda x, y: (F.softplus(x @ W, 1.7) * y.sin()).cumsum(-1).pow(2).sum(-1)  # noqa: E731
+        x, y = rand(2, 3, seed=462), rand(2, 4, seed=463)
+        res = hoad.compile(f, order=3, wrt=(0, 1), batch_dim=0, diagonal=True, backend="eager", mode="forward")(x, y)
+        one = lambda x, y: plain(x[None], y[None])[0]  # noqa: E731
+        ref = torch.func.vmap(torch.func.jacfwd(torch.func.jacfwd(torch.func.jacrev(one))))(x, y)
+        assert_close(res[0, 0, 0], torch.einsum("biii->bi", ref), "diagonal of the third derivative")
+    finally:
+        hoad.unregister_rule(CUMSUM_LAST)
