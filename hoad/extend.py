@@ -50,8 +50,6 @@ def _give_autograd(op, how: str, cotangent: Callable) -> None:
     if has_autograd(op):
         return
     tensors = [i for i, a in enumerate(op._schema.arguments) if a.type.isSubtypeOf(torch._C.TensorType.get())]
-    if tensors[:1] != [0]:
-        return  # (refused at the first use: the op's first argument is differentiated)
     names = [a.name for a in op._schema.arguments]
 
     def setup_context(ctx, inputs, output):
