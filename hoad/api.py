@@ -28,8 +28,7 @@ from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgument
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names)
 from hoad.algebra import Target
-from hoad.extend import has_autograd
-from hoad.rules import EDITS, USER_OPS
+from hoad.rules import EDITS, USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, name_of, same_at_count, smaller_programs

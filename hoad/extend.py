@@ -26,19 +26,12 @@ import torch
 
 from hoad.algebra import Block, along, map_out
 from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
-from hoad.rules import EDITS, FAMILIES, RULES, USER_OPS, VJPS
+from hoad.rules import AUTOGRAD_GIVEN, EDITS, FAMILIES, RULES, USER_OPS, VJPS, has_autograd
 from hoad.rules.base import Jet
 from hoad.rules.combinators import linear
 from hoad.rules.elementwise import elementwise_pair
 
 _saved: dict = {}  # op -> (rule, vjp, family) before the first user registration, or None
-_autograd: dict = {}  # op -> the torch.library.Library holding the autograd formula hoad gave it
-_AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd")
-
-
-def has_autograd(op) -> bool:
-    """Whether autograd sees through ``op``: a formula of its own (or hoad's), or a composite of ops."""
-    return op in _autograd or any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _AUTOGRAD_KEYS)
 
 
 def _give_autograd(op, how: str, cotangent: Callable) -> None:
@@ -68,7 +61,7 @@ def _give_autograd(op, how: str, cotangent: Callable) -> None:
 
     lib = torch.library.Library(op.namespace, "FRAGMENT")
     torch.library.register_autograd(op, backward, setup_context=setup_context, lib=lib)
-    _autograd[op] = lib
+    AUTOGRAD_GIVEN[op] = lib
 
 
 def _check_op(op) -> None:
@@ -174,7 +167,7 @@ def unregister_rule(op) -> None:
     if op not in _saved:
         raise InvalidArgumentError(f"{op} has no registered rule to remove")
     before = _saved.pop(op)
-    lib = _autograd.pop(op, None)
+    lib = AUTOGRAD_GIVEN.pop(op, None)
     if lib is not None:
         lib._destroy()
     USER_OPS.discard(op)

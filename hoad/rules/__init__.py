@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from hoad.rules import elementwise, linear, multilinear, reduction
 from hoad.rules import conv, indexing, pooling
 from hoad.rules import factorizations, linalg
@@ -24,5 +26,15 @@ FAMILIES = {
 USER_OPS: set = set()
 # registrations so far (hoad.extend): a program built before the last one may use another rule
 EDITS = [0]
+# user ops hoad gave an autograd formula (hoad.extend): op -> the torch.library.Library holding it
+AUTOGRAD_GIVEN: dict = {}
+_AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd")
 
-__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]
+
+def has_autograd(op) -> bool:
+    """Whether autograd sees through ``op``: a formula of its own (or hoad's), or a composite of ops."""
+    return op in AUTOGRAD_GIVEN or any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k)
+                                       for k in _AUTOGRAD_KEYS)
+
+
+__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "AUTOGRAD_GIVEN", "has_autograd", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]
