@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import cse, traced_call, written_inputs
-from hoad.passes.decompositions import (INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
+from hoad.passes.decompositions import (DETACHED_FROM, INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
                                         decomposition_table, safe_branches, squares_of_norms)
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
@@ -97,6 +97,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                            f"{_at(user_frame(e.__traceback__))}") from e
     finally:
         INPUT_STORAGES.pop()
+        if not INPUT_STORAGES:  # (the outermost capture: no trace's aliases are live)
+            DETACHED_FROM.clear()
 
     _replace_view_mutations(gm)
     _renorm_in_place(gm)

@@ -8,6 +8,7 @@ import functools
 import heapq
 import math
 import operator
+import weakref
 
 import torch
 from torch import fx
@@ -89,9 +90,15 @@ class FunctionOverrides(TorchFunctionMode):
                 "them (numpy, Python lists) is invisible to the trace, and the program would keep the values of "
                 "one call. Keep the computation in torch ops (torch.sin for np.sin, ...)")
         replacement = _FUNCTIONS.get(func)
+        kept = _kept_through_write(func, args)
+        before = kept.clone() if kept is not None else None
         out = (replacement or func)(*args, **(kwargs or {}))
-        if _detached(func):
+        if before is not None:  # the written value, with the derivatives the target had before
+            kept.copy_(kept.detach() + torch.where(before.isfinite(), before - before.detach(), 0))
+        elif _detached(func):
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        if _is_detach(func) and args and _traced_float(args[0]):
+            DETACHED_FROM[id(out)] = (weakref.ref(out), args[0])
         return out
 
 
@@ -120,6 +127,38 @@ def _indexed_by_scalar_tensors(x, index):
     return x[tuple(i.reshape(1) if _is_traced_scalar(i) else i for i in items)].reshape(shape)
 
 
+# id of a detached alias of a traced tensor (``.data``, ``.detach()``) -> (a weak reference to the
+# alias, the tensor it aliases); cleared around each capture
+DETACHED_FROM: dict[int, tuple] = {}
+
+
+def _is_detach(func) -> bool:
+    return getattr(func, "__self__", None) is torch._C.TensorBase.data or func is torch.Tensor.detach
+
+
+def _traced_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and is_fake(t) and t.dtype.is_floating_point
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or (
+        name.startswith("__i") and name.endswith("__"))
+
+
+def _kept_through_write(func, args) -> torch.Tensor | None:
+    """The traced tensor an in-place write changes without autograd seeing it, if any: a write run
+    under ``torch.no_grad()`` (its target), or into a ``.data`` or ``.detach()`` alias (the tensor
+    aliased). Autograd keeps that tensor's derivatives and reads its new values (y.mul_(3) under
+    no_grad after y = 2x: dy/dx stays 2, where hoad gave 6 under no_grad and 0 through .data)."""
+    if not (_in_place(func) and args and _traced_float(args[0])):
+        return None
+    alias, aliased = DETACHED_FROM.get(id(args[0]), (None, None))
+    if alias is not None and alias() is args[0]:
+        return aliased
+    return None if torch.is_grad_enabled() else args[0]
+
+
 def _detached(func) -> bool:
     """Whether autograd would see ``func``'s result as a constant: ``.data``, or any op but an
     in-place write run under ``torch.no_grad()`` / ``set_grad_enabled(False)`` inside the
@@ -127,12 +166,7 @@ def _detached(func) -> bool:
     as autograd does (embedding's max_norm renorm)."""
     if getattr(func, "__self__", None) is torch._C.TensorBase.data:
         return True
-    if torch.is_grad_enabled():
-        return False
-    name = getattr(func, "__name__", "")
-    in_place = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or (
-        name.startswith("__i") and name.endswith("__"))
-    return not in_place
+    return not torch.is_grad_enabled() and not _in_place(func)
 
 
 # ways out of torch for a tensor's values: a traced (fake) tensor's .numpy() is uninitialised

@@ -1386,3 +1386,54 @@ def test_no_grad_and_data_inside_the_function_are_constants_as_in_autograd(mode)
     with torch.no_grad():
         outside = hoad.compile(lambda x: (x ** 2).sum() * x.sin().sum(), order=1, backend="eager", mode=mode)(x)
     assert_close(outside[0], jacrev(lambda x: (x ** 2).sum() * x.sin().sum())(x), "called under no_grad")
+
+
+def _autograd_derivatives(f, x, order):
+    """∂^k f / ∂x^k for k = 1..order by nested torch.autograd.grad (autograd's own semantics for
+    writes it does not see; torch.func's transforms differ there)."""
+    x = x.clone().requires_grad_()
+    out, d = [], f(x)
+    for k in range(order):
+        if k == 0:
+            d = torch.autograd.grad(d, x, create_graph=True)[0]
+        else:
+            d = torch.stack([torch.autograd.grad(e, x, create_graph=True, allow_unused=True)[0]
+                             for e in d.reshape(-1)]).reshape(*d.shape, *x.shape)
+        out.append(d.detach())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_autograd_does_not_see_keep_their_targets_derivatives(mode):
+    """y = 2x, then y.mul_(3) under no_grad: autograd keeps dy/dx = 2 and reads the new values
+    (2 cos 6x); hoad differentiated through the write (6 cos 6x). Through .data every derivative
+    was 0, and y[0] = 5 under no_grad gave 0 at entry 0 where autograd gives 2 cos 5."""
+    x = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+
+    def scaled_under_no_grad(x):
+        y = x * 2
+        with torch.no_grad():
+            y.mul_(3)
+        return (y.sin() * x).sum()
+
+    def scaled_through_data(x):
+        y = x * 2
+        y.data.mul_(3)
+        return (y.sin() * x).sum()
+
+    def scaled_through_detach(x):
+        y = x * 2
+        y.detach().add_(1.5)
+        return (y.sin() * x).sum()
+
+    def entry_set_under_no_grad(x):
+        y = x * 2
+        with torch.no_grad():
+            y[0] = 5.0
+            y[1] = float("inf")  # (a target's inf stays the written value's business)
+        return (y[[0, 2]].sin() * x[[0, 2]]).sum()
+
+    for f in (scaled_under_no_grad, scaled_through_data, scaled_through_detach, entry_set_under_no_grad):
+        got = hoad.compile(f, order=3, backend="eager", mode=mode)(x)
+        for k, want in enumerate(_autograd_derivatives(f, x, 3), 1):
+            assert_close(got[(0,) * k], want, f"{f.__name__} order {k}")
