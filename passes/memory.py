@@ -57,12 +57,24 @@ def memory_plan(gm: fx.GraphModule) -> MemoryPlan:
             b = base[a]
             last_use[b] = max(last_use.get(b, 0), position[n])
     inputs = sum(_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
+    constants = sum(_bytes(n.meta.get("val")) for n in nodes if n.op == "get_attr")  # (folded: held throughout)
     out = gm.graph.output_node()
     # results that are views (an expanded block) take their base's memory, once
     results = sum(_bytes(b.meta.get("val")) for b in dict.fromkeys(base[a] for a in out.all_input_nodes))
-    live = peak = inputs
+    # results that are an input or a folded constant, or share another result's memory, are copied
+    # as the program returns (hoad.passes.clean.own_outputs; the compile stage adds those copies)
+    returned = [a for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, fx.Node)]
+    seen: set = set()
+    copied = 0
+    for a in returned:
+        if base[a].op in ("placeholder", "get_attr") or base[a] in seen:
+            copied += _bytes(a.meta.get("val"))
+        seen.add(base[a])
+    live = peak = inputs + constants
     frees: dict[int, int] = {}
     for i, n in enumerate(nodes):
+        if n is out:
+            live += copied
         if n.op == "call_function" and base[n] is n:
             size = _bytes(n.meta.get("val"))
             live += size
@@ -122,8 +134,9 @@ def samples_that_fit(samples: int, result: float, peak: float, budget: float, sh
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1024 or unit == "PB":
+    """Bytes in binary units, named as such (a budget of 1e9 bytes is 953.7 MiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} PB"
+    return f"{n:.1f} PiB"

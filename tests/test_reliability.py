@@ -231,6 +231,17 @@ def test_explain_shows_the_memory_plan():
     assert "estimated peak" in text and "budget" in text
 
 
+def test_a_folded_constant_result_counts_in_the_memory_plan():
+    """The Hessian of Σx² is a folded constant, copied as it is returned: the plan counted neither
+    (results 30.5 MiB, estimated peak 46.9 KiB), so memory_budget=1e6 let it through."""
+    x = rand(2000, seed=355)
+    f = lambda x: (x ** 2).sum()  # noqa: E731
+    plan = hoad.compile(f, order=2, backend="eager").explain(x).build.stats["memory"]["plan"]
+    assert plan.peak >= 2 * 2000 * 2000 * 8, plan  # the constant, and the copy returned
+    with pytest.raises(hoad.MemoryBudgetError, match="estimated peak of 61.1 MiB"):
+        hoad.compile(f, order=2, backend="eager", memory_budget=1e6)(x)
+
+
 @pytest.mark.parametrize("options, fragment", [
     (dict(chunk_size=4), "pass batch_dim=0"),
     (dict(batch_dim=0, chunk_size=0), "chunk_size must be"),
