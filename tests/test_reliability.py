@@ -114,7 +114,7 @@ def test_a_result_that_cannot_fit_is_refused_before_anything_is_allocated():
     with pytest.raises(hoad.MemoryBudgetError) as e:
         hoad.compile(lambda x: x.sin().sum(0), order=3)(x)
     message = str(e.value)
-    for way in ("PB", "memory budget", "batch_dim=0", "diagonal=True", "hoad.laplacian", "memory_budget="):
+    for way in ("PiB", "memory budget", "batch_dim=0", "diagonal=True", "hoad.laplacian", "memory_budget="):
         assert way in message, f"{way!r} missing from: {message}"
 
 
