@@ -278,6 +278,10 @@ class _Interpreter:
         ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
                   self.batch_dim is not None)
         blocks = self._call(rule, node, ctx, args, kwargs)
+        with fx_traceback.annotate({"rule": rule.__name__}):  # (the lazy blocks forced here are the rule's)
+            return self._finish(node, ctx, out, args, kwargs, blocks, varies, adjoint)
+
+    def _finish(self, node: fx.Node, ctx: Ctx, out, args, kwargs, blocks, varies: bool, adjoint):
         if adjoint is not None:  # remainders: ⟨ḡ, R⟩ already (Contracted), or R over the node's axes
             return self._checked(blocks, out, ctx, node, remainders=True) if isinstance(blocks, dict) else blocks
         if isinstance(out, (tuple, list)):

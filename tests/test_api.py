@@ -397,6 +397,26 @@ def test_graph_prints_readable_program():
     assert placeholders == ["x", "w"]
 
 
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_graph_says_primal_only_of_the_value(mode):
+    """The Hessian's contractions of tanh(W x).sum() (forced lazy blocks) were annotated
+    "from sum_1 (primal)" in print(cf.graph): only what the value itself needs is primal."""
+    Wt = rand(4, 4, seed=356)
+    cf = hoad.compile(lambda x: torch.tanh(Wt @ x).sum(), order=2, mode=mode, backend="eager")
+    cf(rand(4, seed=357))
+    gm = cf.graph.module
+    value = gm.graph.output_node().args[0][0]
+    needed, todo = set(), [value]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo += n.all_input_nodes
+    primal = [n.name for n in gm.graph.nodes if n.op == "call_function" and n not in needed
+              and "(primal)" in (n.meta["hoad"].describe() if "hoad" in n.meta else "")]
+    assert not primal, primal
+
+
 def test_graph_module_and_node_count():
     cf = hoad.compile(f_xw, order=2, wrt=(0, 1))
     res = cf(X, W)
