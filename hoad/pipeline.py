@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
+from hoad.algebra.multiindex import key_name
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.lowering.inductor import this_machine
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
@@ -293,6 +294,23 @@ def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
             f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
 
 
+def _name_outputs(p: Program) -> None:
+    """Name each returned block's node after its block (``d2_f_x_x``), as differentiate did: the
+    passes since replaced most of the nodes it named, and print(cf.graph) returned ``add_3``."""
+    if not isinstance(p.gm.graph.output_node().args[0], (tuple, list)):
+        return
+    graph = fx.Graph()  # (a copy: the names of erased nodes are free again)
+    returned = graph.graph_copy(p.gm.graph, {})
+    graph.output(returned)
+    if len(returned) != 1 + len(p.keys):
+        return
+    for K, node in zip(p.keys, returned[1:]):
+        if isinstance(node, fx.Node) and node.op == "call_function" and returned.count(node) == 1:
+            node._rename(f"d{len(K)}_f_{key_name(K, p.wrt_names)}")
+    p.gm.graph = graph  # (the module keeps its attributes: folded constants)
+    p.gm.recompile()
+
+
 def _compile(b: Build) -> Build:
     p = b.program
     n_user = b.n_user
@@ -322,6 +340,7 @@ def _compile(b: Build) -> Build:
             shown = [n for n in general.graph.nodes if n.op == "placeholder"][b.wrt_leaves[0]].meta.get("val")
             b.stats["samples_shown"] = shown.shape[0] if isinstance(shown, torch.Tensor) else None
     own_outputs(p.gm)
+    _name_outputs(p)
     b.main = compile_program(p, b.config.backend, example_inputs=dense + list(hoisted), samples=samples)
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     if hasattr(b.main, "cache_hit"):

@@ -398,6 +398,17 @@ def test_graph_prints_readable_program():
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_graph_returns_blocks_by_their_names(mode):
+    """The passes after differentiate replaced the nodes it named: the quickstart's program
+    returned ``view_35`` and ``add_3`` for the gradient and the Hessian."""
+    Wt = rand(4, 4, seed=358)
+    cf = hoad.compile(lambda x: torch.tanh(Wt @ x).pow(3).sum(), order=3, mode=mode)
+    cf(rand(4, seed=359))
+    returned = cf.graph.module.graph.output_node().args[0]
+    assert [n.name for n in returned[1:]] == ["d1_f_x", "d2_f_x_x", "d3_f_x_x_x"], str(cf.graph).splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_graph_says_primal_only_of_the_value(mode):
     """The Hessian's contractions of tanh(W x).sum() (forced lazy blocks) were annotated
     "from sum_1 (primal)" in print(cf.graph): only what the value itself needs is primal."""
