@@ -491,7 +491,7 @@ def safe_branches(gm) -> None:
                 groups.setdefault((cond, k, _shape(node)), []).append((node, branch))
     for (cond, k, _), members in groups.items():
         wheres = [w for w, _b in members]
-        region = _branch_region([b for _w, b in members], wheres, pointwise)
+        region = _branch_region([b for _w, b in members], wheres, pointwise, k)
         position = {n: j for j, n in enumerate(gm.graph.nodes)}
         region.sort(key=position.get)
         first = min(wheres, key=position.get)
@@ -504,8 +504,8 @@ def safe_branches(gm) -> None:
                 if _already_safe(u, cond, k) or not _fits(cond, u):
                     continue
                 tail = _tail(op, region)
-                inside = set(region) | set(wheres)
-                if _reads(cond, op) or any(not set(n.users) <= inside for n in tail):
+                if _reads(cond, op) or any(not all(u in region or _as_branch(u, n, wheres, k) for u in n.users)
+                                           for n in tail):
                     _guard_a_copy(gm.graph, op, i, tail, region, wheres, first, cond, k)
                 else:
                     op.update_arg(i, _where_safe(gm.graph, op, cond, k, u, _SAFE[op.target]))
@@ -589,9 +589,11 @@ def _where_safe(graph, op, cond, k: int, u, value: float):
         return traced_call(graph, aten.where.self, (taken, u, scalar))
 
 
-def _branch_region(branches: list, wheres: list, pointwise) -> list:
-    """The pointwise nodes of the ``wheres``' shape that compute ``branches`` and that nothing but
-    the region and the wheres reads (a value read elsewhere must keep its entries)."""
+def _branch_region(branches: list, wheres: list, pointwise, k: int) -> list:
+    """The pointwise nodes of the ``wheres``' shape that compute ``branches`` (the wheres' branch k)
+    and that nothing but the region and the wheres' branch k reads (a value read elsewhere must keep
+    its entries: where(x > 1, √x, 2√x) reads √x as both branches, and the second's region took √x,
+    so the first branch read its guarded 1)."""
     shape = _shape(wheres[0])
     region, todo = [], [b for b in branches if hasattr(b, "op") and b.op == "call_function"]
     while todo:
@@ -600,14 +602,23 @@ def _branch_region(branches: list, wheres: list, pointwise) -> list:
             continue
         region.append(node)
         todo += [a for a in node.all_input_nodes if a.op == "call_function"]
-    inside = set(region) | set(wheres)
+    inside = set(region)
     while True:  # drop nodes read from outside, and what only they led to
-        outside = [n for n in region if not all(u in inside or _condition_of(u) for u in n.users)]
+        outside = [n for n in region if not all(u in inside or _as_branch(u, n, wheres, k) or _condition_of(u)
+                                                for u in n.users)]
         if not outside:
             return region
         for n in outside:
             region.remove(n)
             inside.discard(n)
+
+
+def _as_branch(user, node, wheres: list, k: int) -> bool:
+    """``user`` is one of ``wheres`` and reads ``node`` as its branch k only."""
+    if user not in wheres:
+        return False
+    cond, *branches = user.args
+    return branches[k] is node and cond is not node and branches[1 - k] is not node
 
 
 def _condition_of(user, depth: int = 3) -> bool:

@@ -1437,3 +1437,29 @@ def test_writes_autograd_does_not_see_keep_their_targets_derivatives(mode):
         got = hoad.compile(f, order=3, backend="eager", mode=mode)(x)
         for k, want in enumerate(_autograd_derivatives(f, x, 3), 1):
             assert_close(got[(0,) * k], want, f"{f.__name__} order {k}")
+
+
+_BOTH_BRANCHES = {  # a singular op's value read by both branches of a where
+    "where": lambda x: torch.where(x > 1, x.sqrt(), 2 * x.sqrt()),
+    "where cse": lambda x: torch.where(x > 1, -1 / x + x.sqrt(), 1 / x),
+    "leaky_relu(log)": lambda x: F.leaky_relu(x.log(), 0.1),
+    "elu(sqrt - 1)": lambda x: F.elu(x.sqrt() - 1),
+    "softplus(5 sqrt)": lambda x: F.softplus(5 * x.sqrt()),
+    "logsigmoid(sqrt)": lambda x: F.logsigmoid(x.sqrt()),
+    "logaddexp": lambda x: torch.logaddexp(x, 2 * x.sqrt()),
+    "hardswish(1/x)": lambda x: F.hardswish(1 / x),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(_BOTH_BRANCHES))
+def test_a_value_both_branches_of_a_where_read(name, mode):
+    """safe_branches counted a value the where reads as its other branch (or the taken one) as its
+    branch's own, and gave it the guard's safe value: where(x > 1, √x, 2√x) came out [1.41, 1, 1]
+    where torch gives [1.41, 1.41, 2]; leaky_relu(log x) was 3.4 off."""
+    x = torch.tensor([0.3, 1.0, 2.0, 30.0, 0.05], dtype=torch.float64)
+    f = _BOTH_BRANCHES[name]
+    res = hoad.compile(lambda x: f(x), order=2, mode=mode, backend="eager")(x)
+    assert_close(res.value, f(x), "value")
+    assert_close(res[0], jacrev(f)(x), "first derivative")
+    assert_close(res[0, 0], jacfwd(jacrev(f))(x), "second derivative")
