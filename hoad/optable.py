@@ -22,7 +22,8 @@ def markdown() -> str:
     own = {op: fn for op, fn in RULES.items() if op not in USER_OPS}  # hoad's table, not registrations
     rows = sorted(own.items(), key=lambda kv: (FAMILIES[kv[0]], str(kv[0])))
     lines = [f"{len(own)} ATen overloads have rules; composites (softmax, log_softmax, layer_norm, gelu, silu,",
-             "logsumexp, var/std, `F.linear`, `F.scaled_dot_product_attention`, …) decompose into them at capture.",
+             "clamp, logsumexp, var/std, `F.linear`, `F.scaled_dot_product_attention`, …) decompose into them at "
+             "capture.",
              "",
              "| family | ATen overload | rule |",
              "|---|---|---|"]

@@ -190,6 +190,24 @@ def _one_hot(index, num_classes=-1):
     return out.scatter(-1, index.unsqueeze(-1), 1)
 
 
+def _clamp(x, min=None, max=None):
+    """clamp as wheres that take the bound outside [min, max] (NaN stays NaN; at a bound x itself,
+    derivative 1, as torch's): a where's branch not taken is guarded (:func:`safe_branches`), so
+    clamp(√Σd², min=ε) at a zero distance is flat, where the clamp's derivative 0 times √'s
+    infinite one was NaN in every entry of the gradient."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    if min is not None and max is not None and min > max:  # torch takes max everywhere (NaN stays)
+        return torch.where(x.isnan(), x.detach(), max)
+    outside = x.detach()  # (NaN stays NaN, a constant: torch's derivative there is 0)
+    inside = None
+    if max is not None:
+        outside, inside = torch.where(x > max, max, outside), x <= max
+    if min is not None:
+        outside, inside = torch.where(x < min, min, outside), x >= min if inside is None else inside & (x >= min)
+    return torch.where(inside, x, outside)
+
+
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     """torch's Gaussian negative log-likelihood without its Python check that var >= 0 (an `if` on
     tensor values, refused as control flow). var is clamped at eps as torch does, in place under
@@ -623,7 +641,10 @@ def _as_branch(user, node, wheres: list, k: int) -> bool:
 
 def _condition_of(user, depth: int = 3) -> bool:
     """``user`` is boolean (``isinf(1 / r)``), or only leads to booleans (``|1 / r| ≠ ∞``): a
-    condition, which a guarded copy of the branch leaves its entries (:func:`_guard_a_copy`)."""
+    condition, which a guarded copy of the branch leaves its entries (:func:`_guard_a_copy`). So
+    is a detach (clamp's value outside its bounds, :func:`_clamp`): a constant, not differentiated."""
+    if user.target is aten.detach.default:
+        return True
     val = user.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dtype is torch.bool:
         return True
@@ -1093,6 +1114,7 @@ def _table() -> dict:
     table[aten.smooth_l1_loss.default] = _smooth_l1_loss
     table[aten.huber_loss.default] = _huber_loss
     table[aten.binary_cross_entropy.default] = _binary_cross_entropy
+    table[aten.clamp.default] = _clamp
     table[aten.xlogy.Tensor] = _x_log(torch.log)
     table[aten.special_xlog1py.default] = _x_log(torch.log1p)
     # with y a number: x · log 2 at x = 0 has derivative log 2, not core's where(x = 0, 0, …)'s 0

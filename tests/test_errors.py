@@ -166,7 +166,8 @@ _MIXED = {  # a float64 input meets float32 weights: eager torch raises for each
     # (their integer and bool operands are indices and masks, free; their floating ones were promoted)
     "masked_scatter": (lambda x: x.masked_scatter(_F32["b"] > 0, _F32["w"]), (3, 3)),
     "cross_entropy weight": (lambda x: F.cross_entropy(x, torch.tensor([0, 2, 1, 1]), weight=_F32["b"].abs()), (4, 3)),
-    "nll_loss2d weight": (lambda x: F.nll_loss(x, torch.zeros(1, 2, 2, dtype=torch.long), weight=_F32["b"]), (1, 3, 2, 2)),
+    "nll_loss2d weight": (lambda x: F.nll_loss(x, torch.zeros(1, 2, 2, dtype=torch.long), weight=_F32["b"]),
+                          (1, 3, 2, 2)),
     "binary_cross_entropy": (lambda x: F.binary_cross_entropy(x.sigmoid(), _F32["w"].sigmoid()), (3, 3)),
 }
 

@@ -37,4 +37,5 @@ def has_autograd(op) -> bool:
                                        for k in _AUTOGRAD_KEYS)
 
 
-__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "AUTOGRAD_GIVEN", "has_autograd", "PIECEWISE_CONSTANT", "RANDOM", "is_random", "Ctx", "Jet"]
+__all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "AUTOGRAD_GIVEN", "has_autograd", "PIECEWISE_CONSTANT",
+           "RANDOM", "is_random", "Ctx", "Jet"]

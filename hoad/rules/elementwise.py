@@ -251,16 +251,6 @@ def relu(n, x, y):
     return [(x > 0).to(x.dtype)] + [None] * (n - 1)
 
 
-@derivatives(aten.clamp.default)
-def clamp(n, x, y, min=None, max=None):
-    mask = torch.ones_like(x, dtype=torch.bool)
-    if min is not None:
-        mask = mask & (x >= min)
-    if max is not None:
-        mask = mask & (x <= max)
-    return [mask.to(x.dtype)] + [None] * (n - 1)
-
-
 @derivatives(aten.atan.default)
 def atan(n, x, y) -> Scaled:
     """atan^(k) = P_k(x) / (1 + x²)^k with P_1 = 1, P_{k+1} = P_k' (1 + x²) - 2k x P_k. P_k has degree

@@ -30,7 +30,7 @@ FLAT: dict = {}  # op -> f(*args, **kwargs) giving the result's flat mask (or No
 # products: their blocks multiply one side's blocks by the other's value, which may be infinite
 # on the flat entries, so the differentiate pass zeroes their blocks there
 PRODUCTS = {aten.mul.Tensor, aten.div.Tensor}
-SOURCES = {aten.relu.default, aten.clamp.default, aten.clamp.Tensor, aten.where.self, aten.maximum.default,
+SOURCES = {aten.relu.default, aten.clamp.Tensor, aten.where.self, aten.maximum.default,
            aten.minimum.default}  # ops that can choose a constant; the rest only pass masks on
 
 
@@ -116,16 +116,6 @@ def unary(x, *args, **kwargs):
 
 
 _register(aten.relu.default)(lambda x: _either(x, ~(x.primal > 0)))
-
-
-@_register(aten.clamp.default)
-def _clamp(x, min=None, max=None):
-    inside = torch.ones_like(x.primal, dtype=torch.bool)
-    if min is not None:
-        inside = inside & (x.primal >= min)
-    if max is not None:
-        inside = inside & (x.primal <= max)
-    return _either(x, ~inside)
 
 
 _register(aten.clamp.Tensor)(lambda x, min=None, max=None: _chosen(_clamp_branches(x, min, max)))
