@@ -843,9 +843,8 @@ class _Entry:
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
         self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)
-        # user ops autograd cannot see through: results through them do not train (hoad.extend._give_autograd)
-        self.blind = sorted({str(n.target) for n in b.captured.gm.graph.nodes if n.target in USER_OPS
-                             and not has_autograd(n.target)})
+        # user ops: results through one autograd cannot see through do not train (hoad.extend._give_autograd)
+        self.user_ops = list(dict.fromkeys(n.target for n in b.captured.gm.graph.nodes if n.target in USER_OPS))
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
@@ -972,12 +971,13 @@ class _Entry:
         if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
             return self._traced(tensors)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if training and self.blind:
+        blind = [op for op in self.user_ops if not has_autograd(op)] if training else []
+        if blind:
             raise InvalidArgumentError(
-                f"a tensor the results depend on requires grad, but {self.blind[0]} (registered by "
-                "hoad.register_rule) has no autograd formula, and hoad's program runs it: gradients through the "
-                "results would be wrong. Register one with torch.library.register_autograd, or call under "
-                "torch.no_grad() when no gradient is wanted")
+                f"a tensor the results depend on requires grad, but {blind[0]} has no autograd formula hoad can "
+                "give it (hoad.register_rule gives none), and hoad's program runs it: gradients through the results "
+                "would be wrong. Register one with torch.library.register_autograd, or call under torch.no_grad() "
+                "when no gradient is wanted")
         if self.trainable is not None and training:
             return self.trainable(*tensors)
         return self.run(*tensors)

@@ -40,28 +40,46 @@ def _give_autograd(op, how: str, cotangent: Callable) -> None:
     whose ops Inductor's autograd does not trace), a W.grad through it was None or silently wrong.
     Such an op gets the formula of the registered derivatives: ``cotangent(g, x, y, args, kwargs)``
     for its first argument (hoad's registrations differentiate that one only)."""
+    _take_autograd(op)  # (an earlier registration's formula: replaced)
     if has_autograd(op):
         return
-    tensors = [i for i, a in enumerate(op._schema.arguments) if a.type.isSubtypeOf(torch._C.TensorType.get())]
-    names = [a.name for a in op._schema.arguments]
+    is_tensor = [a.type.isSubtypeOf(torch._C.TensorType.get()) for a in op._schema.arguments]
+    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    if any(t and a.kwarg_only for t, a in zip(is_tensor, op._schema.arguments)):
+        return  # (torch gives no formula to such an op: training through it is refused, hoad.api)
 
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
         ctx.save_for_backward(inputs[0], output)
-        ctx.rest = inputs[1:]
+        ctx.rest, ctx.keywords = inputs[1:], dict(keyword_only_inputs or {})
 
     def backward(ctx, g):
         x, y = ctx.saved_tensors
-        late = [names[i] for i in tensors[1:] if ctx.needs_input_grad[i]]
+        late = [name for i, name in enumerate(positional) if i and is_tensor[i] and ctx.needs_input_grad[i]]
         if late:
             raise InvalidArgumentError(
                 f"{op} is registered by hoad.{how}, which gives it the autograd formula of its first argument only "
                 f"(it has none of its own), but {late[0]} needs a gradient too: register the op's autograd with "
                 "torch.library.register_autograd")
-        return (cotangent(g, x, y, ctx.rest, {}),) + (None,) * (len(names) - 1)
+        return (cotangent(g, x, y, ctx.rest, ctx.keywords),) + (None,) * (len(positional) - 1)
 
     lib = torch.library.Library(op.namespace, "FRAGMENT")
-    torch.library.register_autograd(op, backward, setup_context=setup_context, lib=lib)
+    try:
+        torch.library.register_autograd(op, backward, setup_context=setup_context, lib=lib)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError):  # (a schema torch gives none to)
+        lib._destroy()
+        return
     AUTOGRAD_GIVEN[op] = lib
+
+
+def _take_autograd(op) -> None:
+    """Remove the autograd formula hoad gave ``op``, if any."""
+    lib = AUTOGRAD_GIVEN.pop(op, None)
+    if lib is None:
+        return
+    opdef = torch._library.custom_ops._maybe_get_opdef(op)
+    if opdef is not None:  # (a custom_op keeps its formula on its definition, not in the library)
+        opdef._backward_fn = opdef._setup_context_fn = None
+    lib._destroy()
 
 
 def _check_op(op) -> None:
@@ -101,6 +119,7 @@ def register_rule(op, rule: Callable, vjp: Callable, *, override: bool = False) 
         raise InvalidArgumentError(f"{op} already has a rule ({FAMILIES.get(op)}): pass override=True to replace it")
     if op not in _saved:
         _saved[op] = (RULES[op], VJPS[op], FAMILIES[op]) if op in RULES else None
+    _take_autograd(op)  # (the formula of a registration this one replaces)
     RULES[op], VJPS[op], FAMILIES[op] = _checked_rule(op, rule), _checked_vjp(op, vjp), "user"
     USER_OPS.add(op)
     EDITS[0] += 1
@@ -167,9 +186,7 @@ def unregister_rule(op) -> None:
     if op not in _saved:
         raise InvalidArgumentError(f"{op} has no registered rule to remove")
     before = _saved.pop(op)
-    lib = AUTOGRAD_GIVEN.pop(op, None)
-    if lib is not None:
-        lib._destroy()
+    _take_autograd(op)
     USER_OPS.discard(op)
     EDITS[0] += 1
     if before is None:

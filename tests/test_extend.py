@@ -438,3 +438,57 @@ def test_a_linear_op_gets_contiguous_blocks():
         assert_close(res[0, 0, 0], torch.einsum("biii->bi", ref), "diagonal of the third derivative")
     finally:
         hoad.unregister_rule(CUMSUM_LAST)
+
+
+LIB.define("numpy_scaled_tanh(Tensor x, *, float scale) -> Tensor")
+torch.library.impl(LIB, "numpy_scaled_tanh", "CPU")(
+    lambda x, *, scale: torch.from_numpy(np.tanh(scale * x.detach().numpy())))
+torch.library.register_fake("hoadtest::numpy_scaled_tanh")(lambda x, *, scale: torch.empty_like(x))
+NUMPY_SCALED_TANH = torch.ops.hoadtest.numpy_scaled_tanh.default
+
+
+@torch.library.custom_op("hoadtest::custom_tanh", mutates_args=())
+def _custom_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.tanh(x.detach().numpy()))
+
+
+_custom_tanh.register_fake(lambda x: torch.empty_like(x))
+CUSTOM_TANH = torch.ops.hoadtest.custom_tanh.default
+
+
+def _tanh_derivatives(n, x, y, scale=1.0):
+    return [scale * (1 - y * y), -2 * scale * scale * y * (1 - y * y)][:n]
+
+
+def test_the_autograd_formula_follows_the_registration():
+    """A keyword-only argument (setup_context got keyword_only_inputs: every call with a
+    requires-grad input failed), a re-registration with override=True (the first formula stayed:
+    wrong gradients), a torch.library.custom_op (its own autograd kernel raised without a
+    formula), and a register_rule refusal lifted once the user registers a formula."""
+    W = rand(3, 3, seed=471).requires_grad_(True)
+    x = rand(3, seed=472)
+
+    def gradient(op, **kw):
+        out = hoad.compile(lambda x: op(W @ x, **kw).sum(), order=1, backend="eager")(x)
+        return torch.autograd.grad(out.value, W)[0]
+
+    def want(scale=1.0):
+        return torch.func.grad(lambda W: torch.tanh(scale * (W @ x)).sum())(W.detach())
+
+    try:
+        hoad.register_elementwise(NUMPY_SCALED_TANH, lambda n, x, y, *, scale: _tanh_derivatives(n, x, y, scale))
+        assert_close(gradient(NUMPY_SCALED_TANH, scale=2.0), want(2.0), "keyword-only scale")
+        hoad.register_elementwise(NUMPY_TANH, lambda n, x, y: [1 + 0 * y, 0 * y][:n])  # wrong, then corrected
+        hoad.register_elementwise(NUMPY_TANH, _tanh_derivatives, override=True)
+        assert_close(gradient(NUMPY_TANH), want(), "after override")
+        hoad.register_elementwise(CUSTOM_TANH, _tanh_derivatives)
+        assert_close(gradient(CUSTOM_TANH), want(), "custom_op")
+        hoad.unregister_rule(CUSTOM_TANH)
+        assert torch._library.custom_ops._maybe_get_opdef(CUSTOM_TANH)._backward_fn is None
+        hoad.register_rule(NUMPY_TANH, lambda ctx, x: {}, lambda v, g, x: [], override=True)  # (its formula goes)
+        with pytest.raises(hoad.InvalidArgumentError, match="no autograd formula"):
+            gradient(NUMPY_TANH)
+    finally:
+        for op in (NUMPY_SCALED_TANH, NUMPY_TANH, CUSTOM_TANH):
+            if op in hoad.rules.USER_OPS:
+                hoad.unregister_rule(op)

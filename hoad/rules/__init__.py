@@ -32,9 +32,14 @@ _AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitA
 
 
 def has_autograd(op) -> bool:
-    """Whether autograd sees through ``op``: a formula of its own (or hoad's), or a composite of ops."""
-    return op in AUTOGRAD_GIVEN or any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k)
-                                       for k in _AUTOGRAD_KEYS)
+    """Whether autograd sees through ``op``: a formula of its own (or hoad's), or a composite of ops.
+    A ``torch.library.custom_op`` always has an autograd kernel, which raises without a formula."""
+    if op in AUTOGRAD_GIVEN:
+        return True
+    opdef = torch._library.custom_ops._maybe_get_opdef(op)
+    if opdef is not None:
+        return opdef._backward_fn is not None
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in _AUTOGRAD_KEYS)
 
 
 __all__ = ["RULES", "VJPS", "FAMILIES", "USER_OPS", "EDITS", "AUTOGRAD_GIVEN", "has_autograd", "PIECEWISE_CONSTANT",
