@@ -714,12 +714,17 @@ def _attributes(obj, skip: tuple = ()) -> Iterator[tuple[Step, object]]:
 
 
 def _slots(cls: type) -> list[str]:
-    """The names the ``__slots__`` of ``cls`` and its bases declare."""
+    """The attribute names the ``__slots__`` of ``cls`` and its bases declare (a private ``__w`` of
+    class C is ``_C__w``)."""
     names = []
     for c in cls.__mro__:
         slots = c.__dict__.get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else [n for n in slots if isinstance(n, str)]
-    return [n for n in names if n not in ("__dict__", "__weakref__")]
+        for n in [slots] if isinstance(slots, str) else [n for n in slots if isinstance(n, str)]:
+            if n in ("__dict__", "__weakref__"):
+                continue
+            private = n.startswith("__") and not n.endswith("__") and c.__name__.lstrip("_")
+            names.append(f"_{c.__name__.lstrip('_')}{n}" if private else n)
+    return names
 
 
 def _function_refs(fn: types.FunctionType, through: str | None) -> Iterator[tuple[Step, object]]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from hoad.algebra import Block, along, map_out
+from hoad.algebra import Block, Lazy, along, map_out
 from hoad.errors import InvalidArgumentError, UnsupportedOperatorError
 from hoad.rules import AUTOGRAD_GIVEN, EDITS, FAMILIES, RULES, USER_OPS, VJPS, has_autograd
 from hoad.rules.base import Jet
@@ -170,8 +170,8 @@ def _checked_vjp(op, vjp: Callable) -> Callable:
                 return (f"the VJP registered for {op} paired a cotangent with {_described(jet)}, not one of the "
                         "op's arguments as the VJP got them (the jet itself, x, not x.primal)")
             expected = tuple(jet.shape) + tuple(g.shape[v.out.ndim:])
-            if not isinstance(cotangent, Block) or tuple(cotangent.shape) != expected:
-                got = f"a Block of shape {tuple(cotangent.shape)}" if isinstance(cotangent, Block) else \
+            if not isinstance(cotangent, (Block, Lazy)) or tuple(cotangent.shape) != expected:
+                got = f"a Block of shape {tuple(cotangent.shape)}" if isinstance(cotangent, (Block, Lazy)) else \
                     _described(cotangent)
                 return (f"the VJP registered for {op} returned {got} as a cotangent; it must be a Block of shape "
                         f"{expected}: the argument's axes, then g's axes after the op's output axes")

@@ -93,7 +93,7 @@ def own_outputs(gm: fx.GraphModule) -> bool:
         nonlocal changed
         if not isinstance(a, fx.Node):
             return a
-        base = _storage_base(a)
+        base = storage_base(a)
         if base.op not in ("placeholder", "get_attr") and base not in bases:
             bases.add(base)
             return a
@@ -108,7 +108,7 @@ def own_outputs(gm: fx.GraphModule) -> bool:
     return changed
 
 
-def _storage_base(node: fx.Node) -> fx.Node:
+def storage_base(node: fx.Node) -> fx.Node:
     """The node whose memory ``node`` is (itself, unless it is a view)."""
     while node.op == "call_function":
         schema = getattr(node.target, "_schema", None)

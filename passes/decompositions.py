@@ -140,10 +140,18 @@ def _traced_float(t) -> bool:
     return isinstance(t, torch.Tensor) and is_fake(t) and t.dtype.is_floating_point
 
 
+_IN_PLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                                                 "lshift", "rshift", "and", "xor", "or")} | {"__setitem__"}
+# in-place ops that change a tensor's shape or strides, not its values
+_IN_PLACE_VIEWS = {"t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
+                   "resize_as_", "requires_grad_", "set_", "share_memory_", "retain_grad"}
+
+
 def _in_place(func) -> bool:
+    """A write of values into a tensor (``y.mul_(3)``, ``y[0] = 5``, ``y += 1``)."""
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or (
-        name.startswith("__i") and name.endswith("__"))
+    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS) \
+        and name not in _IN_PLACE_VIEWS
 
 
 def _kept_through_write(func, args) -> torch.Tensor | None:
@@ -197,6 +205,8 @@ def _clamp(x, min=None, max=None):
     infinite one was NaN in every entry of the gradient."""
     if not x.dtype.is_floating_point:
         return NotImplemented
+    if any(b is not None and b != b for b in (min, max)):  # a NaN bound: NaN everywhere
+        return torch.full_like(x, math.nan)
     if min is not None and max is not None and min > max:  # torch takes max everywhere (NaN stays)
         return torch.where(x.isnan(), x.detach(), max)
     outside = x.detach()  # (NaN stays NaN, a constant: torch's derivative there is 0)
@@ -1126,6 +1136,8 @@ def _table() -> dict:
     table[aten.std.correction] = _std
     table[aten.std_mean.correction] = _std_mean
     for packet, accepts in _NO_MIXED_DTYPES.items():
+        if accepts not in ("floats", "norm", "indices"):
+            raise HoadInternalError(f"_NO_MIXED_DTYPES: {packet} accepts {accepts!r}")
         for name in packet.overloads():
             op = getattr(packet, name)
             table[op] = _refuse_mixed_dtypes(op, table.get(op), accepts)
@@ -1148,7 +1160,7 @@ _NO_MIXED_DTYPES = {
     aten.cholesky_solve: "floats", aten.lerp: "floats", aten.linalg_cross: "floats", aten._cdist_forward: "floats",
     aten.linalg_solve: "floats", aten._linalg_solve_ex: "floats",
     aten.masked_scatter: "indices", aten.nll_loss_forward: "indices", aten.nll_loss2d_forward: "indices",
-    aten.binary_cross_entropy: "indices",
+    aten.binary_cross_entropy: "floats",
 }
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from hoad.passes.clean import storage_base
 from hoad.passes.cost import is_view
 
 
@@ -66,10 +67,11 @@ def memory_plan(gm: fx.GraphModule) -> MemoryPlan:
     returned = [a for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, fx.Node)]
     seen: set = set()
     copied = 0
-    for a in returned:
-        if base[a].op in ("placeholder", "get_attr") or base[a] in seen:
+    for a in returned:  # (own_outputs' own test)
+        b = storage_base(a)
+        if b.op in ("placeholder", "get_attr") or b in seen:
             copied += _bytes(a.meta.get("val"))
-        seen.add(base[a])
+        seen.add(b)
     live = peak = inputs + constants
     frees: dict[int, int] = {}
     for i, n in enumerate(nodes):

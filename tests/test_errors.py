@@ -185,7 +185,9 @@ def test_mixed_dtypes_where_torch_refuses_them(name):
 
 
 @pytest.mark.parametrize("fn", [lambda x: _INTS @ x.sin(), lambda x: (_INTS @ x.sin()).float(),
-                                lambda x: x.sum() * F.layer_norm(_INTS, (4,))], ids=["mv", "mv-cast", "layer_norm"])
+                                lambda x: x.sum() * F.layer_norm(_INTS, (4,)),
+                                lambda x: F.binary_cross_entropy(x.sigmoid(), _INTS[0])],
+                         ids=["mv", "mv-cast", "layer_norm", "bce-target"])
 def test_integer_tensors_where_torch_refuses_them(fn):
     """An integer matrix times a float vector was typed as an integer: "the function's output has
     dtype int64", or "the derivative program failed while running"; an integer layer norm was

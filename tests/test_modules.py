@@ -466,21 +466,24 @@ def test_an_object_with_slots_is_read_afresh():
     ``self.k`` kept the traced values (gradient 2 where 10, then 15, is right)."""
 
     class Slotted:
-        __slots__ = ("w", "k", "__weakref__")
+        __slots__ = ("w", "__k", "__weakref__")  # (a private slot is stored as _Slotted__k)
 
         def __init__(self):
-            self.w, self.k = torch.ones(3, dtype=DT), 2.0
+            self.w, self.__k = torch.ones(3, dtype=DT), 2.0
+
+        def scale(self, k):
+            self.__k = k
 
         @hoad.compile(order=1, backend="eager")
         def e(self, x):
-            return (self.w * x * self.k).sum()
+            return (self.w * x * self.__k).sum()
 
     x = rand(3, seed=9)
     s = Slotted()
     assert_close(s.e(x)[0], torch.full((3,), 2.0, dtype=DT), "first call")
     s.w = torch.full((3,), 5.0, dtype=DT)
     assert_close(s.e(x)[0], torch.full((3,), 10.0, dtype=DT), "w rebound")
-    s.k = 3.0
+    s.scale(3.0)
     assert_close(s.e(x)[0], torch.full((3,), 15.0, dtype=DT), "k changed")
 
 

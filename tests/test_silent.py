@@ -1438,6 +1438,16 @@ def test_writes_autograd_does_not_see_keep_their_targets_derivatives(mode):
         for k, want in enumerate(_autograd_derivatives(f, x, 3), 1):
             assert_close(got[(0,) * k], want, f"{f.__name__} order {k}")
 
+    def transposed_under_no_grad(x):  # (a write of its shape, not its values: the kept clone failed to broadcast)
+        y = (x * 2)[None].expand(2, 3).clone()
+        with torch.no_grad():
+            y.t_()
+        return (y.sin() * x[:, None]).sum()
+
+    plain = lambda x: ((x * 2)[None].expand(2, 3).t().sin() * x[:, None]).sum()  # noqa: E731
+    assert_close(hoad.compile(transposed_under_no_grad, order=1, backend="eager", mode=mode)(x)[0], jacrev(plain)(x),
+                 "transposed under no_grad")
+
 
 _BOTH_BRANCHES = {  # a singular op's value read by both branches of a where
     "where": lambda x: torch.where(x > 1, x.sqrt(), 2 * x.sqrt()),
@@ -1490,6 +1500,8 @@ def test_a_clamped_value_whose_argument_has_an_infinite_derivative_is_flat(mode)
         torch.sqrt(((X[:, None, :] - X[None, :, :]) ** 2).sum(-1) + torch.eye(3, dtype=X.dtype)))
     assert_close(got[0], jacrev(plain)(X), "gradient against torch.func")
     x = torch.tensor([0.0, 0.01, 0.5, 2.0], dtype=torch.float64)
+    nan_bound = hoad.compile(lambda x: x.clamp(min=math.nan), order=1, mode=mode, backend="eager")(x)
+    assert nan_bound.value.isnan().all()  # (torch's; the wheres gave x)
     for f in (lambda x: (x.sqrt() - 0.1).clamp(min=0).pow(2).sum(), lambda x: x.log().clamp(min=-5).exp().sum()):
         res = hoad.compile(f, order=2, mode=mode, backend="eager")(x)
         assert torch.isfinite(res[0]).all() and torch.isfinite(res[0, 0]).all(), res[0]
