@@ -649,7 +649,7 @@ def _as_branch(user, node, wheres: list, k: int) -> bool:
     return branches[k] is node and cond is not node and branches[1 - k] is not node
 
 
-def _condition_of(user, depth: int = 3) -> bool:
+def _condition_of(user, depth: int = 8) -> bool:
     """``user`` is boolean (``isinf(1 / r)``), or only leads to booleans (``|1 / r| ≠ ∞``): a
     condition, which a guarded copy of the branch leaves its entries (:func:`_guard_a_copy`). So
     is a detach (clamp's value outside its bounds, :func:`_clamp`): a constant, not differentiated."""

@@ -1506,3 +1506,13 @@ def test_a_clamped_value_whose_argument_has_an_infinite_derivative_is_flat(mode)
         res = hoad.compile(f, order=2, mode=mode, backend="eager")(x)
         assert torch.isfinite(res[0]).all() and torch.isfinite(res[0, 0]).all(), res[0]
         assert_close(res[0][1:], jacrev(f)(x)[1:], "gradient away from 0")
+
+
+def test_a_condition_computed_through_a_longer_chain_still_guards_its_branch():
+    """where(((2/x + 1)·3 − 1) > 5, x, 1/x): the condition reads 1/x through four ops; the search
+    for conditions stopped at three, left 1/x unguarded, and reverse mode gave NaN at x = 0 where
+    the where takes x (derivative 1)."""
+    f = lambda x: torch.where(((1 / x) * 2 + 1) * 3 - 1 > 5, x, 1 / x)  # noqa: E731
+    x = torch.tensor([0.0, 2.0], dtype=torch.float64)
+    got = hoad.compile(f, order=1, mode="reverse", backend="eager", batch_dim=0)(x)[0]
+    assert_close(got, torch.tensor([1.0, -0.25], dtype=torch.float64), "per-sample derivative")
