@@ -96,6 +96,18 @@ class _Method(Rebuilt):
 
         return bind_per_instance(self, instance, u.__name__, make, lambda b: b._arguments[0][0].__self__ is instance)
 
+    def __repr__(self) -> str:
+        args, kwargs = self._arguments
+
+        def shown(v):
+            return f"<tensor {tuple(v.shape)}>" if isinstance(v, torch.Tensor) else repr(v)
+
+        named = dict(zip(("order", "wrt") if isinstance(self, Taylor) else ("wrt",), args[1:]), **kwargs)
+        options = [f"{k}={shown(v)}" for k, v in named.items()
+                   if v is not None and (k, v) not in (("mode", "auto"), ("wrt", 0)) and k not in ("nestable", "roots")]
+        name = (getattr(args[0], "__qualname__", None) or type(args[0]).__name__).split("<locals>.")[-1]
+        return f"<hoad.{type(self).__name__.lower()}({', '.join([name] + options)})>"
+
 
 class _Operator(_Method):
     """Shared machinery: a compiled program of ``u`` over the first-order directions."""

@@ -95,8 +95,12 @@ class ProgramView:
     def __str__(self) -> str:
         p = self.program
         header = (f"# hoad derivative program: order {p.order}, wrt {', '.join(p.wrt_names)}, {p.direction}; "
-                  f"returns value + {len(p.keys)} blocks ({len(p.zeros)} structural zeros omitted); {self.nodes} ATen calls")
+                  f"returns value + {_count(len(p.keys), 'block')} ({_count(len(p.zeros), 'structural zero')} omitted); {self.nodes} ATen calls")
         return "\n".join([header, *self.passes(), format_program(self.module)])
 
     def __repr__(self) -> str:
         return f"<hoad program: order {self.program.order}, {self.nodes} ATen calls>"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"

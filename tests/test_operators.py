@@ -504,3 +504,13 @@ def test_a_taylor_result_unpacks():
                                        backend="eager")(torch.zeros(2, dtype=torch.float64))
     assert_close(first, torch.ones(2, dtype=torch.float64), "first")
     assert_close(second, torch.zeros(2, dtype=torch.float64), "second")
+
+
+def test_an_operator_says_what_it_is():
+    """Operators printed as <hoad.operators.Laplacian object at 0x…>."""
+    V = rand(4, 3, seed=481)
+    assert repr(hoad.laplacian(lambda x: x.sin().sum(), batch_dim=0)) == "<hoad.laplacian(<lambda>, batch_dim=0)>"
+    assert repr(hoad.taylor(lambda x: x.sin().sum(), order=3, directions=V)) == \
+        "<hoad.taylor(<lambda>, order=3, directions=<tensor (4, 3)>)>"
+    assert repr(hoad.biharmonic(lambda x, y: x.sum(), 1, backend="eager")) == \
+        "<hoad.biharmonic(<lambda>, wrt=1, backend='eager')>"
