@@ -51,7 +51,9 @@ class Explanation:
         extras = "".join([", batch_dim=0" if p.batch_dim is not None else "", ", diagonal" if p.diagonal else ""])
         lines = [f"hoad program: order {p.order}, wrt ({', '.join(p.wrt_names)}), output shape {tuple(p.out_shape)}, "
                  f"direction {p.direction} (mode={b.config.mode}), backend {b.config.backend}{extras}",
-                 f"Schwarz symmetry: {canonical} canonical blocks computed instead of {ordered} ordered ones",
+                 f"Schwarz symmetry: {canonical} canonical blocks instead of {ordered} ordered ones"
+                 + (f" ({len(p.zeros)} of them {'a structural zero' if len(p.zeros) == 1 else 'structural zeros'}, "
+                    "not computed)" if p.zeros else ""),
                  "",
                  tabulate(self.blocks_table(), headers=["order", "block", "dense entries", "stored entries", "saved"],
                           )]
