@@ -244,14 +244,15 @@ def cephes_tanh():
 
 def _select_tiling(stock):
     def select_tiling(self, fn_list, var_sizes_list):
-        factors, indices, stats = stock(self, fn_list, var_sizes_list)
+        chosen = stock(self, fn_list, var_sizes_list)  # (factors, indices[, stats]): 2.11 returns no stats
+        factors, indices, rest = chosen[0], chosen[1], tuple(chosen[2:])
         if len(indices) == 2:
             group, reduction = max(var_sizes_list, key=lambda sizes: len(sizes[1]))
             if reduction and indices[0] < len(group) - 1:  # loops between the tiled one and the reduction
-                return factors[1:], indices[1:], stats     # the reduction's loop alone: horizontal
+                return (factors[1:], indices[1:], *rest)   # the reduction's loop alone: horizontal
             if _accumulates(fn_list):
-                return factors[1:], indices[1:], stats
-        return factors, indices, stats
+                return (factors[1:], indices[1:], *rest)
+        return chosen
 
     select_tiling.hoad_safe = True
     return select_tiling
