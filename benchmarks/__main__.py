@@ -1,11 +1,13 @@
-"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--write-readme] [--no-compile] [--device cuda [--dtype D]]``
+"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--peers NAMES] [--write-readme] [--no-compile] [--device cuda [--dtype D]]``
 
 Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, then the
 targets the issues set (:mod:`benchmarks.targets`), prints the tables, writes
 ``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with ``--write-readme``
 regenerates the README's benchmark section. ``--device cuda`` runs the GPU-sized workloads
 instead (no targets: they are set for the pinned CPU thread), in ``--dtype`` (float32 by default
-there; the CPU suite is float64).
+there; the CPU suite is float64). ``--peers`` runs the named columns alone (hoad's among them),
+for a GPU lease too short for every peer's compile. The results file is rewritten after each
+workload, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="a few points per workload, short timing (< 5 min)")
     parser.add_argument("--targets", action="store_true", help="run only the targets the issues set (no workloads)")
     parser.add_argument("--only", metavar="SUBSTRING",
-                        help="run the workloads whose id contains SUBSTRING (and no targets)")
+                        help="run the workloads whose id contains SUBSTRING, or any of several comma-separated "
+                             "(and no targets)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
+    parser.add_argument("--peers", metavar="NAMES",
+                        help="comma-separated columns to run, the others left out (e.g. 'hoad,folx,torch-jet compiled')")
     parser.add_argument("--write-readme", action="store_true", help="replace the README's benchmark section")
     parser.add_argument("--list", action="store_true", help="list the workload ids and the targets, and exit")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -40,6 +45,8 @@ def main(argv: list[str]) -> int:
     if args.only and args.targets:
         parser.error("--only selects workloads and --targets runs no workloads: use one of them")
 
+    if args.peers and (args.targets or args.write_readme):
+        parser.error("--peers leaves columns out: the targets and the README need them all")
     if args.device == "cuda" and args.targets:
         parser.error("the targets are measured on the pinned CPU thread: drop --device cuda or --targets")
 
@@ -68,7 +75,8 @@ def main(argv: list[str]) -> int:
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cuda" else "float64"))
     synchronize_with(args.device)
     settings = Settings(quick=args.quick, budget=QUICK if args.quick else FULL, compile_peers=not args.no_compile,
-                        compile_timeout_s=180.0 if args.quick else 600.0, dtype=dtype)
+                        compile_timeout_s=180.0 if args.quick else 600.0, dtype=dtype,
+                        peers=tuple(name.strip() for name in args.peers.split(",")) if args.peers else None)
     start = time.perf_counter()
     mode = "targets" if args.targets else "quick" if args.quick else "full"
     results = {"machine": env.machine(args.device), "mode": mode + ("-cuda" if args.device == "cuda" else ""),
@@ -78,6 +86,8 @@ def main(argv: list[str]) -> int:
     for i, w in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {w.id}", file=sys.stderr, flush=True)
         results["workloads"].append(run_workload(w, settings))
+        results["seconds"] = time.perf_counter() - start
+        report.write_results(results)  # so far: a run cut short keeps what it measured
     if not args.only and args.device == "cpu":
         results["targets"] = targets.run_targets(settings, results["workloads"])
     results["seconds"] = time.perf_counter() - start

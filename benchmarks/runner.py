@@ -25,6 +25,7 @@ class Settings:
     compile_peers: bool = True
     compile_timeout_s: float = 300.0
     dtype: torch.dtype = torch.float64  # of the contenders; the reference is always float64
+    peers: tuple[str, ...] | None = None  # the columns to run (--peers); None: all
 
 
 def run_workload(w: Workload, settings: Settings) -> dict:
@@ -46,6 +47,9 @@ def run_workload(w: Workload, settings: Settings) -> dict:
         return record
     contenders = peers.contenders(p, w, settings.quick, settings.compile_peers, settings.compile_timeout_s,
                                   settings.dtype)
+    if settings.peers is not None:
+        contenders = [c if c.name in settings.peers else peers.Skipped(c.name, "skipped", "left out by --peers")
+                      for c in contenders]
     outcomes = measure([(c, ref) for c in contenders], settings.budget)
     record["outcomes"] = {name: outcome.as_dict() for name, outcome in outcomes.items()}
     if isinstance(p, operators.TrainProblem):

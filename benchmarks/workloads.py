@@ -326,6 +326,31 @@ WORKLOADS: list[Workload] = [
     *(TRAIN_WORKLOADS := _train_workloads()),
 ]
 
+def _cuda_operator_workloads() -> list[Workload]:
+    """Issue 16's operators at GPU sizes: 4096 points (1024 for the biharmonics, whose float64
+    torch.func reference holds a [N, D, D, D, width] intermediate)."""
+    S = operators.DIRECTIONS
+    small, wide, paper = (16, 64, 64, 1), (50, 128, 128, 1), operators.PAPER_MLP
+    n, n_bih = CUDA_POINTS, CUDA_POINTS // 4
+    rows = [  # (id, label, operator, sizes, points): the ones furthest behind on the CPU first
+        (f"laplacian/{_net_id(small)}/N{n}", f"Laplacian Δu, 16-64-64-1, {n} points", "laplacian", small, n),
+        (f"biharmonic/{_net_id(small)}/N{n_bih}", f"biharmonic Δ²u, 16-64-64-1, {n_bih} points", "biharmonic",
+         small, n_bih),
+        (f"laplacian/{_net_id(paper)}/N{n}", f"Laplacian Δu, 50-768-768-512-512-1 (torch-jet paper), {n} points",
+         "laplacian", paper, n),
+        (f"laplacian/stochastic-S{S}/{_net_id(small)}/N{n}",
+         f"stochastic Laplacian, fixed V ({S}, 16), 16-64-64-1, {n} points", "stochastic", small, n),
+        (f"laplacian/weighted/{_net_id(small)}/N{n}", f"weighted Laplacian tr(C ∇²u), 16-64-64-1, {n} points",
+         "weighted", small, n),
+        (f"laplacian/{_net_id(wide)}/N{n}", f"Laplacian Δu, 50-128-128-1, {n} points", "laplacian", wide, n),
+        (f"biharmonic/stochastic-S{S}/{_net_id(small)}/N{n_bih}",
+         f"stochastic biharmonic Δ_V(Δ_V u), fixed V ({S}, 16), 16-64-64-1, {n_bih} points",
+         "stochastic-biharmonic", small, n_bih),
+    ]
+    return [Workload(f"cuda/{id_}", _CUDA_GROUP, label, operators.operator_problem(op, sizes, points))
+            for id_, label, op, sizes, points in rows]
+
+
 # ``--device cuda``: GPU-sized problems, in --dtype (ids start with "cuda/": a worker knows the
 # device of a workload by its id before it imports torch)
 CUDA_POINTS = 4096
@@ -337,9 +362,7 @@ CUDA_WORKLOADS: list[Workload] = [
              f"per-sample 3rd order, tanh MLP 16-64-64-1, {CUDA_POINTS} points", tanh_mlp(3, CUDA_POINTS)),
     Workload("cuda/classifier/cross-entropy-hessian", _CUDA_GROUP,
              "parameter Hessian, 10-32-5 tanh classifier, batch 64 (517 params)", classifier_loss()),
-    Workload(f"cuda/laplacian/{_net_id(operators.PAPER_MLP)}/N{CUDA_POINTS}", _CUDA_GROUP,
-             f"Laplacian Δu, 50-768-768-512-512-1 (torch-jet paper), {CUDA_POINTS} points",
-             operators.operator_problem("laplacian", operators.PAPER_MLP, CUDA_POINTS)),
+    *_cuda_operator_workloads(),
     Workload(f"cuda/train/16-64-64-1/N{CUDA_POINTS}", _CUDA_GROUP,
              f"training step (Δu + f)², tanh MLP 16-64-64-1, {CUDA_POINTS} points",
              operators.train_problem((16, 64, 64, 1), CUDA_POINTS)),
@@ -358,8 +381,8 @@ def get(workload_id: str) -> Workload:
 
 def select(quick: bool, only: str | None = None, device: str = "cpu") -> list[Workload]:
     """The workloads a run measures on ``device``: all, or the quick ones; filtered by an id
-    substring. ``--quick --only S`` where no quick workload matches S runs the ones that do, with
+    substring (or any of several, comma-separated). ``--quick --only S`` where no quick workload matches S runs the ones that do, with
     --quick's short timing (and no torch.compile peers unless the workload compiles in --quick)."""
     suite = CUDA_WORKLOADS if device == "cuda" else WORKLOADS
-    matching = [w for w in suite if not only or only in w.id]
+    matching = [w for w in suite if not only or any(part in w.id for part in only.split(","))]
     return [w for w in matching if w.quick or not quick] or (matching if only else [])
