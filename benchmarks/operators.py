@@ -30,6 +30,7 @@ Optional peers are imported only when a column is built: a missing one is report
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -274,6 +275,11 @@ def operator_ways(p: OperatorProblem) -> list[Way]:
     out = [
         Way("hoad", f"hoad.{_hoad_call(p)}, inductor", lambda: _same(_hoad_operator(p, "inductor"))),
         Way("hoad eager", f"hoad.{_hoad_call(p)}, eager", lambda: _same(_hoad_operator(p, "eager"))),
+    ]
+    if p.X.is_cuda:  # the same Inductor program replayed from a CUDA graph
+        out.append(Way("hoad graphs", f"hoad.{_hoad_call(p)}, inductor, HOAD_CUDA_GRAPHS=1",
+                       lambda: _same(_hoad_operator(p, "inductor", graphs=True))))
+    out += [
         Way("torch.func", nested, lambda: _same(_answer_of(TORCH_FUNC, p))),
         Way("torch.compile", f"torch.compile({nested})", lambda: _same(_answer_of(TORCH_FUNC, p, compiled=True)),
             worker=True),
@@ -346,15 +352,26 @@ def _hoad_call(p: OperatorProblem) -> str:
     return f"{'biharmonic' if p.key == 'biharmonic' else 'laplacian'}(u, batch_dim=0{extra})"
 
 
-def _hoad_operator(p: OperatorProblem, backend: str) -> Callable[[], dict]:
+def _hoad_operator(p: OperatorProblem, backend: str, graphs: bool = False) -> Callable[[], dict]:
+    """hoad's operator; ``graphs=True``: its CUDA programs replayed from CUDA graphs (its first
+    call is made here, where ``HOAD_CUDA_GRAPHS=1`` is read)."""
     import hoad
 
     kwargs = {"weights": p.C} if p.operator == "weighted" else {"directions": p.V} if p.V is not None else {}
     if p.key == "biharmonic":
         op = hoad.biharmonic(p.net.u, batch_dim=0, backend=backend, **kwargs)
-        return _with_mode(lambda: {"biharmonic": op(p.X).biharmonic}, op.outer.compiled)
-    op = hoad.laplacian(p.net.u, batch_dim=0, backend=backend, **kwargs)
-    return _with_mode(lambda: {"laplacian": op(p.X).laplacian}, op.compiled)
+        answer = _with_mode(lambda: {"biharmonic": op(p.X).biharmonic}, op.outer.compiled)
+    else:
+        op = hoad.laplacian(p.net.u, batch_dim=0, backend=backend, **kwargs)
+        answer = _with_mode(lambda: {"laplacian": op(p.X).laplacian}, op.compiled)
+    if graphs:
+        before = os.environ.get("HOAD_CUDA_GRAPHS")
+        os.environ["HOAD_CUDA_GRAPHS"] = "1"
+        try:
+            answer()
+        finally:
+            os.environ.pop("HOAD_CUDA_GRAPHS") if before is None else os.environ.update(HOAD_CUDA_GRAPHS=before)
+    return answer
 
 
 def _with_mode(answer: Callable[[], dict], compiled) -> Callable[[], dict]:

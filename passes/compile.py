@@ -7,7 +7,8 @@
 - ``inductor``: ``torch._inductor.standalone_compile`` on the program with the call's example
   inputs. It goes through Inductor's FX graph cache, kept in a persistent directory
   (:func:`hoad.lowering.inductor.cache_dir`), so a second process compiling the same program does
-  not run gcc again.
+  not run gcc again. On CUDA, with ``HOAD_CUDA_GRAPHS=1``, the program is replayed as a CUDA
+  graph (:class:`CudaGraphs`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -25,6 +27,8 @@ import torch.fx as fx
 from hoad.errors import CompileError, HoadError
 from hoad.lowering.inductor import INDUCTOR_OPTIONS, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
+from hoad.passes.clean import written_inputs
+from hoad.passes.memory import human, memory_plan
 
 aten = torch.ops.aten
 log = logging.getLogger("hoad")
@@ -84,7 +88,10 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     slow.daemon = True
     slow.start()
     try:
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS), hoad_inductor():
+        # on CUDA, Inductor's own default, the Python wrapper: the C++ one costs a C++ build per
+        # program and has not been tried there (with HOAD_CUDA_GRAPHS=1 a graph replays the launches)
+        options = {**INDUCTOR_OPTIONS, "cpp_wrapper": False} if _on_cuda(example_inputs) else INDUCTOR_OPTIONS
+        with torch._inductor.config.patch(options), hoad_inductor():
             if fake is None:
                 artifact = torch._inductor.standalone_compile(gm, list(example_inputs),
                                                               dynamic_shapes="from_example_inputs")
@@ -123,14 +130,17 @@ def symbolic_inputs(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> 
 class _Compiled:
     """An Inductor artifact called with positional tensors, returning the program's tuple."""
 
-    __slots__ = ("artifact", "seconds", "cache_hit")
+    __slots__ = ("artifact", "seconds", "cache_hit", "graphs")
 
     def __init__(self, artifact, seconds: float, cache_hit: bool):
         self.artifact = artifact
         self.seconds = seconds
         self.cache_hit = cache_hit
+        self.graphs: CudaGraphs | None = None  # on CUDA: replays of the program (compile_program)
 
     def __call__(self, *tensors):
+        if self.graphs is not None:
+            return self.graphs(*tensors)
         return self.artifact(*tensors)
 
 
@@ -139,6 +149,104 @@ def compile_program(program, backend: str, example_inputs=None, samples: Sequenc
     if backend == "eager":
         return eager_program(program.gm)
     if backend == "inductor":
-        return inductor_program(program.gm, example_inputs, f"the order-{program.order} {program.direction} program",
-                                samples=samples)
+        label = f"the order-{program.order} {program.direction} program"
+        compiled = inductor_program(program.gm, example_inputs, label, samples=samples)
+        if _on_cuda(example_inputs) and graphs_suit(program.gm, label):
+            compiled.graphs = CudaGraphs(compiled.artifact, label)
+        return compiled
     raise HoadError(f"unknown backend {backend!r}")
+
+
+def _on_cuda(tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors or ())
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+# A derivative program is a few dozen to a few hundred kernels on tensors of fixed shapes, each
+# launched from Python: at the sizes PINN and per-sample work has on a GPU (4096 points through a
+# 16-64-64-1 MLP) the launches, not the kernels, should take the time. Replayed from a CUDA graph,
+# the whole program is one launch. The graph keeps its intermediate memory between calls (a
+# private pool), so programs whose planned peak is above GRAPH_MAX_BYTES run as launched; so do
+# programs that write into their inputs (batch norm's running statistics), whose writes must
+# reach the caller's tensors, not the graph's copies of them.
+# HOAD_CUDA_GRAPHS=1 turns graphs on. They are off by default until they have been run and timed
+# on a GPU (tests/test_cuda.py, the "hoad graphs" column of python -m benchmarks --device cuda).
+GRAPH_MAX_BYTES = 1 << 30
+GRAPHS_KEPT = 4  # input layouts (sample counts) whose graphs one program keeps, the most recent
+
+
+def graphs_suit(gm: fx.GraphModule, label: str) -> bool:
+    if os.environ.get("HOAD_CUDA_GRAPHS", "0") != "1":
+        return False
+    if written_inputs(gm):
+        return False
+    peak = memory_plan(gm).peak
+    if peak > GRAPH_MAX_BYTES:
+        log.info("hoad: %s is launched without a CUDA graph: its planned peak %s is over %s", label, human(peak),
+                 human(GRAPH_MAX_BYTES))
+        return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class CudaGraphs:
+    """Runs a compiled program by replaying a CUDA graph of it, one per layout of its inputs.
+
+    Each call copies the caller's tensors into the graph's inputs (one multi-tensor copy), replays
+    the graph, and copies its results out into fresh tensors (one more): results are the caller's
+    own, never overwritten by a later call, and every input is read afresh at each call (a weight
+    updated in place, a new batch of points). A program that cannot be captured (an operation a
+    graph may not hold) is run as launched from then on, with a warning."""
+
+    def __init__(self, fn: Callable, label: str):
+        self.fn, self.label = fn, label
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.broken: str | None = None  # why capture failed: the program runs as launched
+
+    def __call__(self, *tensors):
+        if self.broken is not None or not all(type(t) in _PLAIN and t.is_cuda for t in tensors) \
+                or torch.cuda.is_current_stream_capturing():  # (fake or traced tensors, another capture)
+            return self.fn(*tensors)
+        key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(tensors)
+            if entry is None:
+                return self.fn(*tensors)
+            self.graphs[key] = entry
+            while len(self.graphs) > GRAPHS_KEPT:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        graph, inputs, outputs = entry
+        if inputs:
+            torch._foreach_copy_(inputs, list(tensors))
+        graph.replay()
+        fresh = [torch.empty_like(o) for o in outputs]
+        if fresh:
+            torch._foreach_copy_(fresh, outputs)
+        return tuple(fresh)
+
+    def _capture(self, tensors) -> tuple | None:
+        device = tensors[0].device if tensors else torch.device("cuda")
+        try:
+            with torch.no_grad(), torch.cuda.device(device):
+                inputs = [t.clone() for t in tensors]
+                side = torch.cuda.Stream()  # warm up off the caller's stream, as capture requires
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.fn(*inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outputs = self.fn(*inputs)
+            if not isinstance(outputs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outputs):
+                raise TypeError(f"the program returned {type(outputs).__name__}, not a tuple of tensors")
+        except Exception as e:  # noqa: BLE001 - a program a graph cannot hold still runs, launched
+            self.broken = f"{type(e).__name__}: {e}"
+            self.graphs.clear()
+            log.warning("hoad: %s runs without a CUDA graph (capturing it failed: %s)", self.label, self.broken)
+            return None
+        return graph, inputs, list(outputs)

@@ -128,3 +128,72 @@ def test_a_training_step_on_cuda(dtype):
         results[device] = [p.grad if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
     for got, ref in zip(results["cuda"], results["cpu"]):
         _close(got, ref, dtype, "parameter gradient")
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+def _graphs_of(compiled) -> list:
+    """The CUDA-graph runners of a compiled function's programs (hoad.passes.compile.CudaGraphs)."""
+    return [entry.build.main.graphs for entry in compiled._cache.values()
+            if getattr(entry.build.main, "graphs", None) is not None]
+
+
+def test_inductor_programs_replay_cuda_graphs_with_fresh_results(monkeypatch):
+    """A compiled program on CUDA is replayed from a CUDA graph: its results equal the launched
+    program's, a later call never overwrites an earlier call's results, and a weight updated in
+    place, new points and a new number of points are all read afresh."""
+    monkeypatch.setenv("HOAD_CUDA_GRAPHS", "1")
+    g = torch.Generator().manual_seed(3)
+    W1 = (torch.randn(3, 32, generator=g, dtype=torch.float64) / 2).cuda()
+    W2 = (torch.randn(32, 1, generator=g, dtype=torch.float64) / 4).cuda()
+
+    def u(x):
+        return (torch.tanh(x @ W1) @ W2).squeeze(-1)
+
+    def truth(X):
+        cf = hoad.compile(u, order=2, batch_dim=0, backend="eager")
+        return cf(X)
+
+    cf = hoad.compile(u, order=2, batch_dim=0, backend="inductor")
+    X1 = torch.randn(64, 3, generator=g, dtype=torch.float64).cuda()
+    X2 = torch.randn(64, 3, generator=g, dtype=torch.float64).cuda()
+    first = cf(X1)
+    H1 = first[0, 0].clone()
+    torch.testing.assert_close(first[0, 0], truth(X1)[0, 0], rtol=1e-12, atol=1e-12)
+    runners = _graphs_of(cf)
+    assert runners and all(r.broken is None for r in runners), [r.broken for r in runners]
+    assert sum(len(r.graphs) for r in runners) == 1
+    second = cf(X2)
+    torch.testing.assert_close(second[0, 0], truth(X2)[0, 0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(first[0, 0], H1), "a later call overwrote an earlier call's results"
+    W1.mul_(1.5)  # in place: the graph reads its copy of the weight afresh
+    torch.testing.assert_close(cf(X2)[0, 0], truth(X2)[0, 0], rtol=1e-12, atol=1e-12)
+    X3 = torch.randn(40, 3, generator=g, dtype=torch.float64).cuda()  # another count: another graph
+    torch.testing.assert_close(cf(X3)[0, 0], truth(X3)[0, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cf(X3).value, u(X3), rtol=1e-12, atol=1e-12)
+
+
+def test_cuda_graphs_are_off_by_default(monkeypatch):
+    monkeypatch.delenv("HOAD_CUDA_GRAPHS", raising=False)
+    W = torch.randn(4, 4, dtype=torch.float64, device="cuda")
+    cf = hoad.compile(lambda x: torch.sin(x @ W).sum(), order=2, backend="inductor")
+    x = torch.randn(4, dtype=torch.float64, device="cuda")
+    res = cf(x)
+    assert not _graphs_of(cf)
+    ref = torch.func.hessian(lambda x: torch.sin(x @ W).sum())(x)
+    torch.testing.assert_close(res[0, 0], ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_program_writing_its_inputs_is_not_graphed(monkeypatch):
+    """Batch norm in training mode writes its running statistics: those writes must reach the
+    module's buffers, which a graph's copies of them would not."""
+    monkeypatch.setenv("HOAD_CUDA_GRAPHS", "1")
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).to("cuda", torch.float64)
+    twin = torch.nn.BatchNorm1d(3).to("cuda", torch.float64)
+    X = torch.randn(16, 3, dtype=torch.float64, device="cuda")
+    cf = hoad.compile(lambda x: bn(x).tanh().sum(), order=2, backend="inductor")
+    cf(X)
+    twin(X)
+    torch.testing.assert_close(bn.running_mean, twin.running_mean)
+    torch.testing.assert_close(bn.running_var, twin.running_var)
+    assert not _graphs_of(cf)
