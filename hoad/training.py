@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from hoad.errors import CompileError, ExecutionError
-from hoad.lowering.inductor import hoad_inductor, use_cache_dir
+from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.lower import OrientProducts
@@ -119,6 +119,9 @@ class Trainable:
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
+        problem = cpu_codegen_problem(inputs)
+        if problem is not None:
+            raise CompileError(problem)
         use_cache_dir()
         # only the sample count is a symbol: with every size one (duck-sized), a backward whose
         # inputs carry only a product of two sizes failed in Inductor's codegen (an [B, N, d] input)

@@ -452,6 +452,10 @@ def _raise_capture_error(e: Exception) -> None:
             f"{_at(user_frame(e.__traceback__))}; one derivative program must serve every input value. Compute it "
             "with ops of fixed output shapes (for least squares: torch.linalg.solve of the normal equations, or "
             "torch.linalg.pinv)") from e
+    if isinstance(e, NotImplementedError) and "torch._C.Generator" in str(e):  # (torch 2.11's fake tensors)
+        raise RandomnessError(
+            f"the function draws random numbers from an explicit torch.Generator{_at(user_frame(e.__traceback__))}; "
+            "a derivative program must be deterministic. Pass the noise in as an argument.") from e
     if "custom_function_call" in str(e) or "autograd.Function with functorch" in str(e):
         if any("checkpoint" in line for line in traceback.format_tb(e.__traceback__)):
             raise CaptureError(

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from hoad.errors import CompileError, HoadError
-from hoad.lowering.inductor import INDUCTOR_OPTIONS, hoad_inductor, use_cache_dir
+from hoad.lowering.inductor import INDUCTOR_OPTIONS, cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, memory_plan
@@ -72,6 +72,9 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
                      samples: Sequence[int] = ()):
     """Compile ``gm`` with Inductor for inputs shaped like ``example_inputs``; dim 0 of the inputs
     at ``samples`` is a symbol (one program for every number of samples, :mod:`hoad.passes.dynamic`)."""
+    problem = cpu_codegen_problem(example_inputs)
+    if problem is not None:
+        raise CompileError(problem)
     fake = None
     if samples:
         example_inputs, fake = symbolic_inputs(example_inputs, samples)

@@ -267,3 +267,14 @@ def test_strided_inputs_are_copied_dense():
     cf(base[:, :3])
     Wt = rand(3, 4, seed=35)  # rebound to a dense weight of the same shape: built again, not misread
     assert_same(cf(base[:, :3]), ref(base[:, :3]))
+
+
+def test_cpu_programs_are_refused_under_a_torch_whose_codegen_is_unchecked(monkeypatch):
+    """torch 2.11's C++ codegen corrupts the heap on some of hoad's CPU programs: a CompileError
+    naming the way out, before anything is compiled (the CUDA codegen is not concerned)."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cpu")
+    cf = hoad.compile(lambda x: x.sin().sum(), order=2, backend="inductor")
+    with pytest.raises(hoad.CompileError, match=r"torch >= 2\.13.*backend='eager'"):
+        cf(torch.randn(3, dtype=torch.float64))
+    eager = hoad.compile(lambda x: x.sin().sum(), order=2, backend="eager")(torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(eager[0, 0], torch.zeros(3, 3, dtype=torch.float64))

@@ -57,6 +57,27 @@ from hoad.lowering import kernels
 SMALL_MATRIX = 64
 TINY_PRODUCT = 1 << 16
 
+# The torch releases whose C++ codegen hoad's CPU programs have been checked on. torch 2.11's
+# corrupts the heap on some of them (a PINN's one-program training step aborted with "invalid
+# fastbin entry"; a backward through a compiled order-2 program gave NaN), with hoad's Inductor
+# hooks or without them; its Triton (CUDA) codegen is another matter.
+CPU_CODEGEN_CHECKED = (2, 13)
+
+
+def cpu_codegen_problem(tensors) -> str | None:
+    """Why Inductor may not compile a program on these (example) tensors for the CPU under this
+    torch; None where it may (a CUDA program, or a torch whose C++ codegen has been checked)."""
+    from torch.torch_version import TorchVersion
+
+    if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
+        return None
+    if TorchVersion(torch.__version__) >= CPU_CODEGEN_CHECKED:
+        return None
+    return (f"hoad's CPU programs under Inductor need torch >= {'.'.join(map(str, CPU_CODEGEN_CHECKED))}: "
+            f"torch {torch.__version__}'s C++ codegen corrupts memory on some of them (a crash, or NaN "
+            "derivatives). Pass backend='eager' (the same program, not compiled), or install torch 2.13")
+
+
 # cpp_wrapper: the compiled program calls its kernels from C++ rather than Python, which cuts
 # ~30% off small programs (order-2 MLP Hessian at a point: 38 -> 27 µs per call here).
 INDUCTOR_OPTIONS = {"cpp_wrapper": True}
