@@ -207,29 +207,39 @@ class CudaGraphs:
         self.fn, self.label = fn, label
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.broken: str | None = None  # why capture failed: the program runs as launched
+        # calls from several threads (or streams) share the graphs' input and output buffers: each
+        # call's work is queued under the lock, after the previous call's has run (its event)
+        self.lock = threading.Lock()
+        self.done: torch.cuda.Event | None = None
 
     def __call__(self, *tensors):
-        if self.broken is not None or not all(type(t) in _PLAIN and t.is_cuda for t in tensors) \
+        if self.broken is not None or not tensors or not all(type(t) in _PLAIN and t.is_cuda for t in tensors) \
                 or torch.cuda.is_current_stream_capturing():  # (fake or traced tensors, another capture)
             return self.fn(*tensors)
         key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(tensors)
+        with self.lock:
+            entry = self.graphs.get(key)
             if entry is None:
-                return self.fn(*tensors)
-            self.graphs[key] = entry
-            while len(self.graphs) > GRAPHS_KEPT:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
-        graph, inputs, outputs = entry
-        if inputs:
-            torch._foreach_copy_(inputs, list(tensors))
-        graph.replay()
-        fresh = [torch.empty_like(o) for o in outputs]
-        if fresh:
-            torch._foreach_copy_(fresh, outputs)
+                entry = self._capture(tensors)
+                if entry is None:
+                    return self.fn(*tensors)
+                self.graphs[key] = entry
+                while len(self.graphs) > GRAPHS_KEPT:
+                    self.graphs.popitem(last=False)
+            else:
+                self.graphs.move_to_end(key)
+            graph, inputs, outputs = entry
+            stream = torch.cuda.current_stream(tensors[0].device)
+            if self.done is not None:
+                stream.wait_event(self.done)
+            if inputs:
+                torch._foreach_copy_(inputs, list(tensors))
+            graph.replay()
+            fresh = [torch.empty_like(o) for o in outputs]
+            if fresh:
+                torch._foreach_copy_(fresh, outputs)
+            self.done = torch.cuda.Event()
+            self.done.record(stream)
         return tuple(fresh)
 
     def _capture(self, tensors) -> tuple | None:
@@ -243,7 +253,7 @@ class CudaGraphs:
                     self.fn(*inputs)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (other threads may run)
                     outputs = self.fn(*inputs)
             if not isinstance(outputs, (tuple, list)) or not all(isinstance(o, torch.Tensor) for o in outputs):
                 raise TypeError(f"the program returned {type(outputs).__name__}, not a tuple of tensors")
