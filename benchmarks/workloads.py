@@ -326,6 +326,7 @@ WORKLOADS: list[Workload] = [
     *(TRAIN_WORKLOADS := _train_workloads()),
 ]
 
+
 def _cuda_operator_workloads() -> list[Workload]:
     """Issue 16's operators at GPU sizes: 4096 points (1024 for the biharmonics, whose float64
     torch.func reference holds a [N, D, D, D, width] intermediate)."""
@@ -381,8 +382,9 @@ def get(workload_id: str) -> Workload:
 
 def select(quick: bool, only: str | None = None, device: str = "cpu") -> list[Workload]:
     """The workloads a run measures on ``device``: all, or the quick ones; filtered by an id
-    substring (or any of several, comma-separated). ``--quick --only S`` where no quick workload matches S runs the ones that do, with
-    --quick's short timing (and no torch.compile peers unless the workload compiles in --quick)."""
+    substring (or any of several, comma-separated). ``--quick --only S`` where no quick workload
+    matches S runs the ones that do, with --quick's short timing (and no torch.compile peers unless
+    the workload compiles in --quick)."""
     suite = CUDA_WORKLOADS if device == "cuda" else WORKLOADS
     matching = [w for w in suite if not only or any(part in w.id for part in only.split(","))]
     return [w for w in matching if w.quick or not quick] or (matching if only else [])
