@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -365,12 +366,8 @@ def _hoad_operator(p: OperatorProblem, backend: str, graphs: bool = False) -> Ca
         op = hoad.laplacian(p.net.u, batch_dim=0, backend=backend, **kwargs)
         answer = _with_mode(lambda: {"laplacian": op(p.X).laplacian}, op.compiled)
     if graphs:
-        before = os.environ.get("HOAD_CUDA_GRAPHS")
-        os.environ["HOAD_CUDA_GRAPHS"] = "1"
-        try:
+        with mock.patch.dict(os.environ, HOAD_CUDA_GRAPHS="1"):
             answer()
-        finally:
-            os.environ.pop("HOAD_CUDA_GRAPHS") if before is None else os.environ.update(HOAD_CUDA_GRAPHS=before)
     return answer
 
 
