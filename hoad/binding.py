@@ -401,11 +401,29 @@ def find_guards(roots: dict) -> list[Guard]:
                     v = inspect.getattr_static(obj, name)
                 except AttributeError:
                     continue
-                if _is_scalar(v) and not any(step == ("attr", name) for step, _ in kept):
-                    kept.append((("attr", name), v))
+                if not _is_scalar(v) or any(step == ("attr", name) for step, _ in kept):
+                    continue
+                if _serves_attributes(type(obj)):
+                    # the class default is not what the code reads: the instance serves the name
+                    # itself (OpInfo's dtypesIfCUDA, None on the class, comes from a dict), so the
+                    # guard holds the value a read returns, as its check reads it
+                    try:
+                        v = getattr(obj, name)
+                    except Exception:  # noqa: BLE001 - a read that raises: nothing to watch
+                        continue
+                    if not _is_scalar(v):
+                        continue
+                kept.append((("attr", name), v))
         if kept:
             guards.append(Guard(source, tuple(kept)))
     return guards
+
+
+def _serves_attributes(cls: type) -> bool:
+    """Whether instances of ``cls`` compute what every attribute read returns (their class
+    defines ``__getattribute__``), so a class attribute found statically may not be the value the
+    code reads (``__getattr__`` runs only for names not found, so a class attribute wins over it)."""
+    return cls.__getattribute__ is not object.__getattribute__
 
 
 def _hooks(m: torch.nn.Module) -> tuple:

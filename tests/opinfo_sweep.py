@@ -22,6 +22,11 @@ over its samples and directions:
                  non-floating or complex output, or no reference (torch.func raises at order 1,
                  or the value or gradient is not finite)
 
+Each op is called two ways: as ``op.op`` (the function OpInfo wraps) and through the OpInfo
+object's own ``__call__``, so the traced function closes over the OpInfo and hoad's guards read
+its attributes (``VIA``: by default the forward direction goes through ``op.op`` and the reverse
+one through ``OpInfo.__call__``; ``--via op`` or ``--via opinfo`` takes one way for both).
+
 Samples: the OpInfo's own, the small ones first (see pick_samples); a skipped sample makes room
 for the next candidate. Ops whose samples are all too large (the elementwise ops' only sample is
 20x20) get them narrowed to the first few entries along every dim. Everything is seeded.
@@ -62,6 +67,10 @@ SCAN_SAMPLES = 64       # at most this many samples of an op are looked at
 MODES = ("forward", "reverse")
 RTOL = 1e-7
 TIMEOUT_S = 120         # per sample and mode (trace + run); a timeout is a crash
+# how each direction calls the op: "op" (op.op) or "opinfo" (OpInfo.__call__); see the docstring
+VIA = {"mixed": {"forward": "op", "reverse": "opinfo", "auto": "opinfo"},
+       "op": {"forward": "op", "reverse": "op", "auto": "op"},
+       "opinfo": {"forward": "opinfo", "reverse": "opinfo", "auto": "opinfo"}}
 
 STATUSES = ("exact", "unsupported", "refused", "wrong", "crash", "skipped")
 # worst first: silently wrong numbers are worse than a crash, a crash worse than a clear refusal
@@ -121,6 +130,10 @@ class Sample:
     desc: str
     args: tuple = ()
     kwargs: dict = dataclasses.field(default_factory=dict)
+    # the same call through the OpInfo object itself (OpInfo.__call__): the function then closes
+    # over the OpInfo, whose attributes hoad's guards read (a class default the instance serves
+    # through __getattribute__, say)
+    call_opinfo: object = None
 
 
 def _desc(t) -> str:
@@ -155,9 +168,13 @@ def _sample_to(op, sample) -> Sample | None:
         first = kind([x, *rest]) if listy else x
         return post(wrapper(fn, first, *args, **kwargs))
 
+    def call_opinfo(x):
+        first = kind([x, *rest]) if listy else x
+        return post(wrapper(op, first, *args, **kwargs))
+
     parts = [_desc(list(inp) if listy else inp)] + [_desc(a) for a in args]
     parts += [f"{k}={_desc(v)}" for k, v in kwargs.items()]
-    return Sample(x, call, "(" + ", ".join(parts) + ")", tuple(args), dict(kwargs))
+    return Sample(x, call, "(" + ", ".join(parts) + ")", tuple(args), dict(kwargs), call_opinfo)
 
 
 def _seed(name: str, salt: str = "") -> int:
@@ -422,7 +439,7 @@ class OpResult:
         return max((r.order for r in self.samples if r.status != "skipped"), default=0)
 
 
-def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S) -> SampleResult:
+def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S, via="mixed") -> SampleResult:
     x = sample.x
     order = 3 if x.numel() <= ORDER3_NUMEL else 2
     seed = _seed(name, f"w{index}")
@@ -431,6 +448,11 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S) -> SampleRes
             g, why = make_g(sample.call, x, seed)
     except Exception as e:  # noqa: BLE001 - the op itself fails on this sample
         return SampleResult(sample.desc, "skipped", f"op fails: {_short(e, 100)}", order)
+    try:
+        with time_limit(timeout):
+            g_opinfo, _ = make_g(sample.call_opinfo, x, seed)
+    except Exception:  # noqa: BLE001 - a gradcheck wrapper that needs the function (its __name__): op.op only
+        g_opinfo = g
     if g is None:
         return SampleResult(sample.desc, "skipped", f"not-differentiable: {why}", order)
     # the reference (or its plain-op stand-in) and the value
@@ -462,7 +484,8 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S) -> SampleRes
         try:
             with time_limit(timeout), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                res = hoad.compile(g, order=order, backend="eager", mode=mode)(x)
+                traced = g_opinfo if VIA[via][mode] == "opinfo" else g
+                res = hoad.compile(traced, order=order, backend="eager", mode=mode)(x)
                 problems = []
                 bad = compare(res.value, value, g.rtol)
                 if bad:
@@ -472,19 +495,21 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S) -> SampleRes
                     if bad:
                         problems.append(f"order {k}: {bad}")
                         break
-            r = SampleResult(sample.desc, "wrong", f"{mode}: " + "; ".join(problems), order) if problems else \
+            how = f"{mode} via {VIA[via][mode]}"
+            r = SampleResult(sample.desc, "wrong", f"{how}: " + "; ".join(problems), order) if problems else \
                 SampleResult(sample.desc, "exact", "", order)
         except Exception as e:  # noqa: BLE001 - classified
             status, reason = classify_exception(e)
-            r = SampleResult(sample.desc, status, reason if status == "unsupported" else f"{mode}: {reason}", order)
+            how = f"{mode} via {VIA[via][mode]}"
+            r = SampleResult(sample.desc, status, reason if status == "unsupported" else f"{how}: {reason}", order)
         if _SEVERITY[r.status] > _SEVERITY[worst.status]:
             worst = r
-        if r.status in ("unsupported", "refused"):
-            break  # the other direction captures the same graph
+        if r.status in ("unsupported", "refused") and VIA[via][mode] == "opinfo":
+            break  # the other direction captures the same graph (and reads the OpInfo no more)
     return worst
 
 
-def run_op(op, modes=MODES, timeout=TIMEOUT_S) -> OpResult:
+def run_op(op, modes=MODES, timeout=TIMEOUT_S, via="mixed") -> OpResult:
     name = op_name(op)
     t0 = time.perf_counter()
     try:
@@ -493,7 +518,7 @@ def run_op(op, modes=MODES, timeout=TIMEOUT_S) -> OpResult:
         return OpResult(name, "skipped", f"sample_inputs fails: {_short(e, 100)}", [], time.perf_counter() - t0)
     results, used = [], 0
     for i, s in enumerate(samples):  # a skipped sample (no reference, say) makes room for the next
-        r = run_sample(name, i, s, modes, timeout)
+        r = run_sample(name, i, s, modes, timeout, via)
         results.append(r)
         used += r.status != "skipped"
         if used == SAMPLES_PER_OP:
@@ -512,7 +537,7 @@ def run_op(op, modes=MODES, timeout=TIMEOUT_S) -> OpResult:
     return OpResult(name, worst.status, reason, results, dt)
 
 
-def sweep(names=None, modes=MODES, timeout=TIMEOUT_S, progress=None):
+def sweep(names=None, modes=MODES, timeout=TIMEOUT_S, progress=None, via="mixed"):
     """Run every eligible op (or those named) and return their OpResults, sorted by name. One
     thread; the global RNG state and thread count are restored afterwards."""
     threads = torch.get_num_threads()
@@ -520,12 +545,12 @@ def sweep(names=None, modes=MODES, timeout=TIMEOUT_S, progress=None):
     try:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # op_db's samples and ops warn a lot
-            return _sweep(names, modes, timeout, progress)
+            return _sweep(names, modes, timeout, progress, via)
     finally:
         torch.set_num_threads(threads)
 
 
-def _sweep(names, modes, timeout, progress):
+def _sweep(names, modes, timeout, progress, via):
     ops = eligible_ops()
     if names is not None:
         wanted = set(names)
@@ -535,7 +560,7 @@ def _sweep(names, modes, timeout, progress):
         ops = [o for o in ops if op_name(o) in wanted]
     results = []
     for op in ops:
-        r = run_op(op, modes, timeout)
+        r = run_op(op, modes, timeout, via)
         results.append(r)
         if progress:
             progress(r)
@@ -939,6 +964,8 @@ def main(argv=None):
     p.add_argument("--mode", action="append", choices=["forward", "reverse", "auto"],
                    help="directions to check (default: forward and reverse)")
     p.add_argument("--timeout", type=int, default=TIMEOUT_S)
+    p.add_argument("--via", choices=sorted(VIA), default="mixed",
+                   help="call the op as op.op, through OpInfo.__call__, or mixed (forward: op.op, reverse: OpInfo)")
     p.add_argument("--write-expected", metavar="PATH")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--check-plain", action="store_true",
@@ -955,7 +982,7 @@ def main(argv=None):
         if not a.quiet:
             print(format_row(r), file=sys.stderr, flush=True)
 
-    results = sweep(names, tuple(a.mode or MODES), a.timeout, progress)
+    results = sweep(names, tuple(a.mode or MODES), a.timeout, progress, a.via)
     print(format_table(results))
     print(f"\n{time.perf_counter() - t0:.0f} s")
     if a.write_expected:

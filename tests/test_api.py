@@ -4,6 +4,7 @@ References are nested torch.func in float64 (``helpers.reference``) or plain mat
 is derived from hoad's own output.
 """
 
+import functools
 import itertools
 import math
 import platform
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.fx as fx
-from torch.func import jacfwd, jacrev
+from torch.func import hessian, jacfwd, jacrev
 
 import hoad
 from hoad.lowering import malloc
@@ -593,3 +594,82 @@ def test_torch_export_of_a_module_that_calls_hoad():
 
     exported = torch.export.export(Hessian(), (x,))
     torch.testing.assert_close(exported.module()(x), torch.diag(-x.sin()))
+
+
+# ------------------------------------------------------------------ lazily computed attributes
+class _ServedDefault:
+    """An attribute the class defaults to None that instances serve from a table of their own
+    (OpInfo's dtypesIfCUDA): the value a read returns is not the class default."""
+
+    scale = None
+
+    def __init__(self):
+        object.__setattr__(self, "table", {"scale": 2.0})
+
+    def __getattribute__(self, name):
+        if name == "scale":
+            return object.__getattribute__(self, "table")["scale"]
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name, value):
+        if name == "scale":
+            self.table["scale"] = value
+        else:
+            object.__setattr__(self, name, value)
+
+
+class _Cached:
+    @functools.cached_property
+    def scale(self):
+        return 3.0
+
+
+class _LazyScale:
+    def __init__(self):
+        self._scale = None
+
+    @property
+    def scale(self):
+        if self._scale is None:  # computed on the first read
+            self._scale = 1.5
+        return self._scale
+
+
+class _Memo:
+    def __init__(self):
+        self.memo = {}
+
+    def scale(self):
+        return self.memo.setdefault("scale", 2.5)
+
+
+@pytest.mark.parametrize("make, read", [
+    (_ServedDefault, lambda o: o.scale), (_Cached, lambda o: o.scale), (_LazyScale, lambda o: o.scale),
+    (_Memo, lambda o: o.scale()),
+], ids=["served by __getattribute__", "cached_property", "lazy property", "memoised method"])
+def test_values_computed_on_their_first_read_compile_once(make, read):
+    """A value that settles on its first read is read in the trace and guarded as read: the
+    program runs, matches torch, and a second call traces nothing."""
+    obj = make()
+
+    def f(x):
+        return (read(obj) * x.sin()).sum()
+
+    cf = hoad.compile(f, order=2)
+    x = rand(3, seed=60)
+    assert_close(cf(x)[0, 0], hessian(f)(x), "first call")
+    assert_close(cf(x)[0, 0], hessian(f)(x), "second call")
+    assert len(cf._cache) == 1
+
+
+def test_a_value_served_by_getattribute_is_watched_for_changes():
+    obj = _ServedDefault()
+
+    def f(x):
+        return (obj.scale * x.sin()).sum()
+
+    cf = hoad.compile(f, order=1)
+    x = rand(3, seed=61)
+    cf(x)
+    obj.scale = 5.0  # the instance's table changes: the program traced with 2.0 is stale
+    assert_close(cf(x)[0], torch.func.grad(f)(x), "after the served value changed")
