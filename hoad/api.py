@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
-                          positional_names)
+                          positional_names, untouched)
 from hoad.algebra import Target
 from hoad.rules import EDITS, USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
@@ -447,10 +447,10 @@ class Compiled(Rebuilt):
         value = blocks = first = None
         at = 0
         for i, (a, k, kept) in enumerate(chunks):
-            r = self._call(*a, **k)
-            if i == 0:
-                self._check_count_free()
-                self._check_joined_size(len(chunks), total)
+            r, entry = self._call_entry(*a, **k)
+            if i == 0:  # (this call's program: another thread's calls move _last)
+                self._check_count_free(entry)
+                self._check_joined_size(entry, len(chunks), total)
                 first = r
                 value = r.value.new_empty((total, *r.value.shape[1:]))
                 blocks = {K: b.new_empty((total, *b.shape[1:])) for K, b in r._blocks.items()}
@@ -460,10 +460,10 @@ class Compiled(Rebuilt):
             at += kept
         return Derivatives(value, blocks, first._spec)
 
-    def _check_count_free(self) -> None:
+    def _check_count_free(self, entry: _Entry) -> None:
         """Chunks change what the function sees as its number of samples: refuse one that computes
         with it (a per-sample loss divided by X.shape[0] was off by the samples over chunk_size)."""
-        b = self._last.build
+        b = entry.build
         if "count_free" not in b.stats:
             b.stats["count_free"] = same_at_count(b, b.captured.out_shape[0] + 1)
         if not b.stats["count_free"]:
@@ -473,16 +473,16 @@ class Compiled(Rebuilt):
                 "change its results. Divide by the total outside the function, pass the count as an argument, or "
                 "drop chunk_size")
 
-    def _check_joined_size(self, chunks: int, samples: int) -> None:
+    def _check_joined_size(self, entry: _Entry, chunks: int, samples: int) -> None:
         """The joined results must fit, whatever the size of one chunk's program."""
-        memory = self._last.build.stats.get("memory") if self._last is not None else None
+        memory = entry.build.stats.get("memory")
         if not memory or memory["budget"] is None:
             return
         plan, budget = memory["plan"], memory["budget"]
         results = plan.results * chunks
         total = results + plan.peak  # (the joined results, and one chunk's program)
         if total > budget:
-            n, shared = self.config.chunk_size, self._last.build.shared_bytes
+            n, shared = self.config.chunk_size, entry.build.shared_bytes
             fit = samples_that_fit(samples, plan.results / n, (plan.peak - shared) / n, budget, shared)
             ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(self.config)
             raise MemoryBudgetError(
@@ -491,19 +491,24 @@ class Compiled(Rebuilt):
                 f"Ways out: {'; '.join(ways + ['fewer samples per call', 'a larger memory_budget'])}")
 
     def _call(self, *args, **kwargs) -> Derivatives:
+        return self._call_entry(*args, **kwargs)[0]
+
+    def _call_entry(self, *args, **kwargs) -> tuple[Derivatives, _Entry]:
+        """The call's results and the program that computed them."""
         if self._method:
             raise InvalidArgumentError(
                 f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
                 "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
         nested = get_proxy_mode() is not None  # inside another hoad.compile's trace
         if self._edits != EDITS[0]:  # a rule was registered or removed: every program may change
-            if self._cache:
-                log.info("hoad: %s: derivative rules were registered or removed; tracing again",
-                         getattr(self.fn, "__name__", "function"))
-            self._cache.clear()
-            self._twins.clear()
-            self._families.clear()
-            self._edits = EDITS[0]
+            with BUILDS:  # (not while another thread builds into these tables)
+                if self._cache:
+                    log.info("hoad: %s: derivative rules were registered or removed; tracing again",
+                             getattr(self.fn, "__name__", "function"))
+                self._cache.clear()
+                self._twins.clear()
+                self._families.clear()
+                self._edits = EDITS[0]
         for i, a in enumerate((*args, *kwargs.values())):
             if isinstance(a, torch.Tensor) and (a.is_nested or a.layout is not torch.strided):  # (before the cache)
                 name = (self._positional[i] if i < len(self._positional) else f"argument {i}") if i < len(args) \
@@ -526,7 +531,7 @@ class Compiled(Rebuilt):
                 free = entry.read_free()
                 if free is not None:
                     self._last = entry
-                    return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free)
+                    return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
         else:
             key = None
         extra: tuple = ()
@@ -577,11 +582,16 @@ class Compiled(Rebuilt):
                         del self._twins[next(iter(self._twins))]
                     free = entry.read_free()
                     if free is None:
-                        raise InvalidArgumentError("a tensor the function reads changed while it was being compiled")
+                        raise InvalidArgumentError(
+                            f"{name_of(self.fn)}: {entry.why} between the trace and the check that follows it: "
+                            "the program keeps what the trace read, and a value that is not the same at two reads "
+                            "in a row (a property computed anew at each read, a counter, another thread's writes) "
+                            "cannot be checked at later calls. Keep such a value in a tensor (read afresh at "
+                            "every call) or compute it once before the first call")
         if not nested:
             self._last = entry
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        return entry.result(tensors, free)
+        return entry.result(tensors, free), entry
 
     def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool) -> _Entry:
         """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
@@ -961,11 +971,32 @@ class _Entry:
         except HoadError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
+            own = self._own_failure(tensors)
+            if own is not None:
+                raise ExecutionError(
+                    f"{name_of(self.build.fn)} itself fails on these inputs ({type(own).__name__}: {_line(own)}), "
+                    f"so its derivative program does too ({type(e).__name__}: {_line(e)}). Fix the inputs (an "
+                    "index out of range, say) or the function; the program needs nothing else") from e
             raise ExecutionError(
-                f"the derivative program failed while running: {type(e).__name__}: {e}. If the function itself "
-                "fails on these inputs (an index out of range, say), the program does too; otherwise please "
-                "report it") from e
+                f"the derivative program of {name_of(self.build.fn)} failed while running ({type(e).__name__}: {e}), "
+                "although the function itself runs on these inputs: this is a bug in hoad, please report it with "
+                "the function") from e
         return self.spec.result(outs)
+
+    def _own_failure(self, tensors) -> Exception | None:
+        """What the traced function raises on these inputs (run eagerly, without gradients, its
+        small buffers restored), or None when it runs: tells a failure of the user's own code
+        from one of hoad's program."""
+        if get_proxy_mode() is not None:
+            return None
+        try:
+            with torch.no_grad(), untouched(self.roots):
+                self.build.layout.flat(self.build.fn)(*tensors[:self.n_user])
+        except HoadError:
+            return None
+        except Exception as e:  # noqa: BLE001 - the user's own error, reported with hoad's
+            return e
+        return None
 
     def _run(self, tensors) -> tuple:
         if get_proxy_mode() is not None:  # called inside another trace: its ops join that program
@@ -989,6 +1020,12 @@ class _Entry:
         if b.prefix is None:
             return b.main(*tensors)
         return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
+
+
+def _line(e: BaseException) -> str:
+    """An exception's first line (a compiled kernel's is its own message, without the source)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _check_written_aliases(tensors, written: set, names) -> None:

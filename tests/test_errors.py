@@ -2,6 +2,7 @@
 cause and the fix (STYLE.md "Errors"); never a bare KeyError/AssertionError/RuntimeError."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -44,6 +45,79 @@ def raises(exc, fn, *fragments):
 def test_every_error_is_a_hoad_error(cls):
     assert issubclass(cls, hoad.HoadError)
     assert issubclass(hoad.HoadError, Exception)
+
+
+class _Drifting:
+    """An attribute whose value is not the same at two reads in a row."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __getattribute__(self, name):
+        if name == "scale":
+            object.__setattr__(self, "reads", object.__getattribute__(self, "reads") + 1)
+            return float(object.__getattribute__(self, "reads"))
+        return object.__getattribute__(self, name)
+
+    scale = 1.0
+
+
+def _planted_compile_failure(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", broken)
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", broken)
+    return lambda: hoad.compile(lambda x: x.cos().exp().sum(), order=2, backend="inductor")(rand(4, seed=3))
+
+
+def _drifting():
+    obj = _Drifting()
+    return hoad.compile(lambda x: (obj.scale * x.sin()).sum(), order=2)(rand(3, seed=4))
+
+
+# every class a user can meet: a case, what its message must say caused it, and the way out it
+# must give (regexes); test_every_error_class_has_a_case keeps the table complete
+MESSAGES = {
+    hoad.InvalidArgumentError: (_drifting, r"obj\.scale changed \(\d\.0 -> \d\.0\)",
+                                r"Keep such a value in a tensor"),
+    hoad.CaptureError: (lambda: hoad.compile(lambda x: torch.autograd.grad(x.sin().sum(), x)[0].sum(), order=1)(
+        rand(3, seed=5).requires_grad_()), r"runs autograd itself", r"hoad\.compile|order"),
+    hoad.DataDependentControlFlowError: (lambda: hoad.compile(lambda x: x.sin() if x.sum() > 0 else x.cos(), order=1)(
+        rand(3, seed=6)), r"control flow .*depends on tensor values", r"torch\.where"),
+    hoad.RandomnessError: (lambda: hoad.compile(lambda x: F.dropout(x, 0.5).sum(), order=1)(rand(3, seed=7)),
+                           r"draws random numbers \(aten\.bernoulli", r"eval\(\) mode|pass the noise in"),
+    hoad.UnsupportedOperatorError: (lambda: hoad.compile(lambda x: torch.special.bessel_j0(x).sum(), order=1)(
+        rand(3, seed=8)), r"no derivative rule for aten\.special_bessel_j0", r"hoad\.register_"),
+    hoad.OutputError: (lambda: hoad.compile(lambda x: (x, x), order=1)(rand(3, seed=9)),
+                       r"must return a single tensor, got a tuple", r"stack them"),
+    hoad.BatchCouplingError: (lambda: hoad.compile(lambda x: (x - x.mean(0)).sin().sum(-1), order=2, batch_dim=0)(
+        rand(4, 3, seed=10)), r"aten\.mean\.dim .*mixes entries along the batch axis", r"drop batch_dim"),
+    hoad.MemoryBudgetError: (lambda: hoad.compile(lambda x: x.sin().sum(), order=3, memory_budget=1000)(
+        rand(200, seed=11)), r"over the memory budget of 1000 B", r"Ways out: .*a larger memory_budget"),
+    hoad.CompileError: (_planted_compile_failure, r"Inductor failed to compile .*planted", r"backend='eager'"),
+    hoad.ExecutionError: (lambda: hoad.compile(lambda x, i: x[i].sin().sum(), order=1)(
+        rand(3, seed=12), torch.tensor([0, 7])), r"itself fails on these inputs \(IndexError", r"Fix the inputs"),
+}
+
+
+@pytest.mark.parametrize("cls", list(MESSAGES), ids=lambda c: c.__name__)
+def test_each_error_class_names_its_cause_and_the_way_out(cls, monkeypatch):
+    case, cause, way_out = MESSAGES[cls]
+    if case is _planted_compile_failure:
+        case = case(monkeypatch)
+    with pytest.raises(hoad.HoadError) as info:
+        case()
+    assert type(info.value) is cls, f"expected {cls.__name__}, got {type(info.value).__name__}: {info.value}"
+    assert re.search(cause, str(info.value)), f"the cause ({cause}) is not named: {info.value}"
+    assert re.search(way_out, str(info.value)), f"no way out ({way_out}): {info.value}"
+
+
+def test_every_error_class_has_a_case():
+    import hoad.errors
+
+    classes = {c for c in vars(hoad.errors).values() if isinstance(c, type) and issubclass(c, hoad.HoadError)}
+    assert classes - {hoad.HoadError, hoad.HoadInternalError} == set(MESSAGES)
 
 
 def test_capture_errors_share_a_base():

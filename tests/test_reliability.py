@@ -71,6 +71,97 @@ def test_many_threads_build_and_call_concurrently(backend):
     assert not failures, f"{len(failures)} of 400 calls failed, e.g. {failures[0]}"
 
 
+# ------------------------------------------------------------------ first calls at mixed shapes
+# Fresh programs whose first calls come from 8 threads at once, each at its own shape and kind:
+# point Hessians and third-order tensors at several shapes (one program per shape), per-sample
+# Hessians dense and diagonal at several sample counts (the family that builds one program for
+# every count), a Laplacian operator, and a function closing over weights (its hoisted prefix).
+# The references are computed before the threads start: torch.func is not thread-safe (its
+# forward-AD levels are process-wide; computed inside 6 threads, 93 of 240 of its own Hessians
+# came out wrong or raised), so a reference taken in a thread can be the wrong side.
+MIXED_SHAPES = (2, 3, 4, 5, 7)
+
+
+def _mixed_kinds(backend):
+    W, V = rand(3, 5, seed=350), rand(5, seed=351)
+
+    def net(x):
+        return (x @ W).tanh() @ V
+
+    def cube(x):
+        return (x.tanh() ** 3).sum()
+
+    lap = hoad.laplacian(net, batch_dim=0, backend=backend)
+    kinds = {
+        "hessian": (hoad.compile(cube, order=2, backend=backend), lambda p, x: p(x)[0, 0], hessian(cube)),
+        "order 3": (hoad.compile(cube, order=3, backend=backend), lambda p, x: p(x)[0, 0, 0],
+                    jacrev(jacrev(jacrev(cube)))),
+        "per sample": (hoad.compile(net, order=2, batch_dim=0, backend=backend), lambda p, x: p(x)[0, 0],
+                       vmap(hessian(net))),
+        "diagonal": (hoad.compile(net, order=2, batch_dim=0, diagonal=True, backend=backend),
+                     lambda p, x: p(x)[0, 0], lambda X: vmap(hessian(net))(X).diagonal(dim1=-2, dim2=-1)),
+        "laplacian": (lap, lambda p, x: p(x).laplacian,
+                      lambda X: vmap(hessian(net))(X).diagonal(dim1=-2, dim2=-1).sum(-1)),
+        "weights": (hoad.compile(lambda x: (net(x) * (W ** 2).sum()).sin().sum(), order=2, backend=backend),
+                    lambda p, x: p(x)[0, 0], hessian(lambda x: (net(x) * (W ** 2).sum()).sin().sum())),
+    }
+    return kinds
+
+
+def _first_calls_race(backend, trials, threads=8, seed=0) -> tuple[int, list[str]]:
+    """(calls made, failures) over ``trials`` rounds of fresh programs."""
+    failures, calls = [], 0
+    pick = random.Random(seed)
+    for trial in range(trials):
+        kinds = _mixed_kinds(backend)
+        jobs = []
+        for _ in range(threads):
+            name = pick.choice(sorted(kinds))
+            x = rand(pick.choice(MIXED_SHAPES), 3, seed=pick.randrange(1 << 20))
+            jobs.append((name, x, kinds[name][2](x)))
+        start = threading.Barrier(threads)
+        got: list = [None] * threads
+
+        def worker(i):
+            name, x, _ = jobs[i]
+            program, block, _ = kinds[name]
+            start.wait()
+            try:
+                got[i] = block(program, x)
+            except Exception as e:  # noqa: BLE001 - collected and reported by the test
+                got[i] = e
+
+        pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        for (name, x, ref), out in zip(jobs, got):
+            calls += 1
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                assert_close(out, ref, f"{name} at {tuple(x.shape)}")
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"trial {trial}, {name} at {tuple(x.shape)}: {type(e).__name__}: {e}")
+    return calls, failures
+
+
+def test_first_calls_from_threads_at_mixed_shapes():
+    """40 rounds of 8 first calls: a race that spoils 1 round in 12 goes unseen with probability
+    (11/12)^40 < 3%."""
+    calls, failures = _first_calls_race("eager", trials=40)
+    assert not failures, f"{len(failures)} of {calls} calls failed, e.g. {failures[:3]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, trials", [("eager", 200), ("inductor", 20)])
+def test_first_calls_from_threads_at_mixed_shapes_many_rounds(backend, trials):
+    """200 rounds (eager): a 1-in-12 race goes unseen with probability (11/12)^200 < 1e-7."""
+    calls, failures = _first_calls_race(backend, trials, seed=1)
+    assert not failures, f"{len(failures)} of {calls} calls failed, e.g. {failures[:3]}"
+
+
 # ------------------------------------------------------------------------------------ nesting
 @pytest.mark.parametrize("inner_backend", ["eager", "inductor"])
 def test_a_program_inside_a_program_composes(inner_backend):

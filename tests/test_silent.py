@@ -371,9 +371,26 @@ def test_a_failure_at_run_time_is_an_execution_error():
 
     cf = hoad.compile(f, order=1)
     cf(rand(3), torch.tensor([0, 2]))
-    with pytest.raises(hoad.ExecutionError, match="failed while running") as info:
+    with pytest.raises(hoad.ExecutionError, match=r"f itself fails on these inputs \(IndexError: index 7 is out of "
+                                                  r"bounds.*Fix the inputs") as info:
         cf(rand(3), torch.tensor([0, 7]))
     assert info.value.__cause__ is not None
+
+
+def test_a_program_failure_where_the_function_runs_is_reported_as_hoads(monkeypatch):
+    """The function runs on these inputs, its program does not: hoad's bug, said so."""
+    cf = hoad.compile(lambda x: x.sin().sum(), order=1)
+    x = rand(3)
+    cf(x)
+    entry = next(iter(cf._cache.values()))
+
+    def broken(*tensors):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(entry, "run", broken)
+    with pytest.raises(hoad.ExecutionError, match=r"planted\), although the function itself runs on these inputs: "
+                                                  "this is a bug in hoad"):
+        cf(x)
 
 
 def test_an_internal_failure_names_the_node(monkeypatch):
