@@ -330,46 +330,134 @@ def _directions(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+# what hoad.biharmonic(u, directions=V) estimates (T = ∂⁴u, its slots along the rows v_s of V)
+ESTIMATORS = {
+    "pairs": "(1/(S(S-1))) Σ_{s≠t} T[v_s, v_s, v_t, v_t]: unbiased for independent directions with "
+             "E[v vᵀ] = I (Gaussian or Rademacher), S >= 2",
+    "gaussian": "(1/(3S)) Σ_s T[v_s, v_s, v_s, v_s] (torch-jet's): unbiased for standard Gaussian directions only",
+    "nested": "(1/S²) Σ_{s,t} T[v_s, v_s, v_t, v_t], the stochastic Laplacian over V applied twice: biased, "
+              "its mean is (1 + 2/S) Δ²u for Gaussian directions",
+}
+
+
 class Biharmonic(_Method):
     """``hoad.biharmonic(u, ...)``: Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j², the Laplacian of the Laplacian.
 
     The inner Laplacian is built as an eager program; the outer Laplacian differentiates that
     program (collapsed again), so Δ²u costs about a Laplacian over a Laplacian's jets, never the
     order-4 tensor. Returns an :class:`OperatorResult` with ``laplacian`` (Δu) and ``biharmonic``.
-    With ``directions=V`` both Laplacians are the stochastic ones over V: an unbiased estimate of
-    Δ²u for directions with E[v vᵀ] = I, exact for the given V. With ``weights=C`` (or
-    ``factor=L``) both are the weighted one, L_C u = tr(C ∇²u): the result is L_C(L_C u).
+    With ``weights=C`` (or ``factor=L``) both are the weighted one, L_C u = tr(C ∇²u): the result
+    is L_C(L_C u). With ``directions=V`` (S, *x) the result is a randomized estimate of Δ²u over
+    the rows v_s of V, the one ``estimator=`` names (:data:`ESTIMATORS`), exact for the given V:
+
+    - ``"pairs"`` (default): (1/(S(S-1))) Σ_{s≠t} ∂⁴u[v_s, v_s, v_t, v_t], unbiased for independent
+      directions with E[v vᵀ] = I, Gaussian or Rademacher (S >= 2). Two programs: the nested one
+      and the collapsed fourth-order one, combined.
+    - ``"gaussian"``: (1/(3S)) Σ_s ∂⁴u[v_s, v_s, v_s, v_s], torch-jet's, computed collapsed (one
+      program of order 4 that propagates one value per entry at order 4): unbiased for standard
+      Gaussian directions only. For Rademacher ones its mean is Δ²u - (2/3) Σ_i ∂⁴u/∂x_i⁴.
+    - ``"nested"``: (1/S²) Σ_{s,t} ∂⁴u[v_s, v_s, v_t, v_t], the stochastic Laplacian over V applied
+      twice. Biased: its mean is (1 + 2/S) Δ²u for Gaussian directions, and
+      Δ²u + (2/S) (Δ²u - Σ_i ∂⁴u/∂x_i⁴) for Rademacher ones.
+
+    ``.laplacian`` is then the unbiased stochastic Laplacian (1/S) Σ_s ∂²u[v_s, v_s].
     """
 
-    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
-                 mode="auto", chunk_size=None, memory_budget=None):
+    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, estimator=None,
+                 backend=None, mode="auto", chunk_size=None, memory_budget=None):
         self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                             backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
-        self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                               backend="eager", mode=mode, nestable=True, memory_budget=memory_budget)
-        inner = self.inner
+                             estimator=estimator, backend=backend, mode=mode, chunk_size=chunk_size,
+                             memory_budget=memory_budget)
+        if estimator is not None and directions is None:
+            raise InvalidArgumentError("estimator= chooses what a randomized biharmonic estimates: it needs "
+                                       "directions=V (S, *x); weights= and factor= are exact operators")
+        if directions is not None:
+            estimator = "pairs" if estimator is None else estimator
+            if estimator not in ESTIMATORS:
+                raise InvalidArgumentError(
+                    f"estimator must be one of {', '.join(map(repr, ESTIMATORS))}, got {estimator!r}: "
+                    + "; ".join(f"{k!r}: {v}" for k, v in ESTIMATORS.items()))
+            if estimator == "pairs":
+                _check_pairs(_directions(directions))
+        self.estimator = estimator
+        self.directions = directions
+        options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size,
+                       memory_budget=memory_budget)
+        self.inner = self.outer = self.fourth = None
+        if estimator != "gaussian":
+            self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
+                                   backend="eager", mode=mode, nestable=True, memory_budget=memory_budget)
+            inner = self.inner
 
-        def laplacian_of_u(*args, **kwargs):
-            return inner(*args, **kwargs).laplacian
+            def laplacian_of_u(*args, **kwargs):
+                return inner(*args, **kwargs).laplacian
 
-        laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
-        self.outer = Laplacian(laplacian_of_u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
-                               directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
-                               memory_budget=memory_budget)
-        self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
+            laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
+            self.outer = Laplacian(laplacian_of_u, wrt, weights=weights, factor=factor, directions=directions,
+                                   **options)
+            self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
+        if estimator in ("gaussian", "pairs"):
+            self.fourth = _FourthAlong(u, wrt, directions=directions, **options)
 
     @property
     def graph(self):
-        return self.outer.graph
+        """The program of the last call (the outer Laplacian's, or the fourth-order one's for
+        ``estimator="gaussian"``)."""
+        return (self.outer or self.fourth).graph
 
     def explain(self, *args, **kwargs):
-        """The outer Laplacian's explanation (its program runs the inner one's)."""
-        return self.outer.explain(*args, **kwargs)
+        """The outer Laplacian's explanation (its program runs the inner one's), or the
+        fourth-order program's for ``estimator="gaussian"``."""
+        return (self.outer or self.fourth).explain(*args, **kwargs)
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> OperatorResult:
+        if self.estimator == "gaussian":
+            lap, fourth = self.fourth(*args, **kwargs)
+            return OperatorResult(laplacian=lap, biharmonic=fourth / (3 * self.directions.shape[0]))
         res = self.outer(*args, **kwargs)
-        return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
+        if self.estimator != "pairs":
+            return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
+        s = _check_pairs(self.directions)
+        _, fourth = self.fourth(*args, **kwargs)
+        # Σ_{s,t} T[v_s, v_s, v_t, v_t] (S² times the nested estimate) less its S terms s = t
+        return OperatorResult(laplacian=res.value, biharmonic=(s * s * res.laplacian - fourth) / (s * (s - 1)))
+
+
+def _check_pairs(v: torch.Tensor) -> int:
+    if v.shape[0] < 2:
+        raise InvalidArgumentError(
+            f"estimator='pairs' averages over pairs of distinct directions and needs S >= 2, got V of shape "
+            f"{tuple(v.shape)}; pass more directions, or estimator='gaussian' for Gaussian ones")
+    return v.shape[0]
+
+
+class _FourthAlong(_Operator):
+    """Σ_s ∂⁴u[v_s, v_s, v_s, v_s] over the rows of V, collapsed (the direction label is summed
+    away as order 4 is formed), and the stochastic Laplacian (1/S) Σ_s ∂²u[v_s, v_s] beside it."""
+
+    def __init__(self, u, wrt, *, directions, batch_dim, backend, mode, chunk_size, memory_budget):
+        self._given = _directions(directions)
+        super().__init__(u, 4, wrt, batch_dim=batch_dim, directions=self._given, weights=_unit_weights(self._given),
+                         collapse=4, backend=backend, mode=mode, roots={"u": u}, chunk_size=chunk_size,
+                         memory_budget=memory_budget)
+
+    def _operator_tensors(self):
+        if self.weights.shape[0] != self._given.shape[0]:  # V resized in place
+            self.weights = _unit_weights(self._given)
+        return self._given, self.weights, "directions"
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        res = self.compiled(*args, **self._extra(args, kwargs))
+        p = res._position(self.wrt)
+        second = res._blocks.get((p, p))
+        lap = torch.zeros_like(res.value) if second is None else second.mean(-1)
+        fourth = res._blocks.get((p, p, p, p))
+        return lap, torch.zeros_like(res.value) if fourth is None else fourth
+
+
+def _unit_weights(v: torch.Tensor) -> torch.Tensor:
+    return torch.ones((v.shape[0],), dtype=torch.float64, device=v.device)
 
 
 def _signature(u):
@@ -475,17 +563,23 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
 
 
 def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
-               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None,
+               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, estimator: str | None = None,
                backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
                memory_budget: float | None = None, **unknown) -> Biharmonic:
     """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu).
 
-    ``weights=C``, ``factor=L`` and ``directions=V`` mean what they mean for :func:`laplacian`,
-    applied twice: ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u."""
-    refuse_unknown("hoad.biharmonic", unknown, _OPTIONS)
+    ``weights=C`` and ``factor=L`` mean what they mean for :func:`laplacian`, applied twice:
+    ``.biharmonic`` is L(L u) for that operator L, ``.laplacian`` is L u. ``directions=V`` (S, *x)
+    gives a randomized estimate of Δ²u, exact for the given V; ``estimator=`` says which:
+    ``"pairs"`` (default, unbiased for independent directions with E[v vᵀ] = I),
+    ``"gaussian"`` (torch-jet's (1/(3S)) Σ_s ∂⁴u[v_s⁴], unbiased for Gaussian directions only) or
+    ``"nested"`` (the stochastic Laplacian applied twice, biased by (1 + 2/S) for Gaussian
+    directions); :class:`Biharmonic` gives each one's formula and mean."""
+    refuse_unknown("hoad.biharmonic", unknown, _OPTIONS + ["estimator"])
     if u is None:  # @hoad.biharmonic(batch_dim=0)
         return lambda u: biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
-                                    directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
-                                    memory_budget=memory_budget)
+                                    directions=directions, estimator=estimator, backend=backend, mode=mode,
+                                    chunk_size=chunk_size, memory_budget=memory_budget)
     return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                      backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+                      estimator=estimator, backend=backend, mode=mode, chunk_size=chunk_size,
+                      memory_budget=memory_budget)

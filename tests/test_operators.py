@@ -135,14 +135,133 @@ def test_biharmonic(mode):
     assert_close(res.laplacian, vmap(_laplacian_of(mlp))(X), "Δu")
 
 
-def test_stochastic_biharmonic_is_exact_for_its_directions():
+def _fourth(f, X):
+    """∂⁴f per sample: (B, D, D, D, D)."""
+    return vmap(jacrev(jacrev(jacrev(jacrev(f)))))(X)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("estimator", ["pairs", "gaussian", "nested"])
+def test_randomized_biharmonic_is_its_formula_for_the_given_directions(estimator, mode):
+    """Each estimator is exactly its formula over the given V (T = ∂⁴u, S directions), and its
+    ``.laplacian`` the stochastic Laplacian (1/S) Σ_s v_sᵀ ∇²u v_s."""
     X, V = rand(3, 4, seed=16), rand(5, 4, seed=17)
+    S = V.shape[0]
+    T = _fourth(mlp, X)
+    nested = torch.einsum("bijkl,si,sj,tk,tl->b", T, V, V, V, V) / S ** 2
+    same = torch.einsum("bijkl,si,sj,sk,sl->b", T, V, V, V, V)  # the S terms s = t
+    want = {"nested": nested, "gaussian": same / (3 * S), "pairs": (S * S * nested - same) / (S * (S - 1))}
+    op = hoad.biharmonic(mlp, batch_dim=0, directions=V, estimator=estimator, mode=mode, backend="eager")
+    res = op(X)
+    assert_close(res.biharmonic, want[estimator], estimator)
+    assert_close(res.laplacian, torch.einsum("sd,bde,se->b", V, hessians(mlp, X), V) / S, "stochastic Δu")
+    V.data = rand(2, 4, seed=29)  # resized in place: its weights and S follow
+    nested = torch.einsum("bijkl,si,sj,tk,tl->b", T, V, V, V, V) / 4
+    same = torch.einsum("bijkl,si,sj,sk,sl->b", T, V, V, V, V)
+    want = {"nested": nested, "gaussian": same / 6, "pairs": (4 * nested - same) / 2}
+    assert_close(op(X).biharmonic, want[estimator], f"{estimator}, V resized to 2 directions")
 
-    def lap_v(f):
-        return lambda x: torch.einsum("sd,de,se->", V, hessian(f)(x), V) / 5
 
-    res = hoad.biharmonic(mlp, batch_dim=0, directions=V)(X)
-    assert_close(res.biharmonic, vmap(lap_v(lap_v(mlp)))(X), "Δ_V² u")
+def test_the_default_randomized_biharmonic_is_the_unbiased_pairs_estimator():
+    X, V = rand(2, 4, seed=18), rand(3, 4, seed=19)
+    default = hoad.biharmonic(mlp, batch_dim=0, directions=V, backend="eager")
+    assert default.estimator == "pairs"
+    pairs = hoad.biharmonic(mlp, batch_dim=0, directions=V, estimator="pairs", backend="eager")
+    assert_close(default(X).biharmonic, pairs(X).biharmonic, "default")
+
+
+@pytest.mark.parametrize("estimator", ["pairs", "gaussian"])
+def test_training_through_a_randomized_biharmonic(estimator):
+    """Gradients of a loss on the estimate reach the weights (both programs of 'pairs')."""
+    W = W1.clone().requires_grad_(True)
+    V = rand(3, 4, seed=23)
+
+    def u(x):
+        return (torch.tanh(x @ W + B1) @ W2).sin().sum(-1)
+
+    X = rand(2, 4, seed=24)
+    S = V.shape[0]
+    res = hoad.biharmonic(u, batch_dim=0, directions=V, estimator=estimator, backend="eager")(X)
+    (got,) = torch.autograd.grad((res.biharmonic ** 2).sum(), W)
+
+    def estimate(W):
+        def f(x):
+            return (torch.tanh(x @ W + B1) @ W2).sin().sum(-1)
+        T = _fourth(f, X)
+        same = torch.einsum("bijkl,si,sj,sk,sl->b", T, V, V, V, V)
+        if estimator == "gaussian":
+            return same / (3 * S)
+        nested = torch.einsum("bijkl,si,sj,tk,tl->b", T, V, V, V, V) / S ** 2
+        return (S * S * nested - same) / (S * (S - 1))
+
+    (ref,) = torch.autograd.grad((estimate(W) ** 2).sum(), W)
+    assert_close(got, ref, "dL/dW")
+
+
+# ------------------------------------------------------------------- means of the randomized operators
+# Each randomized operator is averaged over DRAWS independent draws of its S = 2 directions at one
+# point, and its mean compared with the mean its docstring states: within Z standard errors of
+# the draws (so a bias of 1/Z_LIMIT of a standard error goes unseen; the nested estimator's
+# documented bias at S = 2, a factor 2, is tens of standard errors). The draws are seeded.
+DRAWS, Z_LIMIT = 2000, 5.0
+
+
+def _draws(kind: str, S: int, D: int):
+    g = torch.Generator().manual_seed(7 if kind == "gaussian" else 8)
+    for _ in range(DRAWS):
+        if kind == "gaussian":
+            yield torch.randn(S, D, generator=g, dtype=DT)
+        else:
+            yield torch.randint(0, 2, (S, D), generator=g).to(DT) * 2 - 1
+
+
+def _mean_and_error(values: list) -> tuple[float, float]:
+    v = torch.stack(values)
+    return float(v.mean()), float(v.std() / len(values) ** 0.5)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "rademacher"])
+def test_randomized_operators_have_their_documented_means(kind):
+    S, D = 2, 4
+    x = rand(4, seed=25)
+    T = jacrev(jacrev(jacrev(jacrev(mlp))))(x)
+    bih, pure = float(torch.einsum("iijj->", T)), float(torch.einsum("iiii->", T))
+    lap = float(hessian(mlp)(x).diagonal().sum())
+    V = rand(S, D, seed=26)
+    ops = {"laplacian": hoad.laplacian(mlp, directions=V, backend="eager")}
+    ops.update({e: hoad.biharmonic(mlp, directions=V, estimator=e, backend="eager")
+                for e in ("pairs", "gaussian", "nested")})
+    means = {  # the docstrings' means: E[v vᵀ] = I for both kinds; E[v⁴] = 3 (Gaussian) or 1 (Rademacher)
+        "laplacian": lap,
+        "pairs": bih,
+        "gaussian": bih if kind == "gaussian" else bih - 2 / 3 * pure,
+        "nested": (1 + 2 / S) * bih if kind == "gaussian" else bih + 2 / S * (bih - pure),
+    }
+    values: dict = {name: [] for name in ops}
+    for draw in _draws(kind, S, D):
+        with torch.no_grad():
+            V.copy_(draw)  # (an operator reads V at every call)
+        for name, op in ops.items():
+            out = op(x)
+            values[name].append(out.laplacian if name == "laplacian" else out.biharmonic)
+    for name, want in means.items():
+        mean, error = _mean_and_error(values[name])
+        assert abs(mean - want) < Z_LIMIT * error, (
+            f"{name} over {DRAWS} {kind} draws: mean {mean:.4f} ± {error:.4f}, documented mean {want:.4f}")
+    # the test can tell a biased estimator: the nested one is far from Δ²u for Gaussian draws
+    if kind == "gaussian":
+        mean, error = _mean_and_error(values["nested"])
+        assert abs(mean - bih) > Z_LIMIT * error
+
+
+def test_randomized_biharmonic_refusals_name_the_way_out():
+    V = rand(1, 4, seed=27)
+    with pytest.raises(hoad.InvalidArgumentError, match="needs S >= 2.*estimator='gaussian'"):
+        hoad.biharmonic(mlp, directions=V)
+    with pytest.raises(hoad.InvalidArgumentError, match="needs directions=V"):
+        hoad.biharmonic(mlp, estimator="gaussian")
+    with pytest.raises(hoad.InvalidArgumentError, match="estimator must be one of 'pairs', 'gaussian', 'nested'"):
+        hoad.biharmonic(mlp, directions=rand(3, 4, seed=28), estimator="hutchinson")
 
 
 @pytest.mark.parametrize("given", ["weights", "factor"])
@@ -175,7 +294,8 @@ def test_directions_resized_in_place_take_their_new_count(op):
     """The 1/S weights were fixed when the operator was built: a V resized after that was an
     internal error."""
     V = rand(4, 4, seed=36)
-    lap = getattr(hoad, op)(mlp, batch_dim=0, directions=V, backend="eager")
+    options = {"estimator": "nested"} if op == "biharmonic" else {}  # (Δ_V(Δ_V u); S = 1 below)
+    lap = getattr(hoad, op)(mlp, batch_dim=0, directions=V, backend="eager", **options)
     X = rand(3, 4, seed=37)
     lap(X)
     for S in (6, 1):
