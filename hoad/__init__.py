@@ -15,6 +15,7 @@ from hoad.errors import (
     CaptureError,
     CompileError,
     DataDependentControlFlowError,
+    DistributedError,
     ExecutionError,
     HoadError,
     HoadInternalError,
@@ -63,5 +64,6 @@ __all__ = [
     "HoadInternalError",
     "CompileError",
     "MemoryBudgetError",
+    "DistributedError",
     "cache_dir",
 ]

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import logging
 import numbers
 import os
@@ -24,9 +25,10 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
+from hoad.distributed import record_nested, synchronized, wrappers_of
 from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
-                          positional_names, untouched)
+                          positional_names, untouched, _reachable)
 from hoad.algebra import Target
 from hoad.rules import EDITS, USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
@@ -704,7 +706,12 @@ class Compiled(Rebuilt):
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
         roots = self._roots()
         b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
-        return _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
+        entry = _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
+        reached = itertools.chain([self.module] if self.module is not None else [], _reachable(roots))
+        for wrapper in wrappers_of(reached):  # (ddp_model.module.method(x): DDP's protocol while training)
+            if all(d is not wrapper for d, _always in entry.ddp):
+                entry.ddp.append((wrapper, False))
+        return entry
 
     def _roots(self) -> dict:
         """Where the tensors the function reaches without receiving them are looked up."""
@@ -866,6 +873,9 @@ class _Entry:
         # tensor's new shape, a train/eval switch) rather than a Python value worth a warning
         self.why, self.expected = "", True
         self.trace = None  # the trace a nested program was built in (its held values are that trace's)
+        # DistributedDataParallel modules whose forward protocol runs around every call (hoad.distributed):
+        # those the function calls, always; the wrapper of a decorated method's module, while gradients are on
+        self.ddp = [(d, True) for d in b.captured.ddp]
         self.sources = list(b.sources)
         self.metas = [_meta(t) for t in free]
         # numbers the program keeps from .item() of free tensors (narrow's start): where they are
@@ -965,9 +975,9 @@ class _Entry:
             if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
                 # the trace recorded autocast's casts (its signature says so): the program runs as recorded
                 with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-                    outs = self._run(tensors)
+                    outs = self._synchronized(tensors)
             else:
-                outs = self._run(tensors)
+                outs = self._synchronized(tensors)
         except HoadError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
@@ -982,6 +992,17 @@ class _Entry:
                 "although the function itself runs on these inputs: this is a bug in hoad, please report it with "
                 "the function") from e
         return self.spec.result(outs)
+
+    def _synchronized(self, tensors) -> tuple:
+        """The program's outputs, run inside the forward protocol of the DDP modules it reads
+        (inside another trace, the outer program takes them over)."""
+        if not self.ddp:
+            return self._run(tensors)
+        if get_proxy_mode() is not None:
+            record_nested([d for d, _always in self.ddp])
+            return self._run(tensors)
+        active = [d for d, always in self.ddp if always or torch.is_grad_enabled()]
+        return synchronized(active, lambda: self._run(tensors))
 
     def _own_failure(self, tensors) -> Exception | None:
         """What the traced function raises on these inputs (run eagerly, without gradients, its

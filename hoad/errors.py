@@ -45,6 +45,11 @@ class MemoryBudgetError(HoadError, MemoryError):
     when it is built, before anything is allocated."""
 
 
+class DistributedError(HoadError):
+    """A program under ``torch.distributed`` (DDP, DTensor inputs, a process group) is used in a
+    way the distributed contract cannot serve: the message names the setting that can."""
+
+
 class CompileError(HoadError):
     """Inductor could not compile a derivative program."""
 

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
+from hoad.distributed import traced_as_module
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
 from hoad.passes.clean import cse, traced_call, written_inputs
 from hoad.passes.decompositions import (DETACHED_FROM, INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
@@ -51,6 +52,8 @@ class Captured:
     strided: bool = False
     # (tensor, value) of the .item()s of free tensors the program keeps as numbers
     values: list = field(default_factory=list)
+    # the DistributedDataParallel modules the function calls (traced as the modules they wrap)
+    ddp: list = field(default_factory=list)
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
@@ -82,7 +85,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     INPUT_STORAGES.append(set())
     try:
         with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), _without_mkldnn(), \
-                torch.enable_grad():
+                traced_as_module([]) as ddp, torch.enable_grad():
             gm = traced(*fresh)
         free = _lift_free_tensors(gm)
         _stand_in_traced_free(gm, len(fresh))
@@ -153,7 +156,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 "BatchNorm(momentum=None) does in training mode with num_batches_tracked); the program would keep "
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
     return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before,
-                    values=list(VALUE_READS))
+                    values=list(VALUE_READS), ddp=list(dict.fromkeys(ddp)))
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:

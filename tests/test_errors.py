@@ -71,6 +71,18 @@ def _planted_compile_failure(monkeypatch):
     return lambda: hoad.compile(lambda x: x.cos().exp().sum(), order=2, backend="inductor")(rand(4, seed=3))
 
 
+def _unfinished_reduction():
+    """DDP's reducer refusing a forward after a backward that left a parameter out (the real case
+    runs on 2 ranks in tests/test_distributed.py)."""
+    from hoad.distributed import synchronized
+
+    class Reducer:
+        def _pre_forward(self):
+            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one")
+
+    return synchronized([Reducer()], lambda: ())
+
+
 def _drifting():
     obj = _Drifting()
     return hoad.compile(lambda x: (obj.scale * x.sin()).sum(), order=2)(rand(3, seed=4))
@@ -95,6 +107,8 @@ MESSAGES = {
         rand(4, 3, seed=10)), r"aten\.mean\.dim .*mixes entries along the batch axis", r"drop batch_dim"),
     hoad.MemoryBudgetError: (lambda: hoad.compile(lambda x: x.sin().sum(), order=3, memory_budget=1000)(
         rand(200, seed=11)), r"over the memory budget of 1000 B", r"Ways out: .*a larger memory_budget"),
+    hoad.DistributedError: (_unfinished_reduction, r"did not get a gradient for every parameter",
+                            r"find_unused_parameters=True"),
     hoad.CompileError: (_planted_compile_failure, r"Inductor failed to compile .*planted", r"backend='eager'"),
     hoad.ExecutionError: (lambda: hoad.compile(lambda x, i: x[i].sin().sum(), order=1)(
         rand(3, seed=12), torch.tensor([0, 7])), r"itself fails on these inputs \(IndexError", r"Fix the inputs"),
