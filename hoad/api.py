@@ -25,7 +25,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.distributed import record_nested, synchronized, wrappers_of
+from hoad.distributed import LocalCall, Split, check_split, has_dtensors, record_nested, synchronized, wrappers_of
 from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names, untouched, _reachable)
@@ -53,7 +53,7 @@ MODES = ("auto", "forward", "reverse")
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
             mode: str = "auto", batch_dim: int | None = None, diagonal: bool = False,
-            chunk_size: int | None = None, memory_budget: float | None = None,
+            chunk_size: int | None = None, memory_budget: float | None = None, split_blocks: Any = None,
             **unknown) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
@@ -80,9 +80,12 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``memory_budget``: bytes a program may plan to use (default: 80% of the memory free when it
     is built); a program whose estimated peak exceeds it is refused with a
     :class:`hoad.MemoryBudgetError` naming the ways out, before anything is allocated.
+    ``split_blocks=True`` (or a process group): under ``torch.distributed``, the top order's
+    canonical blocks are dealt to the group's ranks, balanced by size; each rank computes and
+    holds its own (``res.owner(key)``), and ``res.gather()`` (called on every rank) brings them all.
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
-                   memory_budget=memory_budget)
+                   memory_budget=memory_budget, split_blocks=split_blocks)
     refuse_unknown("hoad.compile", unknown, ["order", "wrt", *options])
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise OutputError(f"{getattr(fn, '__name__', 'the function')} is a generator or coroutine function: it "
@@ -158,7 +161,7 @@ def _plain_ints(order, wrt, batch_dim, chunk_size) -> tuple:
 
 
 def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chunk_size=None,
-                   memory_budget=None) -> None:
+                   memory_budget=None, split_blocks=None) -> None:
     backend = default_backend() if backend is None else backend
     if order is None:
         raise InvalidArgumentError("hoad.compile needs order=N (the highest derivative order, N >= 1)")
@@ -200,6 +203,7 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
                                       or not memory_budget > 0):
         raise InvalidArgumentError(f"memory_budget must be a number of bytes > 0 (or None for 80% of free memory), "
                                    f"got {memory_budget!r}")
+    check_split(split_blocks)
 
 
 # what torch.compile(fullgraph=True) says of a hoad call inside it
@@ -293,15 +297,16 @@ class Compiled(Rebuilt):
 
     def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
                  batch_dim: int | None = None, diagonal: bool = False, chunk_size: int | None = None,
-                 memory_budget: float | None = None, module: torch.nn.Module | None = None,
+                 memory_budget: float | None = None, split_blocks: Any = None, module: torch.nn.Module | None = None,
                  operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
                  target: Target | None = None):
         self._keep_arguments(fn, order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
                              diagonal=diagonal, chunk_size=chunk_size, memory_budget=memory_budget,
-                             module=module, operator=operator, roots=roots, nestable=nestable, target=target)
+                             split_blocks=split_blocks, module=module, operator=operator, roots=roots,
+                             nestable=nestable, target=target)
         backend = default_backend() if backend is None else backend
         order, wrt, batch_dim, chunk_size = _plain_ints(order, wrt, batch_dim, chunk_size)
-        _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget)
+        _check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget, split_blocks)
         if module is None and isinstance(fn, torch.nn.Module):
             module, fn = fn, type(fn).forward
         elif module is None and inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
@@ -313,10 +318,10 @@ class Compiled(Rebuilt):
         self.wrt = _entries(wrt)
         self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
                              operator=operator, nestable=nestable, target=target, memory_budget=memory_budget,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, split_blocks=split_blocks or None)
         self._extra_roots = dict(roots or {})
         self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
-                             chunk_size=chunk_size, memory_budget=memory_budget)
+                             chunk_size=chunk_size, memory_budget=memory_budget, split_blocks=split_blocks)
         names = positional_names(fn)
         self._positional = names[1:] if module is not None else names
         self._method = module is None and bool(names) and names[0] == "self"
@@ -386,6 +391,9 @@ class Compiled(Rebuilt):
     # ------------------------------------------------------------------------------- calling
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # inside torch.compile: a graph break, hoad runs its own program
     def __call__(self, *args, **kwargs) -> Derivatives:
+        if has_dtensors(args, kwargs):  # each rank's program on its local tensors (hoad.distributed)
+            local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
+            return self(*local.args, **local.kwargs).mapped(local.wrap)
         n = self.config.chunk_size
         if n is not None and get_proxy_mode() is None:
             chunks = self._chunks(n, args, kwargs)
@@ -856,7 +864,8 @@ class _Entry:
         self.build = b
         self.program = p = b.program
         self.run = b.run
-        self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal)
+        self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal,
+                               Split(b.config.split_blocks, p.owners, p.rank) if p.owners else None)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
         self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 
 import torch
 
+from hoad.distributed import Split
 from hoad.errors import InvalidArgumentError
 from hoad.algebra.multiindex import MultiIndex
 
@@ -14,11 +15,11 @@ from hoad.algebra.multiindex import MultiIndex
 class ResultSpec:
     """What every result of one compiled signature shares: built once, not per call."""
 
-    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order", "diagonal")
+    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order", "diagonal", "split")
 
     def __init__(self, keys: Sequence[MultiIndex], zeros: Sequence[MultiIndex], wrt: Sequence[Hashable],
                  aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]], order: int,
-                 diagonal: bool = False):
+                 diagonal: bool = False, split: Split | None = None):
         self.keys = tuple(keys)
         self.zeros = frozenset(zeros)
         self.wrt = list(wrt)
@@ -26,6 +27,7 @@ class ResultSpec:
         self.slot_shapes = [tuple(s) for s in slot_shapes]
         self.order = order
         self.diagonal = diagonal
+        self.split = split  # split_blocks: which rank holds each top-order block
 
     def result(self, outs) -> Derivatives:
         """Wrap a program's outputs ``(value, *blocks)``."""
@@ -52,6 +54,27 @@ class Derivatives(Mapping):
         self._slot_shapes = spec.slot_shapes
         self._max_order = spec.order
         self._zero_cache: dict[MultiIndex, torch.Tensor] = {}
+
+    def owner(self, key) -> int | None:
+        """Under ``split_blocks``: the rank (of the group) that computed this block; None where
+        every rank has it (lower orders, structural zeros, or no split)."""
+        K, _ = self._resolve(key)
+        split = self._spec.split
+        return split.owners.get(K) if split is not None and K not in self._zeros else None
+
+    def gather(self, dst: int | None = None) -> Derivatives:
+        """Under ``split_blocks``, every block: each broadcast from the rank that computed it. A
+        collective: every rank of the group calls it. With ``dst``, that rank's result holds them
+        all, and the others' hold their own (the broadcasts still reach every rank)."""
+        split = self._spec.split
+        if split is None:
+            return self
+        blocks = split.gather(self._blocks, self._zero_shape, self.value, dst)
+        return Derivatives(self.value, blocks, self._spec)
+
+    def mapped(self, fn) -> Derivatives:
+        """The same result with ``fn`` applied to the value and to every computed block."""
+        return Derivatives(fn(self.value), {K: fn(b) for K, b in self._blocks.items()}, self._spec)
 
     # ---------------------------------------------------------------------------------- keys
     @property
@@ -133,6 +156,8 @@ class Derivatives(Mapping):
     def _block(self, K: MultiIndex) -> torch.Tensor:
         if K in self._blocks:
             return self._blocks[K]
+        if self._spec.split is not None:
+            self._spec.split.refuse(K, self._canonical_key(K))
         if K not in self._zero_cache:
             self._zero_cache[K] = self.value.new_zeros(self._zero_shape(K))
         return self._zero_cache[K]

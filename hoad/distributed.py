@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from hoad.errors import CaptureError, DistributedError
 
@@ -127,3 +129,145 @@ def synchronized(ddps: Sequence, run: Callable[[], tuple]) -> tuple:
     for d in ddps:
         outs = tuple(d._post_forward(tuple(outs)))
     return outs
+
+
+# ------------------------------------------------------------------------------ DTensor inputs
+def has_dtensors(args: tuple, kwargs: dict) -> bool:
+    """Whether a call passes DTensors (plain tensors alone, the usual call, are told apart at once)."""
+    if all(type(a) is torch.Tensor for a in args) and all(type(v) is torch.Tensor for v in kwargs.values()):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(leaf, DTensor) for leaf in pytree.tree_leaves((args, kwargs)))
+
+
+class LocalCall:
+    """A call with DTensor arguments as each rank's call on its local tensors.
+
+    Supported placements, on a 1-D device mesh: ``Shard(0)`` along the samples (under
+    ``batch_dim=0``: each rank differentiates its own samples, and results come back sharded the
+    same way) and ``Replicate()`` (each rank holds the whole tensor; a weight, say). Plain tensors
+    are every rank's own. Gradients flow back through ``to_local``/``from_local``: a replicated
+    input's gradient is ``Partial`` when the results are sharded (each rank's share of the sum).
+    """
+
+    def __init__(self, args: tuple, kwargs: dict, batch_dim: int | None, names: Sequence[str]):
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        paths, self.spec = pytree.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _path, leaf in paths]
+        named = [(_argument_name(path, names), leaf) for path, leaf in paths]
+        given = [(name, leaf) for name, leaf in named if isinstance(leaf, DTensor)]
+        self.mesh = given[0][1].device_mesh
+        for name, d in given:
+            if d.device_mesh != self.mesh:
+                raise DistributedError(
+                    f"the DTensor arguments live on different device meshes ({given[0][0]!r} on {self.mesh}, {name!r} "
+                    f"on {d.device_mesh}): hoad runs one program per rank of one mesh; redistribute them onto one")
+        if self.mesh.ndim != 1:
+            raise DistributedError(f"the DTensor arguments live on a {self.mesh.ndim}-D device mesh; hoad runs each "
+                                   "rank's program on a 1-D mesh: flatten it, or pass the local tensors")
+        counts = set()
+        for name, d in given:
+            (p,) = d.placements
+            if p.is_shard() and p.dim == 0 and d.ndim > 0:
+                counts.add(d.shape[0])
+            elif not p.is_replicate():
+                raise DistributedError(
+                    f"argument {name!r} is a DTensor placed as {p}; hoad runs each rank's program on DTensors sharded "
+                    "along the samples (Shard(0), with batch_dim=0) or replicated (Replicate()). Redistribute it: "
+                    "x.redistribute(mesh, [Shard(0)]) or [Replicate()]")
+        self.sharded = bool(counts)
+        if self.sharded and batch_dim is None:
+            raise DistributedError("DTensor arguments sharded along dim 0 hold samples that each rank differentiates "
+                                   "on its own: pass batch_dim=0 (per-sample blocks), or Replicate() the inputs")
+        if len(counts) > 1:
+            raise DistributedError(f"the arguments sharded along dim 0 hold different numbers of samples "
+                                   f"{sorted(counts)}; batch_dim=0 needs one number")
+        self.samples = counts.pop() if counts else None
+        grad = [Partial()] if self.sharded else [Replicate()]
+        local = [(leaf.to_local() if leaf.placements[0].is_shard() else leaf.to_local(grad_placements=grad))
+                 if isinstance(leaf, DTensor) else leaf for leaf in leaves]
+        self.args, self.kwargs = pytree.tree_unflatten(local, self.spec)
+
+    def wrap(self, t: torch.Tensor) -> torch.Tensor:
+        """A local result as a DTensor: sharded along the samples, or replicated."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not self.sharded:
+            return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False)
+        t = t.contiguous()
+        shape = (self.samples, *t.shape[1:])
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _argument_name(path, names: Sequence[str]) -> str:
+    """The argument a leaf of ``(args, kwargs)`` belongs to, by name where the signature gives one."""
+    top, key, *rest = path
+    if top.idx == 0:
+        name = names[key.idx] if key.idx < len(names) else f"argument {key.idx}"
+    else:
+        name = str(key.key)
+    return name + pytree.keystr(tuple(rest))
+
+
+# ------------------------------------------------------------------- blocks split over ranks
+def check_split(split) -> None:
+    """``split_blocks``: None/False, True (the default group) or a process group."""
+    if split is None or split is False or split is True:
+        return
+    if not torch.distributed.is_available() or not isinstance(split, torch.distributed.ProcessGroup):
+        raise DistributedError(f"split_blocks must be True (the default process group) or a "
+                               f"torch.distributed ProcessGroup, got {type(split).__name__}")
+
+
+def _group(split):
+    return None if split is True else split
+
+
+def share_of(split) -> tuple[int, int]:
+    """(this rank, ranks) of the group the blocks are split over."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise DistributedError("split_blocks deals the blocks to the ranks of a process group, and none is "
+                               "initialized: call torch.distributed.init_process_group first (torchrun sets it up)")
+    group = _group(split)
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+class Split:
+    """Which rank of a group holds each top-order block of a result (``split_blocks``)."""
+
+    def __init__(self, split, owners: dict, rank: int):
+        self.group = _group(split)
+        self.owners = dict(owners)
+        self.rank = rank
+
+    def elsewhere(self, K) -> int | None:
+        """The rank that holds block K when it is not this one's, else None."""
+        owner = self.owners.get(K, self.rank)
+        return None if owner == self.rank else owner
+
+    def refuse(self, K, name) -> None:
+        owner = self.elsewhere(K)
+        if owner is not None:
+            raise DistributedError(
+                f"block {name} was computed on rank {owner} (split_blocks deals the top order's blocks to the "
+                f"ranks, and this is rank {self.rank}): res.gather() on every rank brings every block to each, "
+                f"res.gather(dst=r) to rank r only; res.owner(key) says where a block is")
+
+    def gather(self, blocks: dict, shape, like: torch.Tensor, dst: int | None) -> dict:
+        """Every block, each broadcast from its owner (a collective: every rank of the group calls
+        it, in the same order); with ``dst`` only that rank keeps the others'."""
+        out = dict(blocks)
+        for K in sorted(self.owners):
+            owner = self.owners[K]
+            t = blocks[K] if owner == self.rank else like.new_empty(shape(K))
+            src = owner if self.group is None else torch.distributed.get_global_rank(self.group, owner)
+            with torch.no_grad():
+                torch.distributed.broadcast(t.contiguous() if owner == self.rank else t, src=src, group=self.group)
+            if dst is None or dst == self.rank:
+                out[K] = t
+        return out

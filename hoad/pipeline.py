@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,6 +21,7 @@ import torch.fx as fx
 from hoad.algebra import EAGER, Target
 from hoad.algebra.multiindex import key_name
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
+from hoad.distributed import share_of
 from hoad.lowering.inductor import this_machine
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
@@ -54,6 +56,7 @@ class Config:
     target: Target | None = None  # how products become ops; None: the backend's (tests pass their own)
     memory_budget: float | None = None  # bytes a program may plan to use; None: a share of free memory
     chunk_size: int | None = None       # samples per run under batch_dim (the program is built for them)
+    split_blocks: Any = None            # True or a process group: the top order's blocks dealt to its ranks
     # under batch_dim: the program of this function built for another number of samples; when the
     # two differ only in sample counts, the compiled program serves every count (passes/dynamic.py)
     # (main program, its number of samples, its hoisted prefix)
@@ -202,8 +205,9 @@ def _differentiate(b: Build) -> Build:
     where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
     op = b.config.operator.inputs(b.layout) if b.config.operator is not None else None
     b.target = b.config.resolve_target()
+    share = share_of(b.config.split_blocks) if b.config.split_blocks is not None else None
     b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                     target=b.target, diagonal=b.config.diagonal, operator=op)
+                                     target=b.target, diagonal=b.config.diagonal, operator=op, share=share)
                     for d in b.config.directions}
     return b
 

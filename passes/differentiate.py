@@ -18,6 +18,7 @@ Two directions, chosen per program:
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,10 @@ class Program:
     prefix: fx.GraphModule | None = None
     prefix_reads: list[int] = field(default_factory=list)   # which free tensors the prefix reads
     operator: OperatorInputs | None = None
+    # split_blocks: the rank (of its group) that computes each top-order block; this program
+    # returns only its own, and the others are neither computed nor zeros
+    owners: dict[MultiIndex, int] = field(default_factory=dict)
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class OperatorInputs:
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
                   target: Target = EAGER_TARGET, diagonal: bool = False,
-                  operator: OperatorInputs | None = None) -> Program:
+                  operator: OperatorInputs | None = None, share: tuple[int, int] | None = None) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
@@ -92,6 +97,8 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     one wrt input share their labels, and each block comes back with one copy of its axes.
     ``target``: how products become ops on the machine that runs the program (its lowering),
     and the layout switches tests and nested programs use (see :class:`hoad.algebra.Target`).
+    ``share=(rank, world)``: the top order's canonical blocks are dealt to ``world`` ranks,
+    balanced by size (:func:`deal`), and the program returns this rank's only.
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
@@ -104,7 +111,7 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         n = leaves[operator.directions].shape[0]
         slot_shapes[0] = (slot_shapes[0][0], n) if batch_dim is not None else (n,)
     interp = _Interpreter(primal, captured.wrt_leaves, slot_shapes, wrt_names, order, where, batch_dim, diagonal,
-                          operator, target)
+                          operator, target, share)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     try:
         with fx_traceback.preserve_node_meta():
@@ -120,7 +127,18 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
                    captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, diagonal=diagonal,
-                   operator=operator)
+                   operator=operator, owners=interp.owners, rank=share[0] if share else 0)
+
+
+def deal(sizes: dict[MultiIndex, int], ranks: int) -> dict[MultiIndex, int]:
+    """Each block to a rank, largest first to the least loaded (the same on every rank)."""
+    load = [0] * ranks
+    owners = {}
+    for K in sorted(sizes, key=lambda K: (-int(sizes[K]), K)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owners[K] = r
+        load[r] += int(sizes[K])
+    return owners
 
 
 class _Interpreter:
@@ -128,8 +146,10 @@ class _Interpreter:
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
                  batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None,
-                 target: Target = EAGER_TARGET):
+                 target: Target = EAGER_TARGET, share: tuple[int, int] | None = None):
         self.primal = primal
+        self.share = share
+        self.owners: dict[MultiIndex, int] = {}
         self.nodes = list(primal.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output = next(n for n in self.nodes if n.op == "output").args[0]
@@ -445,6 +465,11 @@ class _Interpreter:
         blocks = {K: force(b) for K, b in blocks.items()}
         self.keys = [K for K in all_keys if K in blocks]
         self.zeros = [K for K in all_keys if K not in blocks]
+        if self.share is not None:  # (the others' top-order blocks: not returned, so never computed)
+            rank, world = self.share
+            dense = {K: math.prod(math.prod(self.slot_shapes[k]) for k in K) for K in self.keys if len(K) == self.order}
+            self.owners = deal(dense, world)  # (by the slots' sizes: static, where a sample count may not be)
+            self.keys = [K for K in self.keys if self.owners.get(K, rank) == rank]
         self.stored = {K: blocks[K].numel for K in self.keys}
         outputs = [value]
         for K in self.keys:

@@ -127,4 +127,108 @@ def ddp_forms(rank: int, world: int, backend: str, runs: list[dict]):
     return out
 
 
-CASES = {"ddp": ddp_training, "ddp_forms": ddp_forms}
+def dtensor_programs(rank: int, world: int, samples: int = 9):
+    """Programs called with DTensors: points sharded along the samples (uneven: 9 over 2 ranks),
+    a replicated weight. Every result gathered (full_tensor), the weight's gradient of a loss
+    on the sharded results, and the messages of the placements hoad refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    X = torch.rand(samples, 3, generator=torch.Generator().manual_seed(5), dtype=DT)
+    W = torch.rand(3, 4, generator=torch.Generator().manual_seed(6), dtype=DT)
+    Xd = distribute_tensor(X, mesh, [Shard(0)])
+    Wd = distribute_tensor(W, mesh, [Replicate()]).requires_grad_()
+
+    def u(x, w):
+        return (x @ w).tanh().pow(2).sum(-1)
+
+    out = {}
+    res = hoad.compile(u, order=2, batch_dim=0)(Xd, Wd)
+    out["placements"] = [str(res.value.placements[0]), str(res[0, 0].placements[0])]
+    out["local rows"] = res.value.to_local().shape[0]
+    out["value"], out["hessian"] = res.value.full_tensor().detach(), res[0, 0].full_tensor().detach()
+    lap = hoad.laplacian(u, batch_dim=0)(Xd, Wd).laplacian
+    out["laplacian"] = lap.full_tensor().detach()
+    loss = (lap ** 2).mean().full_tensor()
+    loss.backward()
+    out["grad placement"] = str(Wd.grad.placements[0])
+    out["grad"] = Wd.grad.full_tensor()
+    replicated = hoad.compile(u, order=1)(distribute_tensor(X[0], mesh, [Replicate()]), W)
+    out["replicated"] = (str(replicated[0].placements[0]), replicated[0].full_tensor())
+    errors = {}
+    for name, call in {
+        "Shard(1)": lambda: hoad.compile(u, order=1, batch_dim=0)(distribute_tensor(X, mesh, [Shard(1)]), W),
+        "no batch_dim": lambda: hoad.compile(u, order=1)(Xd, W),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except hoad.HoadError as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    return out
+
+
+class Classifier(nn.Module):
+    def __init__(self, sizes=(4, 8, 8, 3)):
+        super().__init__()
+        torch.manual_seed(1)
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        self.net = nn.Sequential(*layers[:-1]).to(DT)
+
+    def loss(self, X, y):
+        return nn.functional.cross_entropy(self.net(X), y)
+
+
+def classifier_data(n: int = 16, d: int = 4, classes: int = 3):
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(n, d, generator=g, dtype=DT), torch.randint(0, classes, (n,), generator=g)
+
+
+def split_hessian(rank: int, world: int, backend: str = "eager"):
+    """A classifier loss's Hessian in its parameters, its blocks dealt to the ranks: each rank's
+    own blocks, their owners, every block after gather(), and the refusal of another's block."""
+    model = Classifier()
+    X, y = classifier_data()
+    cf = hoad.compile(model.loss, order=2, wrt=hoad.parameters, split_blocks=True, backend=backend)
+    res = cf(X, y)
+    keys = [k for k in res if len(k) == 2]
+    out = {"owners": {k: res.owner(k) for k in keys}, "own": {k: res[k] for k in keys if res.owner(k) == rank},
+           "gradient": {k: res[k] for k in res if len(k) == 1}}
+    other = next(k for k in keys if res.owner(k) not in (None, rank))
+    try:
+        res[other]
+        out["refusal"] = "no error"
+    except hoad.DistributedError as e:
+        out["refusal"] = str(e)
+    out["gathered"] = {k: v for k, v in res.gather().order(2).items()}
+    at_zero = res.gather(dst=0)
+    held = []
+    for k in keys:
+        try:
+            at_zero[k]
+            held.append(k)
+        except hoad.DistributedError:
+            pass
+    out["held after gather(dst=0)"] = held
+    return out
+
+
+def suite(rank: int, world: int, backend: str, runs: list[dict]):
+    """Every pattern in one process group (one start-up for all): DDP training in each form, DTensor
+    arguments, a split parameter Hessian; each part's result or error text."""
+    out = {"ddp": ddp_forms(rank, world, backend, runs)}
+    for name, part in (("dtensor", lambda: dtensor_programs(rank, world)),
+                       ("split", lambda: split_hessian(rank, world, backend))):
+        try:
+            out[name] = part()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    return out
+
+
+CASES = {"ddp": ddp_training, "ddp_forms": ddp_forms, "dtensor": dtensor_programs, "split": split_hessian,
+         "suite": suite}

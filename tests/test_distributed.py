@@ -53,10 +53,30 @@ def check_forms(results: list, names, union) -> None:
             assert got["averaged"] == cases.STEPS, f"{name}, rank {rank}: {got['averaged']} averagings"
 
 
-def test_data_parallel_training_through_hoad_equals_one_process(tmp_path, union):
-    runs = [dict(name=name, **options) for name, options in FORMS.items()]
-    runs.append(dict(name="default DDP", form="operator", find_unused=False))
-    results = spawn({"kind": "ddp_forms", "options": {"backend": "eager", "runs": runs}}, tmp_path)
+RUNS = [dict(name=name, **options) for name, options in FORMS.items()]
+
+
+@pytest.fixture(scope="module")
+def eager_suite(tmp_path_factory) -> list:
+    """Every pattern on 2 ranks with eager programs: one process group for all of them."""
+    runs = RUNS + [dict(name="default DDP", form="operator", find_unused=False)]
+    return spawn({"kind": "suite", "options": {"backend": "eager", "runs": runs}}, tmp_path_factory.mktemp("eager"))
+
+
+@pytest.fixture(scope="module")
+def inductor_suite(tmp_path_factory) -> list:
+    return spawn({"kind": "suite", "options": {"backend": "inductor", "runs": RUNS}},
+                 tmp_path_factory.mktemp("inductor"))
+
+
+def part(results: list, name: str) -> list:
+    for rank, r in enumerate(results):
+        assert not isinstance(r[name], str), f"{name}, rank {rank}: {r[name]}"
+    return [r[name] for r in results]
+
+
+def test_data_parallel_training_through_hoad_equals_one_process(eager_suite, union):
+    results = part(eager_suite, "ddp")
     check_forms(results, FORMS, union)
     for by_name in results:  # DDP's default needs every parameter in the loss: said, with the setting
         assert by_name["default DDP"].startswith("DistributedError: DistributedDataParallel did not get a gradient")
@@ -65,7 +85,78 @@ def test_data_parallel_training_through_hoad_equals_one_process(tmp_path, union)
 
 @pytest.mark.slow
 @pytest.mark.inductor
-def test_data_parallel_training_through_compiled_programs_equals_one_process(tmp_path, union):
-    runs = [dict(name=name, **options) for name, options in FORMS.items()]
-    results = spawn({"kind": "ddp_forms", "options": {"backend": "inductor", "runs": runs}}, tmp_path)
-    check_forms(results, FORMS, union)
+def test_data_parallel_training_through_compiled_programs_equals_one_process(inductor_suite, union):
+    check_forms(part(inductor_suite, "ddp"), FORMS, union)
+
+
+def test_dtensor_arguments_run_each_ranks_program(eager_suite):
+    """Points sharded along the samples (9 over 2 ranks: 5 and 4) and a replicated weight: the
+    results come back sharded the same way and gather to one process's; a loss on them gives
+    the weight a Partial gradient whose sum is one process's; other placements are refused."""
+    from torch.func import hessian, vmap
+
+    results = part(eager_suite, "dtensor")
+    X = torch.rand(9, 3, generator=torch.Generator().manual_seed(5), dtype=cases.DT)
+    W = torch.rand(3, 4, generator=torch.Generator().manual_seed(6), dtype=cases.DT).requires_grad_()
+
+    def u(x, w):
+        return (x @ w).tanh().pow(2).sum(-1)
+
+    H = vmap(hessian(u), in_dims=(0, None))(X, W)
+    lap = H.diagonal(dim1=-2, dim2=-1).sum(-1)
+    (grad,) = torch.autograd.grad((lap ** 2).mean(), W)
+    for rank, r in enumerate(results):
+        assert r["placements"] == ["S(0)", "S(0)"] and r["local rows"] == (5, 4)[rank]
+        torch.testing.assert_close(r["value"], u(X, W).detach())
+        torch.testing.assert_close(r["hessian"], H.detach())
+        torch.testing.assert_close(r["laplacian"], lap.detach())
+        assert r["grad placement"] == "P(sum)"
+        torch.testing.assert_close(r["grad"], grad)
+        assert r["replicated"][0] == "R"
+        torch.testing.assert_close(r["replicated"][1], torch.func.grad(u)(X[0], W.detach()))
+        assert r["errors"]["Shard(1)"].startswith("DistributedError: argument 'x' is a DTensor placed as S(1)")
+        assert "Shard(0), with batch_dim=0) or replicated (Replicate())" in r["errors"]["Shard(1)"]
+        assert "pass batch_dim=0" in r["errors"]["no batch_dim"]
+
+
+def _check_split(results: list) -> None:
+    from torch.func import functional_call, hessian
+
+    model = cases.Classifier()
+    X, y = cases.classifier_data()
+    names = [n for n, _ in model.named_parameters()]
+    params = tuple(p.detach() for p in model.parameters())
+
+    def loss(*ps):
+        return torch.nn.functional.cross_entropy(functional_call(model.net, dict(zip([n[4:] for n in names], ps)),
+                                                                 (X,)), y)
+
+    H = hessian(loss, argnums=tuple(range(len(params))))(*params)
+    want = {(names[i], names[j]): H[i][j] for i in range(len(names)) for j in range(i, len(names))}
+    owners = results[0]["owners"]
+    assert results[1]["owners"] == owners and set(owners.values()) == {0, 1}
+    sizes = [sum(want[k].numel() for k, r in owners.items() if r == rank) for rank in (0, 1)]
+    largest = max(v.numel() for v in want.values())
+    assert abs(sizes[0] - sizes[1]) <= largest, f"unbalanced: {sizes} entries"
+    for rank, r in enumerate(results):
+        assert set(r["own"]) == {k for k, o in owners.items() if o == rank}
+        for k, block in r["own"].items():
+            torch.testing.assert_close(block, want[k], msg=lambda m: f"rank {rank}, block {k}: {m}")
+        for k, block in r["gathered"].items():
+            torch.testing.assert_close(block, want[k], msg=lambda m: f"gathered on rank {rank}, block {k}: {m}")
+        assert r["refusal"].startswith("block (") and f"this is rank {rank}): res.gather()" in r["refusal"]
+    assert set(results[0]["held after gather(dst=0)"]) == set(owners)
+    assert set(results[1]["held after gather(dst=0)"]) == {k for k, o in owners.items() if o == 1}
+
+
+def test_a_parameter_hessian_split_over_ranks(eager_suite):
+    """split_blocks=True deals the Hessian's canonical blocks to the 2 ranks, balanced by size:
+    each rank's own blocks are torch.func's, another's block is refused with the way to it,
+    gather() brings all of them to every rank, gather(dst=0) to rank 0 only."""
+    _check_split(part(eager_suite, "split"))
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_a_parameter_hessian_split_over_ranks_compiled(inductor_suite):
+    _check_split(part(inductor_suite, "split"))
