@@ -203,7 +203,7 @@ def test_training_through_a_randomized_biharmonic(estimator):
 # point, and its mean compared with the mean its docstring states: within Z standard errors of
 # the draws (so a bias of 1/Z_LIMIT of a standard error goes unseen; the nested estimator's
 # documented bias at S = 2, a factor 2, is tens of standard errors). The draws are seeded.
-DRAWS, Z_LIMIT = 2000, 5.0
+DRAWS, Z_LIMIT = 1500, 5.0
 
 
 def _draws(kind: str, S: int, D: int):
