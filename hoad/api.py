@@ -25,7 +25,8 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.distributed import LocalCall, Split, check_split, has_dtensors, record_nested, synchronized, wrappers_of
+from hoad.distributed import (LocalCall, Split, check_split, has_dtensors, record_nested, refuse_fully_sharded,
+                              synchronized, wrappers_of)
 from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names, untouched, _reachable)
@@ -713,6 +714,7 @@ class Compiled(Rebuilt):
                     "(convert it with .double() or .float())")
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
         roots = self._roots()
+        refuse_fully_sharded(itertools.chain([self.module] if self.module is not None else [], _reachable(roots)))
         b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
         entry = _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
         reached = itertools.chain([self.module] if self.module is not None else [], _reachable(roots))

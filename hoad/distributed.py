@@ -109,6 +109,26 @@ def wrappers_of(objects: Iterable) -> list:
     return found
 
 
+def refuse_fully_sharded(objects: Iterable) -> None:
+    """A module sharded by FSDP2 (``fully_shard``) among ``objects``: refused, naming what works.
+    Its parameters are DTensor shards that FSDP's hooks gather around each module call, and
+    a derivative program runs no module call (looked for only while a process group is up)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    for o in objects:
+        if isinstance(o, FSDPModule):
+            raise DistributedError(
+                f"the function reaches a module sharded by FSDP2 (fully_shard: {type(o).__name__}), whose parameters "
+                "are DTensor shards that FSDP gathers around each call of the module; hoad's program calls no module, "
+                "and FSDP2 is not supported yet. For data-parallel training through hoad wrap the model in "
+                "DistributedDataParallel (find_unused_parameters=True) instead; pass points as DTensors sharded "
+                "along the samples to split one call's work")
+
+
 def synchronized(ddps: Sequence, run: Callable[[], tuple]) -> tuple:
     """``run()`` between DDP's ``_pre_forward`` and ``_post_forward`` of each module in ``ddps``
     (its outputs go through ``_post_forward``, as a DDP forward's do: unused-parameter search and

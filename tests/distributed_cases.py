@@ -217,12 +217,29 @@ def split_hessian(rank: int, world: int, backend: str = "eager"):
     return out
 
 
+def fully_sharded(rank: int, world: int, backend: str) -> str:
+    """A PINN sharded by FSDP2 (per layer and at the root): what hoad says."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = PINN()
+    for layer in model.net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    try:
+        hoad.laplacian(lambda X: model(X).squeeze(-1), batch_dim=0, backend=backend)(points(rank))
+    except hoad.HoadError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def suite(rank: int, world: int, backend: str, runs: list[dict]):
     """Every pattern in one process group (one start-up for all): DDP training in each form, DTensor
     arguments, a split parameter Hessian; each part's result or error text."""
     out = {"ddp": ddp_forms(rank, world, backend, runs)}
     for name, part in (("dtensor", lambda: dtensor_programs(rank, world)),
-                       ("split", lambda: split_hessian(rank, world, backend))):
+                       ("split", lambda: split_hessian(rank, world, backend)),
+                       ("fsdp", lambda: fully_sharded(rank, world, backend))):
         try:
             out[name] = part()
         except Exception as e:  # noqa: BLE001 - reported to the test

@@ -160,3 +160,11 @@ def test_a_parameter_hessian_split_over_ranks(eager_suite):
 @pytest.mark.inductor
 def test_a_parameter_hessian_split_over_ranks_compiled(inductor_suite):
     _check_split(part(inductor_suite, "split"))
+
+
+def test_a_module_sharded_by_fsdp2_is_refused_naming_what_works(eager_suite):
+    """FSDP2 gathers a module's parameter shards around each call of the module, and hoad's program
+    calls none: refused before tracing (it was "the function runs autograd itself")."""
+    for rank, said in enumerate(r["fsdp"] for r in eager_suite):
+        assert said.startswith("DistributedError: the function reaches a module sharded by FSDP2"), f"rank {rank}"
+        assert "DistributedDataParallel (find_unused_parameters=True)" in said
