@@ -19,28 +19,28 @@ UNSUPPORTED = {
 
 # op -> the HoadError hoad raises (capture, control flow, output, ...)
 REFUSED = {
-    '_batch_norm_with_update': 'forward: CaptureError: tracing the function failed: RuntimeError: false INTERNAL ASSERT FAILED at "/__w/pytorch/pytorch/build/aten/src/ATen/RegisterFunctionalization_3.cpp":10867, please report a bug ',
-    '_native_batch_norm_legit': 'forward: CaptureError: tracing the function failed: RuntimeError: false INTERNAL ASSERT FAILED at "/__w/pytorch/pytorch/build/aten/src/ATen/RegisterFunctionalization_2.cpp":8050, please report a bug t',
-    'as_strided.partial_views': "forward: InvalidArgumentError: the function calls as_strided, which reads a tensor's storage, and input 'x' is a view into a larger storage (offset 5, strides (1,)); hoad's program reads its inputs as",
-    'bernoulli': 'forward: RandomnessError: the function draws random numbers (aten.rand.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic. ',
-    'combinations': 'forward: DataDependentControlFlowError: a shape depends on tensor values (aten.masked_select.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)), e.g. boolean-mask inde',
-    'corrcoef': 'forward: DataDependentControlFlowError: Python control flow or a shape depends on tensor values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)). One derivative program must ',
-    'cov': 'forward: DataDependentControlFlowError: Python control flow or a shape depends on tensor values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)). One derivative program must ',
-    'linalg.lstsq': "forward: DataDependentControlFlowError: aten.linalg_lstsq returns tensors whose shapes depend on its input's values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); one deri",
-    'linalg.lstsq.grad_oriented': "forward: DataDependentControlFlowError: aten.linalg_lstsq returns tensors whose shapes depend on its input's values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); one deri",
-    'masked_select': 'forward: DataDependentControlFlowError: a shape depends on tensor values (aten.masked_select.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)), e.g. boolean-mask inde',
-    'nn.functional.feature_alpha_dropout.with_train': 'forward: RandomnessError: the function draws random numbers (aten.bernoulli.p) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic. P',
-    'nn.functional.fractional_max_pool2d': 'forward: RandomnessError: the function draws random numbers (aten.rand.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic. ',
-    'nn.functional.multi_head_attention_forward': 'forward: RandomnessError: the function draws random numbers (aten.bernoulli.p) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic. P',
-    'nn.functional.rrelu': 'forward: RandomnessError: the function draws random numbers (aten.uniform.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministi',
-    'normal': 'forward: RandomnessError: the function draws random numbers (aten.normal.Tensor_Tensor) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determi',
-    'pca_lowrank': 'forward: RandomnessError: the function draws random numbers (aten.randn.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic.',
-    'svd_lowrank': 'forward: RandomnessError: the function draws random numbers (aten.randn.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deterministic.',
+    '_batch_norm_with_update': 'forward via op: CaptureError: the function updates in place a tensor it does not receive at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)) (a buffer of a module it reaches thr',
+    '_native_batch_norm_legit': 'forward via op: CaptureError: the function updates in place a tensor it does not receive at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)) (a buffer of a module it reaches thr',
+    'as_strided.partial_views': "forward via op: InvalidArgumentError: the function calls as_strided, which reads a tensor's storage, and input 'x' is a view into a larger storage (offset 5, strides (1,)); hoad's program reads its in",
+    'bernoulli': 'forward via op: RandomnessError: the function draws random numbers (aten.rand.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determin',
+    'combinations': 'forward via op: DataDependentControlFlowError: a shape depends on tensor values (aten.masked_select.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)), e.g. boolean-ma',
+    'corrcoef': 'forward via op: DataDependentControlFlowError: Python control flow or a shape depends on tensor values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)). One derivative progra',
+    'cov': 'forward via op: DataDependentControlFlowError: Python control flow or a shape depends on tensor values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)). One derivative progra',
+    'linalg.lstsq': "forward via op: DataDependentControlFlowError: aten.linalg_lstsq returns tensors whose shapes depend on its input's values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); o",
+    'linalg.lstsq.grad_oriented': "forward via op: DataDependentControlFlowError: aten.linalg_lstsq returns tensors whose shapes depend on its input's values at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); o",
+    'masked_select': 'forward via op: DataDependentControlFlowError: a shape depends on tensor values (aten.masked_select.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)), e.g. boolean-ma',
+    'nn.functional.feature_alpha_dropout.with_train': 'forward via op: RandomnessError: the function draws random numbers (aten.bernoulli.p) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determini',
+    'nn.functional.fractional_max_pool2d': 'forward via op: RandomnessError: the function draws random numbers (aten.rand.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determin',
+    'nn.functional.multi_head_attention_forward': 'forward via op: RandomnessError: the function draws random numbers (aten.bernoulli.p) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determini',
+    'nn.functional.rrelu': 'forward via op: RandomnessError: the function draws random numbers (aten.uniform.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be deter',
+    'normal': 'forward via op: RandomnessError: the function draws random numbers (aten.normal.Tensor_Tensor) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be ',
+    'pca_lowrank': 'forward via op: RandomnessError: the function draws random numbers (aten.randn.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determi',
+    'svd_lowrank': 'forward via op: RandomnessError: the function draws random numbers (aten.randn.default) at tests/opinfo_sweep.py: return post(wrapper(fn, first, *args, **kwargs)); a derivative program must be determi',
 }
 
 # op -> why it is wrong or crashes today: reported, not failed; remove entries as they are fixed
 KNOWN_BROKEN = {
-    'nn.functional.max_unpool1d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
-    'nn.functional.max_unpool2d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
-    'nn.functional.max_unpool3d': 'forward: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
+    'nn.functional.max_unpool1d': 'forward via op: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
+    'nn.functional.max_unpool2d': 'forward via op: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
+    'nn.functional.max_unpool3d': 'forward via op: order 1: duplicate indices: only the surviving write carries a derivative in hoad (both directions); torch\'s backward credits every duplicate, its forward mode the survivor [OpInfo samples with repeated indices]',
 }
