@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from hoad.algebra import EAGER, Target
 from hoad.algebra.multiindex import key_name
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.distributed import share_of
-from hoad.lowering.inductor import this_machine
+from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
@@ -345,11 +346,92 @@ def _compile(b: Build) -> Build:
             b.stats["samples_shown"] = shown.shape[0] if isinstance(shown, torch.Tensor) else None
     own_outputs(p.gm)
     _name_outputs(p)
-    b.main = compile_program(p, b.config.backend, example_inputs=dense + list(hoisted), samples=samples)
+    examples = dense + list(hoisted)
+    if b.config.backend == "inductor" and in_background() and cpu_codegen_problem(examples) is None:
+        b.main = Tiered(eager_program(p.gm), lambda: compile_program(p, "inductor", examples, samples),
+                        f"{name_of(b.fn)}'s order-{p.order} program", b.stats)
+    else:
+        b.main = compile_program(p, b.config.backend, example_inputs=examples, samples=samples)
+        if hasattr(b.main, "cache_hit"):
+            b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
-    if hasattr(b.main, "cache_hit"):
-        b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     return b
+
+
+def in_background() -> bool:
+    """Whether Inductor compiles run in the background while the eager program serves the calls
+    (``HOAD_COMPILE=background``, the default) or each call waits for them (``HOAD_COMPILE=wait``:
+    benchmarks, and tests of compiled programs)."""
+    mode = os.environ.get("HOAD_COMPILE", "background")
+    if mode not in ("background", "wait"):
+        raise InvalidArgumentError(f"HOAD_COMPILE must be 'background' or 'wait', got {mode!r}")
+    return mode == "background"
+
+
+COMPILE_THREAD = "hoad-compile"  # the name of the threads that compile in the background
+PATIENCE_S = 1.0  # how long a first call waits for a background compile before it runs eagerly
+
+
+class Tiered:
+    """A program that runs eagerly until its compiled twin is ready, then runs that.
+
+    The compile runs on a daemon thread holding :data:`BUILDS` (Inductor keeps process-wide
+    state), so the first calls return at once instead of after Inductor's 5-60 s; calls switch to
+    the compiled program as soon as it exists (one attribute swap: a call in flight finishes on the
+    eager program). A failed compile keeps the eager program, with a warning: a call never fails
+    for it. :meth:`wait` blocks until the compile is over."""
+
+    def __init__(self, eager: Callable, compile: Callable[[], Callable], label: str, stats: dict):
+        self.current, self.label, self.compiled = eager, label, None
+        self.done = threading.Event()
+        self._pending: tuple | None = (compile, stats)   # the compile starts at the first call
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the compile (once): at the first call, so a program only ever called under
+        autograd (whose own compiled twin serves those calls) is not compiled for nothing."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._start = time.perf_counter()
+        threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True).start()
+        # a compile that hits Inductor's cache is done in about a second: worth waiting for
+        if not self.done.wait(PATIENCE_S):
+            log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
+                     "for it instead)", self.label)
+
+    def _compile(self, compile: Callable[[], Callable], stats: dict) -> None:
+        try:
+            with BUILDS:
+                compiled = compile()
+        except Exception as e:  # noqa: BLE001 - the eager program goes on serving the calls
+            log.warning("hoad: %s stays eager: %s", self.label, e)
+        else:
+            self.compiled = self.current = compiled
+            if hasattr(compiled, "cache_hit"):
+                stats["inductor"] = {"seconds": compiled.seconds, "cache_hit": compiled.cache_hit}
+            log.info("hoad: %s is compiled (%.1f s after its build); calls now run the compiled program",
+                     self.label, time.perf_counter() - self._start)
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Start the compile if it has not started, and block until it is over (True) or
+        ``timeout`` seconds have passed (False)."""
+        self.start()
+        return self.done.wait(timeout)
+
+    def __call__(self, *tensors):
+        if self._pending is not None:
+            self.start()
+        return self.current(*tensors)
+
+    def __getattr__(self, name: str):  # (a compiled program's attributes, once it exists: graphs, ...)
+        compiled = self.__dict__.get("compiled")
+        if compiled is None:
+            raise AttributeError(name)
+        return getattr(compiled, name)
 
 
 def same_at_count(b: Build, count: int) -> bool:

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache
 from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.lower import OrientProducts
-from hoad.pipeline import BUILDS
+from hoad.pipeline import BUILDS, Tiered, in_background
 
 log = logging.getLogger("hoad")
 aten = torch.ops.aten
@@ -52,6 +53,8 @@ class Trainable:
         self.label = label
         self._eager: Callable | None = None
         self._compiled: dict[tuple[int, ...], Callable] = {}
+        self._compiling: dict[tuple[int, ...], Tiered] = {}  # (HOAD_COMPILE=background) compiles in flight
+        self._starting = threading.Lock()
         # inputs the program writes into (batch norm's running statistics): the eager
         # recomputation of a double backward works on copies, so the call stays the only write
         # (main's inputs are the call's tensors then the hoisted values, which are never written)
@@ -109,6 +112,24 @@ class Trainable:
             return self.eager
         needs = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
         run = self._compiled.get(needs)
+        if run is None and in_background():
+            # the eager program under autograd until the AOTAutograd program is compiled beside it
+            # (HOAD_COMPILE=background): the first training steps run at once
+            problem = cpu_codegen_problem(inputs)
+            if problem is not None:
+                raise CompileError(problem)
+            tier = self._compiling.get(needs)
+            if tier is None:
+                with self._starting:  # (not BUILDS, which a compile in flight holds)
+                    if needs not in self._compiling:
+                        self._compiling[needs] = Tiered(self.eager, functools.partial(
+                            self._compile, [t.detach().requires_grad_(t.requires_grad) for t in inputs]),
+                            f"{self.label} for autograd", {})
+                    self._compiling[needs].start()
+                tier = self._compiling[needs]
+            if tier.compiled is not None:
+                run = self._compiled[needs] = tier.compiled
+            return run if run is not None else self.eager
         if run is None:
             with BUILDS:
                 run = self._compiled.get(needs)

@@ -85,8 +85,10 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     hits_before = counters["inductor"]["fxgraph_cache_hit"]
     log.info("hoad: compiling %s (%d ATen calls) with Inductor", label, calls)
     start = time.perf_counter()
-    slow = threading.Timer(3.0, lambda: log.warning(
-        "hoad: Inductor is still compiling %s (%d ATen calls); a cold compile takes 5-30 s on a small CPU, "
+    # (a compile in the background, while the eager program serves the calls, keeps it to the log)
+    level = logging.INFO if threading.current_thread().name == "hoad-compile" else logging.WARNING
+    slow = threading.Timer(3.0, lambda: log.log(
+        level, "hoad: Inductor is still compiling %s (%d ATen calls); a cold compile takes 5-30 s on a small CPU, "
         "later processes reuse the cache in %s", label, calls, where))
     slow.daemon = True
     slow.start()

@@ -1,5 +1,8 @@
-"""Test-wide settings: run programs eagerly unless a test asks for Inductor (compiles cost seconds)."""
+"""Test-wide settings: run programs eagerly unless a test asks for Inductor (compiles cost seconds),
+and compile in the foreground (tests of compiled programs check what Inductor built; the tiered
+path, HOAD_COMPILE=background, has its own tests)."""
 
 import os
 
 os.environ.setdefault("HOAD_DEFAULT_BACKEND", "eager")
+os.environ.setdefault("HOAD_COMPILE", "wait")

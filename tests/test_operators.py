@@ -163,16 +163,13 @@ def test_randomized_biharmonic_is_its_formula_for_the_given_directions(estimator
 
 
 def test_the_default_randomized_biharmonic_is_the_unbiased_pairs_estimator():
-    X, V = rand(2, 4, seed=18), rand(3, 4, seed=19)
-    default = hoad.biharmonic(mlp, batch_dim=0, directions=V, backend="eager")
-    assert default.estimator == "pairs"
-    pairs = hoad.biharmonic(mlp, batch_dim=0, directions=V, estimator="pairs", backend="eager")
-    assert_close(default(X).biharmonic, pairs(X).biharmonic, "default")
+    assert hoad.biharmonic(mlp, batch_dim=0, directions=rand(3, 4, seed=19)).estimator == "pairs"
 
 
-@pytest.mark.parametrize("estimator", ["pairs", "gaussian"])
+@pytest.mark.parametrize("estimator", ["pairs"])
 def test_training_through_a_randomized_biharmonic(estimator):
-    """Gradients of a loss on the estimate reach the weights (both programs of 'pairs')."""
+    """Gradients of a loss on the estimate reach the weights (both programs of 'pairs': the nested
+    one and the collapsed fourth-order one that 'gaussian' runs alone)."""
     W = W1.clone().requires_grad_(True)
     V = rand(3, 4, seed=23)
 
@@ -203,7 +200,7 @@ def test_training_through_a_randomized_biharmonic(estimator):
 # point, and its mean compared with the mean its docstring states: within Z standard errors of
 # the draws (so a bias of 1/Z_LIMIT of a standard error goes unseen; the nested estimator's
 # documented bias at S = 2, a factor 2, is tens of standard errors). The draws are seeded.
-DRAWS, Z_LIMIT = 1500, 5.0
+DRAWS, Z_LIMIT = 1000, 5.0
 
 
 def _draws(kind: str, S: int, D: int):

@@ -44,8 +44,11 @@ formulas as ``hoad::jets_grad``: rows in chunks that stay in the L2 cache, MKL's
 whole chunks and the elementwise terms in loops. A Laplacian's training step (16-64-64-1, 256
 points, one thread) took 4.4 ms through the aten formula under Inductor and takes 2.9. The
 library (``kernels.cpp`` beside this file) is built once per machine by
-``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory,
-about 10 s, before a program that may use it is traced, never in the middle of a trace. Where it
+``torch.utils.cpp_extension`` (its caching, locking and ABI flags) into hoad's cache directory:
+about 40 s of gcc on 2 cores, then about a second to load in each process. With
+``HOAD_COMPILE=background`` (the default) a first build runs on a thread beside the programs,
+which use aten's products until the library is loaded; with ``HOAD_COMPILE=wait`` it is built
+before a program that may use it is traced. Never in the middle of a trace. Where it
 cannot be built or loaded (no AVX2, no compiler or ninja, not Linux x86-64, an unwritable cache,
 ``HOAD_DGEMM=0``), :func:`available` and :func:`avx2_available` are False and programs keep aten
 ops; without AVX-512 only :func:`available` is.
@@ -57,6 +60,7 @@ import hashlib
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import torch
@@ -77,7 +81,9 @@ GRAM_MIN_N, GRAM_MAX_N = 8, 64  # per-sample Gram sizes measured; smaller ones w
 JET_MAX_K_MKL512 = 256  # inputs of the layers the jet kernels take where MKL runs AVX-512 (jets_suit)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-_state: bool | None = None  # the library is built and loaded; None: not tried yet
+_state: bool | None = None  # the library is built and loaded; None: not tried yet (or building)
+_building: threading.Thread | None = None  # the background build, once started (HOAD_COMPILE=background)
+_lock = threading.Lock()
 _mkl_avx512: bool | None = None  # mkl_avx512(), once read
 
 
@@ -87,17 +93,31 @@ def _build_directory() -> str:
     return os.path.join(cache_root(), "kernels")
 
 
+FLAGS = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}"]
+
+
+def _library() -> tuple[str, str]:
+    """(name, build directory) of the library: the name carries the source, the flags and torch's
+    version, so a changed kernel never reuses a stale library."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"hoad_kernels_{digest}", os.path.join(_build_directory(), digest)
+
+
+def built() -> bool:
+    """Whether the library is on disk already (loading it then takes about a second)."""
+    name, where = _library()
+    return os.path.exists(os.path.join(where, f"{name}.so"))
+
+
 def build() -> bool:
     """Build (or find built) and load the library; False where that cannot be done here."""
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}"]
-    # the name carries the source and flags, so a changed kernel never reuses a stale library
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-    where = os.path.join(_build_directory(), digest)
+    flags = FLAGS
+    name, where = _library()
     os.makedirs(where, exist_ok=True)
-    log.info("hoad: loading its float64 kernels (built once per machine into %s, ~10 s)", where)
-    load(name=f"hoad_kernels_{digest}", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    log.info("hoad: loading its float64 kernels (built once per machine into %s, 30-60 s)", where)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=where, is_python_module=False, verbose=False)
     torch.library.register_fake("hoad::mm")(_shape)
     torch.library.register_fake("hoad::gram")(_gram_shape)
@@ -125,17 +145,44 @@ def _avx512() -> bool:
 
 
 def _loaded() -> bool:
-    global _state
+    global _state, _building
     if _state is None:
-        _state = False
-        if (os.environ.get("HOAD_DGEMM", "1") != "0" and platform.system() == "Linux"
+        if not (os.environ.get("HOAD_DGEMM", "1") != "0" and platform.system() == "Linux"
                 and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
-            try:
-                _state = build()
-            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, unwritable cache, a failed load
-                log.warning("hoad: the float64 kernels are not available (%s: %s); programs use aten ops",
-                            type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
-    return _state
+            _state = False
+        elif os.environ.get("HOAD_COMPILE", "background") == "background" and not built():
+            # a first build (30-60 s of gcc) runs beside the programs, which use aten products
+            # until the library is loaded: never on the critical path of a first call
+            with _lock:
+                if _building is None:
+                    log.info("hoad: building its float64 kernels in the background (once per machine, 30-60 s); "
+                             "programs built before they are ready use aten's products")
+                    _building = threading.Thread(target=_settle, name="hoad-kernels", daemon=True)
+                    _building.start()
+            return False
+        else:
+            _settle()
+    return bool(_state)
+
+
+def _settle() -> None:
+    global _state
+    try:
+        state = build()
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, unwritable cache, a failed load
+        log.warning("hoad: the float64 kernels are not available (%s: %s); programs use aten ops",
+                    type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
+        state = False
+    _state = state
+
+
+def wait_for_build(timeout: float | None = None) -> bool:
+    """Block until a background build of the library is over (True; at once when none runs)."""
+    thread = _building
+    if thread is not None:
+        thread.join(timeout)
+        return not thread.is_alive()
+    return True
 
 
 def suits(a: torch.Tensor, b: torch.Tensor) -> bool:

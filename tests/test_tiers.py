@@ -1,0 +1,155 @@
+"""Tiered execution (HOAD_COMPILE=background, the default outside the tests): a first call runs
+the eager program at once while Inductor compiles beside it, later calls switch to the compiled
+program, and the results agree throughout."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.func import hessian, vmap
+
+import hoad
+from hoad.pipeline import Tiered
+from helpers import assert_close, rand
+
+pytestmark = pytest.mark.inductor
+
+
+@pytest.fixture
+def background(monkeypatch):
+    monkeypatch.setenv("HOAD_COMPILE", "background")
+
+
+def _tiers(compiled) -> list[Tiered]:
+    return [e.build.main for e in compiled._cache.values() if isinstance(e.build.main, Tiered)]
+
+
+def test_a_first_call_runs_eagerly_and_later_calls_run_the_compiled_program(background):
+    W = rand(3, 8, seed=1)
+
+    def f(x):
+        return (x @ W).tanh().pow(3).sum()
+
+    cf = hoad.compile(f, order=2, backend="inductor")
+    x = rand(3, seed=2)
+    first = cf(x)
+    (tier,) = _tiers(cf)
+    assert_close(first[0, 0], hessian(f)(x), "the first call")
+    assert tier.wait(600), "the background compile did not finish"
+    assert tier.compiled is not None and tier.current is tier.compiled
+    later = cf(x)
+    assert_close(later[0, 0], first[0, 0], "compiled against eager")
+    assert cf._last.build.stats["inductor"]["seconds"] > 0
+
+
+def test_training_runs_eagerly_until_its_compiled_twin_is_ready(background):
+    W = rand(3, 8, seed=3).requires_grad_()
+
+    def u(X):
+        return (X @ W).tanh().sum(-1)
+
+    lap = hoad.laplacian(u, batch_dim=0, backend="inductor")
+    X = rand(5, 3, seed=4)
+
+    def reference():
+        H = vmap(hessian(lambda x: (x @ W).tanh().sum()))(X)
+        (g,) = torch.autograd.grad((H.diagonal(dim1=-2, dim2=-1).sum(-1) ** 2).sum(), W)
+        return g
+
+    (first,) = torch.autograd.grad((lap(X).laplacian ** 2).sum(), W)
+    assert_close(first, reference(), "the first gradient (eager)")
+    trainable = lap.compiled._last.trainable
+    (tier,) = trainable._compiling.values()
+    assert tier.wait(600)
+    (later,) = torch.autograd.grad((lap(X).laplacian ** 2).sum(), W)
+    assert trainable._compiled, "the compiled twin was not taken up"
+    assert_close(later, reference(), "the gradient through the compiled program")
+
+
+def test_threads_calling_while_the_program_compiles_agree(background):
+    """8 threads call one program while it compiles in the background: every result is right,
+    whichever program ran it."""
+    W = rand(4, 6, seed=5)
+
+    def f(X):
+        return (X @ W).sin().sum(-1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="inductor")
+    X = rand(7, 4, seed=6)
+    want = vmap(hessian(f))(X)
+    cf(X)
+    failures: list = []
+    start = threading.Barrier(8)
+
+    def work():
+        start.wait()
+        for _ in range(20):
+            try:
+                assert_close(cf(X)[0, 0], want, "per-sample Hessian")
+            except Exception as e:  # noqa: BLE001 - collected
+                failures.append(repr(e))
+
+    pool = [threading.Thread(target=work) for _ in range(8)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not failures, failures[:3]
+    (tier,) = _tiers(cf)
+    assert tier.wait(600)
+    assert_close(cf(X)[0, 0], want, "after the compile")
+
+
+def test_a_failed_background_compile_keeps_the_eager_program(background, monkeypatch, caplog):
+    import hoad.pipeline as pipeline
+
+    def broken(*args, **kwargs):
+        raise hoad.CompileError("planted")
+
+    monkeypatch.setattr(pipeline, "compile_program", lambda p, backend, *a, **k: (
+        broken() if backend == "inductor" else pipeline.eager_program(p.gm)))
+    cf = hoad.compile(lambda x: x.sin().sum(), order=2, backend="inductor")
+    x = rand(3, seed=7)
+    cf(x)
+    (tier,) = _tiers(cf)
+    assert tier.wait(60)
+    assert tier.compiled is None
+    assert "stays eager: planted" in caplog.text
+    assert_close(cf(x)[0, 0], torch.diag(-x.sin()), "still right, eagerly")
+
+
+def test_hoad_compile_wait_compiles_before_the_first_call_returns(monkeypatch):
+    monkeypatch.setenv("HOAD_COMPILE", "wait")
+    cf = hoad.compile(lambda x: x.cos().sum(), order=2, backend="inductor")
+    cf(rand(3, seed=8))
+    assert not _tiers(cf) and "inductor" in cf._last.build.stats
+    monkeypatch.setenv("HOAD_COMPILE", "later")
+    with pytest.raises(hoad.InvalidArgumentError, match="HOAD_COMPILE must be 'background' or 'wait'"):
+        hoad.compile(lambda x: x.cos().sum(), order=2, backend="inductor")(rand(4, seed=9))
+
+
+def test_a_first_kernel_build_runs_beside_the_programs(monkeypatch):
+    """Without the library on disk, its build (about 40 s of gcc) starts on a thread: programs
+    traced meanwhile use aten's products, and the kernels once it has loaded."""
+    from hoad.lowering import kernels
+
+    release = threading.Event()
+
+    def slow_build():
+        release.wait(30)
+        return True
+
+    monkeypatch.setenv("HOAD_COMPILE", "background")
+    monkeypatch.setattr(kernels, "_state", None)
+    monkeypatch.setattr(kernels, "_building", None)
+    monkeypatch.setattr(kernels, "built", lambda: False)
+    monkeypatch.setattr(kernels, "build", slow_build)
+    monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kernels.avx2_available() is False and kernels._building is not None  # not waited for
+    release.set()
+    assert kernels.wait_for_build(30)
+    assert kernels.avx2_available() is True
