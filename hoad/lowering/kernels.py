@@ -99,7 +99,8 @@ FLAGS = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}
 def _library() -> tuple[str, str]:
     """(name, build directory) of the library: the name carries the source, the flags and torch's
     version, so a changed kernel never reuses a stale library."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return f"hoad_kernels_{digest}", os.path.join(_build_directory(), digest)
 
 
