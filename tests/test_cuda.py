@@ -16,7 +16,17 @@ from op_cases import CASES
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-3}
-CLOSED_OVER = ("W6", "W23", "W43", "W26")
+# every module-level tensor of op_cases a case closes over (the pooling cases' input and indices
+# too: left on the CPU in float64 they were a device-propagation error and a dtype refusal)
+CLOSED_OVER = tuple(name for name, value in vars(op_cases).items()
+                    if isinstance(value, torch.Tensor) and name.isupper())
+
+
+def _moved(t, device: str, dtype: torch.dtype):
+    """A floating tensor in the case's dtype on the device; any other (indices) on the device."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.to(device, dtype) if t.dtype.is_floating_point else t.to(device)
 
 
 @pytest.fixture
@@ -25,10 +35,9 @@ def on_cuda(monkeypatch):
 
     def use(dtype):
         for name in CLOSED_OVER:
-            monkeypatch.setattr(op_cases, name, getattr(op_cases, name).to("cuda", dtype))
+            monkeypatch.setattr(op_cases, name, _moved(getattr(op_cases, name), "cuda", dtype))
         torch.set_default_device("cuda")
-        return lambda t: t.to("cuda", dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else (
-            t.to("cuda") if isinstance(t, torch.Tensor) else t)
+        return lambda t: _moved(t, "cuda", dtype)
 
     yield use
     torch.set_default_device("cpu")
