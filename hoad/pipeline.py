@@ -7,6 +7,7 @@ list :data:`PIPELINE` is the architecture. Per-stage node counts and times land 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -369,6 +370,24 @@ def in_background() -> bool:
 
 
 COMPILE_THREAD = "hoad-compile"  # the name of the threads that compile in the background
+_EXITING = False
+_IN_FLIGHT: set[threading.Thread] = set()   # background compiles not yet over
+
+
+@atexit.register
+def _exiting() -> None:
+    """A process ends after its background compiles: a thread left inside Inductor's native code
+    while the interpreter tears down aborted the process ('terminate called without an active
+    exception', measured on examples/quickstart.py), and a finished compile is in the cache for
+    the next process."""
+    global _EXITING
+    left = [t for t in list(_IN_FLIGHT) if t.is_alive()]
+    if left:
+        log.warning("hoad: waiting for %d background compile%s to finish before the process ends (they fill "
+                    "Inductor's cache for the next run)", len(left), "s" if len(left) > 1 else "")
+    for t in left:
+        t.join()
+    _EXITING = True
 PATIENCE_S = 1.0  # how long a first call waits for a background compile before it runs eagerly
 
 
@@ -395,7 +414,9 @@ class Tiered:
         if pending is None:
             return
         self._start = time.perf_counter()
-        threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True).start()
+        thread = threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True)
+        _IN_FLIGHT.add(thread)
+        thread.start()
         # a compile that hits Inductor's cache is done in about a second: worth waiting for
         if not self.done.wait(PATIENCE_S):
             log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
@@ -406,7 +427,8 @@ class Tiered:
             with BUILDS:
                 compiled = compile()
         except Exception as e:  # noqa: BLE001 - the eager program goes on serving the calls
-            log.warning("hoad: %s stays eager: %s", self.label, e)
+            if not _EXITING:  # (an interpreter shutting down fails a compile in flight: no news)
+                log.warning("hoad: %s stays eager: %s", self.label, e)
         else:
             self.compiled = self.current = compiled
             if hasattr(compiled, "cache_hit"):
@@ -415,6 +437,7 @@ class Tiered:
                      self.label, time.perf_counter() - self._start)
         finally:
             self.done.set()
+            _IN_FLIGHT.discard(threading.current_thread())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Start the compile if it has not started, and block until it is over (True) or

@@ -788,3 +788,14 @@ def test_a_number_read_from_a_value_the_function_computes_is_named():
     for f in (lambda x: (x ** 2).sum() / float(box[0]), lambda x: (x ** 2).sum() / float(box.max())):
         with pytest.raises(hoad.DataDependentControlFlowError, match="reads into Python.*Keep it a tensor"):
             hoad.compile(f, order=1, backend="eager")(torch.ones(3, dtype=torch.float64))
+
+
+def test_a_cache_path_with_spaces_is_named_before_inductor_fails_on_it(monkeypatch, tmp_path):
+    """Inductor passes its cache path to g++ unquoted: every program failed to build."""
+    from hoad.lowering import kernels
+
+    monkeypatch.setenv("HOAD_CACHE_DIR", str(tmp_path / "my caches"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(kernels, "_state", False)  # (not a build of the kernels into the new directory)
+    raises(hoad.CompileError, lambda: hoad.compile(lambda x: x.sin().sum(), order=1, backend="inductor")(X),
+           "path with spaces", "HOAD_CACHE_DIR")

@@ -146,10 +146,12 @@ def test_a_first_kernel_build_runs_beside_the_programs(monkeypatch):
     monkeypatch.setattr(kernels, "_building", None)
     monkeypatch.setattr(kernels, "built", lambda: False)
     monkeypatch.setattr(kernels, "build", slow_build)
+    started = []
+    monkeypatch.setattr(kernels, "_build_in_a_process", lambda: started.append(True))  # (its own process)
     monkeypatch.setattr(kernels.platform, "system", lambda: "Linux")
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(kernels.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert kernels.avx2_available() is False and kernels._building is not None  # not waited for
     release.set()
     assert kernels.wait_for_build(30)
-    assert kernels.avx2_available() is True
+    assert started and kernels.avx2_available() is True

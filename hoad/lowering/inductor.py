@@ -52,6 +52,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from hoad.algebra.einsum import _arrange
 from hoad.algebra.target import Lowering
+from hoad.errors import CompileError
 from hoad.lowering import kernels
 
 SMALL_MATRIX = 64
@@ -195,8 +196,13 @@ def cache_dir() -> str:
 
 def use_cache_dir() -> str:
     """Point Inductor at :func:`cache_dir` (Inductor reads only the environment for it); called
-    by the compile pass before it compiles."""
+    by the compile pass before it compiles. A path with whitespace is refused: Inductor's C++
+    build passes it to g++ unquoted ("input file ... is the same as output file", every program)."""
     where = cache_dir()
+    if any(c.isspace() for c in where):
+        raise CompileError(f"Inductor cannot build C++ programs under a path with spaces ({where!r}: it passes "
+                           "it to the compiler unquoted); set HOAD_CACHE_DIR (or TORCHINDUCTOR_CACHE_DIR) to a "
+                           "directory whose path has none, or use backend='eager'")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
     return where
 

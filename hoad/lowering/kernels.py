@@ -60,6 +60,8 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -158,12 +160,30 @@ def _loaded() -> bool:
                 if _building is None:
                     log.info("hoad: building its float64 kernels in the background (once per machine, 30-60 s); "
                              "programs built before they are ready use aten's products")
-                    _building = threading.Thread(target=_settle, name="hoad-kernels", daemon=True)
+                    _building = threading.Thread(target=_build_beside, name="hoad-kernels", daemon=True)
                     _building.start()
             return False
         else:
             _settle()
     return bool(_state)
+
+
+def _build_beside() -> None:
+    """Build the library in a process of its own, then load it here. The process outlives this
+    one (its own session): a script that ends before the build does still leaves the library
+    built for the next, where a build in a thread of this process would die with it and leave
+    cpp_extension's lock behind (every later build waits on that lock for ever)."""
+    _build_in_a_process()
+    _settle()
+
+
+def _build_in_a_process() -> None:
+    code = "import sys; from hoad.lowering import kernels; sys.exit(0 if kernels.build() else 1)"
+    try:
+        subprocess.run([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env=dict(os.environ, HOAD_COMPILE="wait"), check=False)
+    except OSError:
+        pass  # (no interpreter to start: the load after it builds, or says why not)
 
 
 def _settle() -> None:

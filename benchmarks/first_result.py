@@ -1,0 +1,123 @@
+"""``python -m benchmarks.first_result [--only NAMES]``: how long a new user waits (issue 46).
+
+Each case runs in a fresh process, with hoad's caches (its C++ kernels, Inductor's programs)
+empty and then warm, and with Inductor compiling in the background (``HOAD_COMPILE=background``,
+the default) or before the first call returns (``wait``):
+
+- ``pinn loop``: a 2-32-32-1 Poisson PINN, 256 points, 300 Adam steps through
+  ``loss.backward()`` of ``hoad.laplacian``; the time to the first step and to the last, beside
+  the same loop through plain autograd (``create_graph``) and through ``torch.func``;
+- ``quickstart``, ``laplace_newton``: the examples, start to end.
+
+One thread, the process's whole wall time (Python and torch imports included). Results go to
+``benchmarks/results/<stamp>-first.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.env import ONE_THREAD, REPO
+
+LOOP = r'''
+import sys, time
+start = time.perf_counter()
+import torch
+torch.set_num_threads(1)
+way = sys.argv[1]
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                          torch.nn.Linear(32, 1)).double()
+P = torch.rand(256, 2, dtype=torch.float64)
+f = 2 * torch.pi ** 2 * torch.sin(torch.pi * P).prod(-1)
+u = lambda X: net(X).squeeze(-1)
+if way == "hoad":
+    import hoad
+    lap = hoad.laplacian(u, batch_dim=0)
+    laplacian = lambda X: lap(X).laplacian
+elif way == "autograd":
+    def laplacian(X):
+        X = X.clone().requires_grad_()
+        g, = torch.autograd.grad(u(X).sum(), X, create_graph=True)
+        return sum(torch.autograd.grad(g[:, i].sum(), X, create_graph=True)[0][:, i] for i in range(X.shape[1]))
+else:
+    from torch.func import functional_call, hessian, vmap
+    def laplacian(X):
+        return vmap(lambda x: hessian(lambda y: u(y[None])[0])(x).diagonal().sum())(X)
+opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+first = None
+for step in range(300):
+    opt.zero_grad()
+    ((laplacian(P) + f) ** 2).mean().backward()
+    opt.step()
+    if first is None:
+        first = time.perf_counter() - start
+print(f"FIRST {first:.3f} TOTAL {time.perf_counter() - start:.3f}")
+'''
+
+
+def _run(argv: list[str], env: dict, timeout: float = 1800) -> tuple[float, str]:
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} failed: {done.stderr[-2000:]}")
+    return time.perf_counter() - start, done.stdout
+
+
+def measure(only: set[str] | None) -> list[dict]:
+    rows = []
+    cases = [("pinn loop", way) for way in ("hoad", "autograd", "torch.func")] + [
+        ("quickstart", None), ("laplace_newton", None)]
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "loop.py")
+        with open(script, "w") as fh:
+            fh.write(LOOP)
+        for case, way in cases:
+            if only and case not in only:
+                continue
+            modes = ("background", "wait") if way in (None, "hoad") else ("-",)
+            for mode in modes:
+                for cache in ("empty", "warm"):
+                    if mode == "-" and cache == "warm":
+                        continue
+                    cache_dir = os.path.join(tmp, f"cache-{case}-{way}-{mode}".replace(" ", "_").replace(".", "_"))
+                    if cache == "empty" and os.path.exists(cache_dir):
+                        raise RuntimeError("a cache meant to be empty exists")
+                    env = dict(os.environ, **ONE_THREAD, HOAD_CACHE_DIR=cache_dir)
+                    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+                    if mode != "-":
+                        env["HOAD_COMPILE"] = mode
+                    argv = [sys.executable, script, way] if case == "pinn loop" else \
+                        [sys.executable, str(REPO / "examples" / f"{case}.py")]
+                    seconds, out = _run(argv, env)
+                    row = {"case": case, "way": way or "hoad", "compile": mode, "cache": cache, "seconds": seconds}
+                    if case == "pinn loop":
+                        words = out.split()
+                        row["first"], row["total"] = float(words[words.index("FIRST") + 1]), \
+                            float(words[words.index("TOTAL") + 1])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.first_result", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--only", help="comma-separated cases: pinn loop, quickstart, laplace_newton")
+    args = parser.parse_args(argv)
+    rows = measure(set(s.strip() for s in args.only.split(",")) if args.only else None)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = REPO / "benchmarks" / "results" / f"{stamp}-first.json"
+    path.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
