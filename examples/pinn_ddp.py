@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import time
 
@@ -29,27 +28,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hoad
+from pinn_poisson import boundary_points, exact, source  # the same problem (this file's folder is on the path)
 
 log = logging.getLogger("pinn_ddp")
 DT = torch.float64
-
-
-def exact(xy: torch.Tensor) -> torch.Tensor:
-    return torch.sin(math.pi * xy[:, 0]) * torch.sin(math.pi * xy[:, 1])
-
-
-def source(xy: torch.Tensor) -> torch.Tensor:
-    return 2 * math.pi**2 * exact(xy)
-
-
-def boundary_points(n: int, g: torch.Generator) -> torch.Tensor:
-    """n points on the boundary of the unit square, a quarter on each side."""
-    t = torch.rand(n, generator=g, dtype=DT)
-    side = torch.arange(n) % 4
-    zero, one = torch.zeros_like(t), torch.ones_like(t)
-    x = torch.where(side == 0, zero, torch.where(side == 1, one, t))
-    y = torch.where(side == 2, zero, torch.where(side == 3, one, t))
-    return torch.stack([x, y], 1)
 
 
 def network() -> nn.Module:
