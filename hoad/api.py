@@ -25,9 +25,10 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.distributed import (LocalCall, Split, check_split, has_dtensors, record_nested, refuse_fully_sharded,
-                              synchronized, wrappers_of)
-from hoad.errors import CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError
+from hoad.distributed import (LocalCall, Split, check_split, data_parallel_wrappers, has_dtensors, record_nested,
+                              synchronized)
+from hoad.errors import (CaptureError, ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, OutputError,
+                         first_line)
 from hoad.binding import (CallLayout, Keyword, Positional, StateEntry, bind_layout, find_guards, find_sources,
                           positional_names, untouched, _reachable)
 from hoad.algebra import Target
@@ -714,13 +715,12 @@ class Compiled(Rebuilt):
                     "(convert it with .double() or .float())")
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"), self.order)
         roots = self._roots()
-        refuse_fully_sharded(itertools.chain([self.module] if self.module is not None else [], _reachable(roots)))
+        # (ddp_model.module.method(x): DDP's protocol while training; an FSDP2 module is refused)
+        wrappers = data_parallel_wrappers(itertools.chain([self.module] if self.module is not None else [],
+                                                          _reachable(roots)))
         b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
         entry = _Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
-        reached = itertools.chain([self.module] if self.module is not None else [], _reachable(roots))
-        for wrapper in wrappers_of(reached):  # (ddp_model.module.method(x): DDP's protocol while training)
-            if all(d is not wrapper for d, _always in entry.ddp):
-                entry.ddp.append((wrapper, False))
+        entry.ddp += [(w, False) for w in wrappers if all(d is not w for d, _always in entry.ddp)]
         return entry
 
     def _roots(self) -> dict:
@@ -995,8 +995,8 @@ class _Entry:
             own = self._own_failure(tensors)
             if own is not None:
                 raise ExecutionError(
-                    f"{name_of(self.build.fn)} itself fails on these inputs ({type(own).__name__}: {_line(own)}), "
-                    f"so its derivative program does too ({type(e).__name__}: {_line(e)}). Fix the inputs (an "
+                    f"{name_of(self.build.fn)} itself fails on these inputs ({type(own).__name__}: {first_line(own)}), "
+                    f"so its derivative program does too ({type(e).__name__}: {first_line(e)}). Fix the inputs (an "
                     "index out of range, say) or the function; the program needs nothing else") from e
             raise ExecutionError(
                 f"the derivative program of {name_of(self.build.fn)} failed while running ({type(e).__name__}: {e}), "
@@ -1052,12 +1052,6 @@ class _Entry:
         if b.prefix is None:
             return b.main(*tensors)
         return b.main(*tensors, *b.prefix.run(*[tensors[b.prefix.first_free + i] for i in b.prefix.reads]))
-
-
-def _line(e: BaseException) -> str:
-    """An exception's first line (a compiled kernel's is its own message, without the source)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _check_written_aliases(tensors, written: set, names) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from hoad.distributed import is_data_parallel
 from hoad.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def find_guards(roots: dict) -> list[Guard]:
             if id(obj) in seen or isinstance(obj, torch.Tensor) or type(obj).__module__.startswith("hoad."):
                 continue
             seen.add(id(obj))
-            if _is_data_parallel(obj):  # (its flags are DDP's bookkeeping: only the module it wraps is watched)
+            if is_data_parallel(obj):  # (its flags are DDP's bookkeeping: only the module it wraps is watched)
                 following += [(root, child, steps + (step,)) for step, child in _children(obj)]
                 continue
             values = []
@@ -670,7 +671,7 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
         return
     if isinstance(obj, (types.ModuleType, type, str, bytes, int, float, complex, bool)) or obj is None:
         return
-    if _is_data_parallel(obj):
+    if is_data_parallel(obj):
         # DDP's own state is bookkeeping (its reducer, no_sync's flag), not what the function
         # computes: hoad traces the module it wraps and runs DDP's protocol itself (hoad.distributed)
         yield ("module", "module"), obj.module
@@ -706,12 +707,6 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
                 yield ("item", k), v
         return
     yield from _attributes(obj)
-
-
-def _is_data_parallel(obj) -> bool:
-    """A DistributedDataParallel module (followed only into the module it wraps)."""
-    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    return ddp is not None and isinstance(obj, ddp)
 
 
 _LIBRARIES = ("builtins", "torch", "hoad", "numpy", "typing", "enum", "abc", "collections", "functools")

@@ -83,14 +83,28 @@ def record_nested(ddps: Sequence) -> None:
         stack[-1].extend(ddps)
 
 
-def wrappers_of(objects: Iterable) -> list:
-    """The ``DistributedDataParallel`` modules that wrap any module among ``objects`` (looked for
-    only while a process group is initialized: DDP keeps the module it wraps in its ``_modules``
-    table, and nothing on the module points back; three scans of the garbage collector's objects,
-    once per program built)."""
+def is_data_parallel(obj) -> bool:
+    """A DistributedDataParallel module."""
     ddp = _ddp_class()
-    if ddp is None or not torch.distributed.is_initialized():
+    return ddp is not None and isinstance(obj, ddp)
+
+
+def data_parallel_wrappers(objects: Iterable) -> list:
+    """The ``DistributedDataParallel`` modules that wrap a module among ``objects`` (the objects a
+    function reaches), after refusing an FSDP2-sharded one; nothing is looked at unless a process
+    group is initialized (``objects`` is then read once)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
+    objects = list(objects)
+    refuse_fully_sharded(objects)
+    return wrappers_of(objects)
+
+
+def wrappers_of(objects: Sequence) -> list:
+    """The ``DistributedDataParallel`` modules that wrap any module among ``objects``: DDP keeps
+    the module it wraps in its ``_modules`` table, and nothing on the module points back (three
+    scans of the garbage collector's objects, once per program built)."""
+    ddp = _ddp_class()
     modules = [o for o in objects if isinstance(o, torch.nn.Module) and not isinstance(o, ddp)]
     if not modules:
         return []
@@ -109,12 +123,10 @@ def wrappers_of(objects: Iterable) -> list:
     return found
 
 
-def refuse_fully_sharded(objects: Iterable) -> None:
+def refuse_fully_sharded(objects: Sequence) -> None:
     """A module sharded by FSDP2 (``fully_shard``) among ``objects``: refused, naming what works.
     Its parameters are DTensor shards that FSDP's hooks gather around each module call, and
-    a derivative program runs no module call (looked for only while a process group is up)."""
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return
+    a derivative program runs no module call."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

@@ -63,6 +63,13 @@ class HoadInternalError(HoadError, RuntimeError):
     """An invariant of hoad itself failed: please report it with the function that triggered it."""
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's first line, at most ``limit`` characters (a compiled kernel's error is its
+    message, without the source around it)."""
+    text = str(e).strip().splitlines()
+    return text[0][:limit] if text else ""
+
+
 def internal_check(condition: bool, message: str) -> None:
     """Raise :class:`HoadInternalError` when an internal invariant does not hold."""
     if not condition:

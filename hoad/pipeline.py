@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from hoad.algebra.multiindex import key_name
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.distributed import share_of
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
+from hoad.lowering.kernels import in_background
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
@@ -357,16 +357,6 @@ def _compile(b: Build) -> Build:
             b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     return b
-
-
-def in_background() -> bool:
-    """Whether Inductor compiles run in the background while the eager program serves the calls
-    (``HOAD_COMPILE=background``, the default) or each call waits for them (``HOAD_COMPILE=wait``:
-    benchmarks, and tests of compiled programs)."""
-    mode = os.environ.get("HOAD_COMPILE", "background")
-    if mode not in ("background", "wait"):
-        raise InvalidArgumentError(f"HOAD_COMPILE must be 'background' or 'wait', got {mode!r}")
-    return mode == "background"
 
 
 COMPILE_THREAD = "hoad-compile"  # the name of the threads that compile in the background

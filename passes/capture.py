@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.distributed import traced_as_module
-from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError
+from hoad.errors import (CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError,
+                         first_line)
 from hoad.passes.clean import cse, traced_call, written_inputs
 from hoad.passes.decompositions import (DETACHED_FROM, INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
                                         decomposition_table, safe_branches, squares_of_norms)
@@ -96,7 +97,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         raise type(e)(f"{e}{_at(user_frame(e.__traceback__))}") from e
     except Exception as e:  # noqa: BLE001 - sorted into the errors a user can act on
         _raise_capture_error(e)
-        raise CaptureError(f"tracing the function failed: {type(e).__name__}: {_first_line(e)}"
+        raise CaptureError(f"tracing the function failed: {type(e).__name__}: {first_line(e)}"
                            f"{_at(user_frame(e.__traceback__))}") from e
     finally:
         INPUT_STORAGES.pop()
@@ -229,11 +230,6 @@ def _stand_in_traced_free(gm: fx.GraphModule, own: int) -> None:
             with mode:
                 node.meta["val"] = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
                                                        device=t.device)
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 def _at(line: str | None) -> str:

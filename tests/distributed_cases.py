@@ -247,5 +247,4 @@ def suite(rank: int, world: int, backend: str, runs: list[dict]):
     return out
 
 
-CASES = {"ddp": ddp_training, "ddp_forms": ddp_forms, "dtensor": dtensor_programs, "split": split_hessian,
-         "suite": suite}
+CASES = {"suite": suite}

@@ -67,6 +67,8 @@ from pathlib import Path
 
 import torch
 
+from hoad.errors import InvalidArgumentError
+
 log = logging.getLogger("hoad")
 
 MAX_K = 256  # longer inner dimensions: MKL's packed kernels win
@@ -153,7 +155,7 @@ def _loaded() -> bool:
         if not (os.environ.get("HOAD_DGEMM", "1") != "0" and platform.system() == "Linux"
                 and platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
             _state = False
-        elif os.environ.get("HOAD_COMPILE", "background") == "background" and not built():
+        elif in_background() and not built():
             # a first build (30-60 s of gcc) runs beside the programs, which use aten products
             # until the library is loaded: never on the critical path of a first call
             with _lock:
@@ -166,6 +168,17 @@ def _loaded() -> bool:
         else:
             _settle()
     return bool(_state)
+
+
+def in_background() -> bool:
+    """Whether builds run in the background while the calls go on (``HOAD_COMPILE=background``,
+    the default): Inductor's compiles beside the eager program, the library's first build beside
+    programs that use aten's products. ``HOAD_COMPILE=wait`` waits for each (benchmarks, and the
+    tests of compiled programs)."""
+    mode = os.environ.get("HOAD_COMPILE", "background")
+    if mode not in ("background", "wait"):
+        raise InvalidArgumentError(f"HOAD_COMPILE must be 'background' or 'wait', got {mode!r}")
+    return mode == "background"
 
 
 def _build_beside() -> None:
