@@ -76,6 +76,61 @@ class Derivatives(Mapping):
         """The same result with ``fn`` applied to the value and to every computed block."""
         return Derivatives(fn(self.value), {K: fn(b) for K, b in self._blocks.items()}, self._spec)
 
+    # ------------------------------------------------------------------------------- flat
+    @property
+    def flat_index(self) -> dict[Hashable, slice]:
+        """Where each wrt entry's entries sit along a :meth:`flat` axis, in wrt order (for
+        ``wrt=hoad.parameters``, the module's ``named_parameters()`` order): {key: slice}."""
+        index, at = {}, 0
+        for key, shape in zip(self._wrt, self._slot_shapes):
+            n = _numel(shape)
+            index[key] = slice(at, at + n)
+            at += n
+        return index
+
+    def flat(self, order: int = 2) -> torch.Tensor:
+        """Every wrt entry flattened into one axis of P entries, and the order-``order``
+        derivatives over it as one tensor: the gradient ``(P,)`` at order 1, the Hessian
+        ``(P, P)`` at order 2, ``(P,)*k`` at order k, each behind the value's axes (``(B, P, P)``
+        under ``batch_dim``). Under ``diagonal=True`` the pure derivatives ``(…, P)``. The
+        entries of each key lie at :attr:`flat_index`; :meth:`unflat` maps a ``(…, P)`` vector
+        (a Newton step) back to one tensor per key. A Hessian comes exactly symmetric, as
+        ``torch.linalg.eigh`` and ``cholesky`` assume: each block below the diagonal is the
+        transpose of the one above it, and a key's own block is the mean of it and its transpose
+        (computed, its two triangles differ by rounding)."""
+        if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= self._max_order:
+            raise InvalidArgumentError(f"flat(order=...) takes an int in 1..{self._max_order}, got {order!r}")
+        if self._spec.split is not None:
+            raise InvalidArgumentError("flat() needs every block, and under split_blocks each rank holds its own: "
+                                       "call res.gather().flat(...) on every rank of the group")
+        lead = tuple(self.value.shape)
+        index = list(self.flat_index.values())
+        P = index[-1].stop if index else 0
+        if self._spec.diagonal or order == 1:
+            return torch.cat([self[(key,) * order].reshape(lead + (-1,)) for key in self._wrt], dim=-1)
+        out = self.value.new_empty(lead + (P,) * order)
+        for positions in itertools.product(range(len(self._wrt)), repeat=order):
+            key = tuple(self._wrt[p] for p in positions)
+            sizes = tuple(index[p].stop - index[p].start for p in positions)
+            where = (Ellipsis,) + tuple(index[p] for p in positions)
+            block = self[key].reshape(lead + sizes)
+            if order == 2 and positions[0] == positions[1]:  # (its two triangles differ by rounding)
+                block = (block + block.transpose(-1, -2)) / 2
+            out[where] = block
+        return out
+
+    def unflat(self, vector: torch.Tensor) -> dict[Hashable, torch.Tensor]:
+        """A ``(…, P)`` tensor along :meth:`flat`'s axis as one tensor per wrt key, each shaped
+        like its input (behind the leading axes): ``res.unflat(torch.linalg.solve(H, g))``."""
+        index = self.flat_index
+        P = next(reversed(index.values())).stop if index else 0
+        if not isinstance(vector, torch.Tensor) or vector.ndim < 1 or vector.shape[-1] != P:
+            shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+            raise InvalidArgumentError(f"unflat takes a tensor whose last axis has the P = {P} flat entries, got {shape}")
+        lead = tuple(vector.shape[:-1])
+        return {key: vector[..., where].reshape(lead + shape)
+                for (key, where), shape in zip(index.items(), self._slot_shapes)}
+
     # ---------------------------------------------------------------------------------- keys
     @property
     def max_order(self) -> int:
@@ -189,6 +244,13 @@ class Derivatives(Mapping):
             used[i] = True
             perm += range(offsets[i], offsets[i] + ranks[i])
         return perm
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class KeyErrorWithHelp(KeyError, InvalidArgumentError):
