@@ -35,7 +35,8 @@ from hoad.algebra import Target
 from hoad.rules import EDITS, USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
-from hoad.pipeline import BUILDS, Build, Config, OperatorSpec, build, name_of, same_at_count, smaller_programs
+from hoad.pipeline import (BUILDS, Build, Config, OperatorSpec, Sized, build, count_dependence, name_of,
+                           smaller_programs)
 from hoad.printing import ProgramView
 from hoad.training import Trainable
 
@@ -477,7 +478,7 @@ class Compiled(Rebuilt):
         with it (a per-sample loss divided by X.shape[0] was off by the samples over chunk_size)."""
         b = entry.build
         if "count_free" not in b.stats:
-            b.stats["count_free"] = same_at_count(b, b.captured.out_shape[0] + 1)
+            b.stats["count_free"] = count_dependence(b, b.captured.out_shape[0] + 1) is None
         if not b.stats["count_free"]:
             raise InvalidArgumentError(
                 f"chunk_size={self.config.chunk_size} runs the function on {self.config.chunk_size} samples at a time, "
@@ -584,9 +585,10 @@ class Compiled(Rebuilt):
                         entry.check_samples(family.samples(leaves))
                         self._keep(key, entry)
                     else:
-                        if family is not None and family.first is not None and family.tried is False:
+                        if family is not None and family.first is not None and family.tried is None:
                             config = dataclasses.replace(config, sized=family.first)
-                        entry = self._new_signature(key, args, kwargs, config, nested)
+                        entry = self._new_signature(key, args, kwargs, config, nested,
+                                                    family.tried if family is not None else None)
                         if not nested and config.batch_dim is not None:
                             self._remember(treedef, leaves, extra, entry, config.sized is not None)
                     self._twins[(key, entry.values)] = entry
@@ -605,18 +607,28 @@ class Compiled(Rebuilt):
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return entry.result(tensors, free), entry
 
-    def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool) -> _Entry:
-        """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out)."""
+    def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool,
+                       per_count: str | None = None) -> _Entry:
+        """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out).
+        ``per_count``: why this function's program depends on its number of samples, if it does."""
         name = getattr(self.fn, "__name__", "function")
         if config.sized is not None:
             log.info("hoad: %s called with another number of samples; building one program for every number",
                      name)
+        elif per_count is not None:
+            level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
+            log.log(level, "hoad: %s called with another number of samples; compiling program %d for it, since its "
+                           "program depends on the number of samples (%s)", name, len(self._cache) + 1, per_count)
         elif not nested and any(not _is_nested(k) for k in self._cache):
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             why = _what_changed(key, [k for k in self._cache if not _is_nested(k)])
+            changed = "" if why else self._arguments_changed(key, args, kwargs)
             if why:
                 log.log(level, "hoad: %s called after %s; compiling program %d for it (kept: changing it back "
                                "compiles nothing).", name, why, len(self._cache) + 1)
+            elif changed:
+                log.log(level, "hoad: %s called with %s; compiling program %d for it (kept: a call like an earlier "
+                               "one compiles nothing).", name, changed, len(self._cache) + 1)
             else:
                 shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                                    for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
@@ -642,6 +654,51 @@ class Compiled(Rebuilt):
             entry = self._compile(args, kwargs, config)
         self._keep(key, entry)
         return entry
+
+    def _arguments_changed(self, key, args: tuple, kwargs: dict) -> str:
+        """The arguments that set this call apart from the cached call nearest to it (the fewest
+        leaves differing, in the same structure), as ``k=0.7 (was 0.5)``, or "" where none is near."""
+        if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
+            return ""
+        full = [k for k in self._cache if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
+                and k[2:] == key[2:]]
+        alike = [k for k in full if k[0] == key[0] and len(k[1]) == len(key[1])]
+        if not alike:  # the arguments are arranged otherwise: both calls, as written
+            return (f"({self._written(key)}), where it was called with ({self._written(full[-1])})"
+                    if full else "")
+        differing = lambda k: [i for i, (a, b) in enumerate(zip(k[1], key[1])) if not _same_key(a, b)]  # noqa: E731
+        nearest = min(alike, key=lambda k: len(differing(k)))
+        paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+        state = self.module is not None  # (args[0] is then the module's state)
+        changes = [f"{self._leaf_name(paths[i], state)}={_shown_leaf(key[1][i])} (was {_shown_leaf(nearest[1][i])})"
+                   for i in differing(nearest)]
+        if not changes:
+            return ""
+        scalars = [i for i in differing(nearest) if key[1][i][0] == "S"]
+        advice = (" (a Python number is part of the program it is traced into: pass one that changes between calls "
+                  "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
+        return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
+
+    def _written(self, key) -> str:
+        """The call a cache key stands for: ``x=tensor (3,) float64, k=0.5; by keyword scale=2.0``."""
+        args, kwargs = pytree.tree_unflatten(list(key[1]), key[0])
+        state = self.module is not None
+        shown = lambda v: _shown_leaf(v) if isinstance(v, tuple) and v and v[0] in ("T", "S") else "…"  # noqa: E731
+        parts = [f"{self._leaf_name((pytree.SequenceKey(0), pytree.SequenceKey(i)), state)}={shown(a)}"
+                 for i, a in enumerate(args) if i >= state]
+        keywords = ", ".join(f"{name}={shown(v)}" for name, v in kwargs.items())
+        return ", ".join(parts) + (f"; by keyword {keywords}" if keywords else "")
+
+    def _leaf_name(self, path: tuple, state: bool) -> str:
+        """A leaf of (args, kwargs) as the user wrote it: ``k``, ``x``, ``batch['u']``."""
+        where, rest = path[0].idx, path[2:]
+        if where == 1:  # a keyword
+            return f"{path[1].key}{pytree.keystr(rest)}"
+        i = path[1].idx - state
+        if i < 0:
+            return f"the module state{pytree.keystr(rest)}"
+        name = self._positional[i] if i < len(self._positional) else f"argument {i}"
+        return f"{name}{pytree.keystr(rest)}"
 
     def _forget(self, entry: _Entry) -> None:
         """Drop a program whose free tensors or Python values changed (every key it serves, and
@@ -688,10 +745,13 @@ class Compiled(Rebuilt):
         if entry.build.stats.get("any_samples"):
             family.entry = entry
             log.info("hoad: %s: one program now serves every number of samples", getattr(self.fn, "__name__", "function"))
-        elif tried:
-            family.tried = True  # the structure depends on the number of samples: one program per count
+        elif tried:  # the structure depends on the number of samples: one program per count
+            family.tried = entry.build.stats.get("samples_differ") or "its builds for two counts differ"
+            log.log(logging.WARNING if self.config.backend == "inductor" else logging.INFO,
+                    "hoad: %s: no one program serves every number of samples, since %s; each count is compiled on "
+                    "its own", getattr(self.fn, "__name__", "function"), family.tried)
         elif family.first is None:
-            family.first = (entry.build.program.gm, entry.build.captured.out_shape[0], entry.build.program.prefix)
+            family.first = Sized.of(entry.build)
 
     def _compile(self, args: tuple, kwargs: dict, config: Config) -> _Entry:
         stateful = self.module is not None
@@ -851,8 +911,8 @@ class _Family:
 
     def __init__(self, wrt: list[int]):
         self.wrt = wrt
-        self.first: tuple | None = None   # (main program, its number of samples, its prefix) of the first build
-        self.tried = False                # a second build showed the structure depends on the count
+        self.first: Sized | None = None   # the first build's program
+        self.tried: str | None = None     # how a second build showed the structure depends on the count
         self.entry: _Entry | None = None  # the program for every number of samples
 
     def samples(self, leaves: list) -> int:
@@ -1116,6 +1176,14 @@ def _what_changed(key, keys: list) -> str:
     if any(k[3] == key[3] and k[2] != key[2] for k in alike):
         return "a switch of the module between train() and eval()"
     return "a change of the default dtype or of autocast" if any(k[3] != key[3] for k in alike) else ""
+
+
+def _shown_leaf(leaf_key) -> str:
+    """A leaf's key (:func:`_leaf_key`) as a user reads it: ``0.5``, ``tensor (3, 4) float32``."""
+    if leaf_key[0] == "T":
+        _, shape, dtype, device = leaf_key
+        return f"tensor {tuple(shape)} {str(dtype).removeprefix('torch.')}" + (f" on {device}" if device.type != "cpu" else "")
+    return repr(leaf_key[2]) if leaf_key[2] != "nan" else "nan"
 
 
 def _same_key(a, b) -> bool:

@@ -8,6 +8,7 @@ list :data:`PIPELINE` is the architecture. Per-stage node counts and times land 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import threading
@@ -20,19 +21,20 @@ import torch
 import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
+from hoad.algebra.target import Recorded
 from hoad.algebra.multiindex import key_name
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.distributed import share_of
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
-from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError
+from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError, first_line
 from hoad.passes.capture import Captured, capture
 from hoad.source import locate
 from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
-from hoad.passes.dynamic import generalize, same_program, same_structure
+from hoad.passes.dynamic import difference, generalize
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
@@ -61,8 +63,7 @@ class Config:
     split_blocks: Any = None            # True or a process group: the top order's blocks dealt to its ranks
     # under batch_dim: the program of this function built for another number of samples; when the
     # two differ only in sample counts, the compiled program serves every count (passes/dynamic.py)
-    # (main program, its number of samples, its hoisted prefix)
-    sized: tuple[fx.GraphModule, int, fx.GraphModule | None] | None = None
+    sized: Sized | None = None
 
     def resolve_target(self) -> Target:
         """The program's target. For Inductor this prepares hoad's kernel library, so that a
@@ -74,7 +75,29 @@ class Config:
 
     @property
     def directions(self) -> tuple[str, ...]:
+        if self.sized is not None:  # (the first build's: the costs of the two may cross between counts)
+            return (self.sized.direction,)
         return ("forward", "reverse") if self.mode == "auto" else (self.mode,)
+
+
+@dataclass(frozen=True)
+class Sized:
+    """A function's program as built for one number of samples, which a build for another count
+    compares its own with. That build takes the same direction and the same lowering choices
+    (:class:`~hoad.algebra.target.Recorded`), so that where the function uses the count as a size
+    alone the two programs differ in sizes alone."""
+
+    gm: fx.GraphModule                 # the main program
+    captured: fx.GraphModule           # the function's trace
+    samples: int
+    prefix: fx.GraphModule | None      # its hoisted part
+    direction: str
+    choices: tuple                     # the lowering's choices by size, in order
+
+    @staticmethod
+    def of(b: Build) -> Sized:
+        p = b.program
+        return Sized(p.gm, b.captured.gm, b.captured.out_shape[0], p.prefix, p.direction, p.stats["choices"])
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,7 @@ class Build:
     roots: dict = field(default_factory=dict)   # where free tensors are searched for (hoad.binding)
     sources: list[Source | None] = field(default_factory=list)   # one per free tensor
     target: Target | None = None
+    lowerings: dict[str, Recorded] = field(default_factory=dict)  # each candidate's, its choices recorded
     captured: Captured | None = None
     candidates: dict[str, Program] = field(default_factory=dict)
     program: Program | None = None
@@ -208,9 +232,12 @@ def _differentiate(b: Build) -> Build:
     op = b.config.operator.inputs(b.layout) if b.config.operator is not None else None
     b.target = b.config.resolve_target()
     share = share_of(b.config.split_blocks) if b.config.split_blocks is not None else None
-    b.candidates = {d: differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                     target=b.target, diagonal=b.config.diagonal, operator=op, share=share)
-                    for d in b.config.directions}
+    replay = b.config.sized.choices if b.config.sized is not None else ()
+    for d in b.config.directions:
+        lowering = b.lowerings[d] = Recorded(b.target.lowering, replay)
+        b.candidates[d] = differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
+                                        target=dataclasses.replace(b.target, lowering=lowering),
+                                        diagonal=b.config.diagonal, operator=op, share=share)
     return b
 
 
@@ -221,16 +248,18 @@ def _prune(b: Build) -> Build:
 
 
 def _clean(b: Build) -> Build:
+    samples = b.captured.out_shape[0] if b.config.batch_dim is not None and b.captured.out_shape else None
     for p in b.candidates.values():
-        p.gm = clean(p.gm)
+        p.gm = clean(p.gm, samples if samples is not None and samples > 1 else None)
     return b
 
 
 def _lower(b: Build) -> Build:
     """Matrix products as the target's lowering prefers them (hoad::mm, fused reductions)."""
-    for p in b.candidates.values():
-        p.gm = sink_permutes(lower_products(fuse_jet_squares(p.gm, b.target.lowering), b.target.lowering),
-                             b.target.lowering)
+    for d, p in b.candidates.items():
+        lowering = b.lowerings[d]
+        p.gm = sink_permutes(lower_products(fuse_jet_squares(p.gm, lowering), lowering), lowering)
+        p.stats["choices"] = tuple(lowering.made)
     return b
 
 
@@ -331,13 +360,21 @@ def _compile(b: Build) -> Build:
             hoisted = b.prefix(dense[n_user:])
     samples = b.samples = []
     if b.config.sized is not None:
-        other, count, other_prefix = b.config.sized
-        general = generalize(other, count, p.gm, b.captured.out_shape[0], b.wrt_leaves[0]) \
-            if same_program(other_prefix, p.prefix) else None
+        first = b.config.sized
+        count = first.samples
+        here = b.captured.out_shape[0]
+        general, why = None, _in_words(b, difference(first.captured, count, b.captured.gm, here), "the function's trace")
+        if why is None:
+            why = _in_words(b, difference(first.prefix, 1, p.prefix, 1), "the part hoad computes from the parameters alone")
+        if why is None:
+            general = generalize(first.gm, count, p.gm, here, b.wrt_leaves[0])
+            why = _in_words(b, difference(first.gm, count, p.gm, here), "hoad's program") if general is None else None
         # a third count: two can agree by chance on a number computed from the count
         # (X.shape[0] % 7 at 100 and 128), which the one program for every count would keep
-        if general is not None and not same_at_count(b, count + b.captured.out_shape[0] + 1):
-            general = None
+        if general is not None:
+            why = count_dependence(b, count + here + 1)
+            general = general if why is None else None
+        b.stats["samples_differ"] = why
         if general is not None:
             p.gm = general
             samples += b.wrt_leaves
@@ -447,9 +484,10 @@ class Tiered:
         return getattr(compiled, name)
 
 
-def same_at_count(b: Build, count: int) -> bool:
-    """The function traced at ``count`` samples has the structure it has at its own count, sizes
-    aside: it uses the number of samples only as a size, never as a value (``/ X.shape[0]``)."""
+def count_dependence(b: Build, count: int) -> str | None:
+    """How the function traced at ``count`` samples differs from its trace at its own count, sizes
+    aside, or None where it does not: it uses the number of samples only as a size, never as a
+    value (``/ X.shape[0]``)."""
     here = b.captured.out_shape[0]
     n_user = b.n_user
     tensors = [t.new_empty((count, *t.shape[1:])) if i in b.wrt_leaves else t for i, t in enumerate(b.tensors[:n_user])]
@@ -457,9 +495,22 @@ def same_at_count(b: Build, count: int) -> bool:
         with untouched(b.roots):
             captured = capture(b.fn, b.layout, tensors, b.wrt_leaves)
         _settle(captured, b.config)  # (as the program it is compared with: a (B, N, d) product unmerged)
-    except HoadError:
-        return False
-    return same_structure(b.captured.gm, here, captured.gm, count)
+    except HoadError as e:
+        return f"the function fails at {count} samples ({first_line(e)})"
+    if count == here:
+        return None
+    differs = difference(captured.gm, count, b.captured.gm, here)  # (its node in the build's own trace)
+    return _in_words(b, differs, "the function's trace")
+
+
+def _in_words(b: Build, differs: tuple | None, what: str) -> str | None:
+    """A :func:`~hoad.passes.dynamic.difference` as a reason, with the user's line where the node
+    is one of the function's own."""
+    if differs is None:
+        return None
+    node, text = differs
+    where = locate(b.fn, b.layout, b.tensors, node) if node is not None and node.graph is b.captured.gm.graph else ""
+    return f"in {what}, {text}{where}"
 
 
 class _WithPrefix:

@@ -6,6 +6,8 @@ only remove or merge nodes that compute the same values).
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import torch
@@ -287,12 +289,16 @@ def dce(gm: fx.GraphModule) -> bool:
 FOLD_LIMIT_BYTES = 64 * 2**20
 
 
-def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
+def fold_constants(gm: fx.GraphModule, samples: int | None = None) -> fx.GraphModule:
     """Compute once, at compile time, every value that depends on no program input.
 
     A function's closed-over tensors are constants of its program, so their derivative
     products (W1 ⊗ W1 ⊗ W1 for the remainders of a first layer, identity matrices) need not be
-    recomputed on every call. Values over FOLD_LIMIT_BYTES stay in the program.
+    recomputed on every call. Values over FOLD_LIMIT_BYTES stay in the program. Under
+    ``batch_dim``, values made with a size that is a multiple of the number of ``samples`` (a
+    per-sample block of zeros, an index over the samples), and values made from them, stay too:
+    as ops, their sizes can follow the count (:mod:`hoad.passes.dynamic`); as stored tensors they
+    would tie the program to one count.
     """
     values: dict[fx.Node, object] = {}
     folded = 0
@@ -304,6 +310,8 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if not all(a in values for a in node.all_input_nodes) or _nbytes(node.meta.get("val")) > FOLD_LIMIT_BYTES:
             continue  # (a value too large to store is not computed here either)
+        if samples is not None and _sized_by(node, samples):
+            continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a])
         values[node] = node.target(*args, **kwargs)
     for node, value in values.items():
@@ -327,6 +335,46 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _sized_by(node: fx.Node, samples: int) -> bool:
+    """``node`` takes a size that is a positive multiple of ``samples`` (in an argument its schema
+    declares SymInt)."""
+    sizes = size_arguments(node.target)
+    if not sizes:
+        return False
+    schema = node.target._schema
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return any(_multiple(given[name], samples) for name in sizes if name in given)
+
+
+def _multiple(x, samples: int) -> bool:
+    if isinstance(x, (list, tuple)):
+        return any(_multiple(v, samples) for v in x)
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % samples == 0
+
+
+@functools.cache
+def size_arguments(target) -> frozenset[str]:
+    """The arguments of an ATen op that hold sizes: SymInt ones in its schema (view's size, slice's
+    bounds), and arange's bounds (its length follows them). Empty for anything else."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return frozenset()
+    if schema.name == "aten::arange":
+        return frozenset(a.name for a in schema.arguments if a.name in ("start", "end", "step"))
+    text = str(schema)
+    inside, depth, parts, part = text[text.index("(") + 1:text.rindex(") ->")], 0, [], ""
+    for ch in inside:  # split at the commas outside brackets (defaults such as dims=[0, 1])
+        depth += 1 if ch in "([" else -1 if ch in ")]" else 0
+        if ch == "," and depth == 0:
+            parts.append(part)
+            part = ""
+        else:
+            part += ch
+    parts.append(part)
+    declared = [p.strip().split("=")[0].split() for p in parts if p.strip() not in ("", "*")]
+    return frozenset(words[-1] for words in declared if words[0].startswith("SymInt"))
+
+
 def _nbytes(traced) -> int:
     return traced.numel() * traced.element_size() if isinstance(traced, torch.Tensor) else 0
 
@@ -348,9 +396,10 @@ def pure(node: fx.Node) -> bool:
     return node.op == "call_function" and not is_random(node.target) and (schema is None or not schema.is_mutable)
 
 
-def clean(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold constants and layout ops and merge duplicates until nothing changes."""
-    gm = fold_constants(gm)
+def clean(gm: fx.GraphModule, samples: int | None = None) -> fx.GraphModule:
+    """Fold constants and layout ops and merge duplicates until nothing changes (``samples``: the
+    number under ``batch_dim``, see :func:`fold_constants`)."""
+    gm = fold_constants(gm, samples)
     while fold_layout(gm) | cse(gm) | dce(gm):
         pass
     gm.recompile()

@@ -11,29 +11,36 @@ the first batched input's ``size(0)``, so Inductor compiles it once with B as a 
 Only an argument that holds sizes (SymInt in the op's schema) may differ so: an integer operand
 (``y / X.shape[0]``) is a value computed from B. Anything else that differs (a float, a folded
 constant's shape or values, a different node) means the structure depends on B: there is no
-general program and each size keeps its own. (The pipeline also traces the function at a third
-count, :func:`same_structure`, since two counts may agree by chance on such a value.)
+general program and each size keeps its own. The second build takes the first's direction and
+its layout choices by size (:class:`~hoad.algebra.target.Recorded`), which would part them
+otherwise (a product run by hoad's kernel at 256 rows and by MKL at 200). (The pipeline also traces the function at a third
+count, since two counts may agree by chance on such a value; :func:`difference` says in words
+where two programs part.)
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
 import torch.fx as fx
 
+from hoad.passes.clean import size_arguments
+
 aten = torch.ops.aten
 
 
 class _Differs(Exception):
-    """The two programs differ in more than B-dependent integers."""
+    """The two programs differ in more than B-dependent integers (the message says where)."""
 
 
 def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batched: int) -> fx.GraphModule | None:
     """``gm1`` (built for ``b1`` samples) with its sample-count integers read from placeholder
     ``batched``'s dim 0, or None when ``gm2`` (built for ``b2``) shows the structure depends on B."""
-    rewrites = _matched(gm1, b1, gm2, b2) if b1 != b2 else None
+    try:
+        rewrites = _matched(gm1, b1, gm2, b2) if b1 != b2 else None
+    except _Differs:
+        return None
     if rewrites is None:
         return None
     gm = fx.GraphModule(gm1, gm1.graph.__deepcopy__())
@@ -60,48 +67,52 @@ def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batch
     return gm
 
 
-def same_program(gm1: fx.GraphModule | None, gm2: fx.GraphModule | None) -> bool:
-    """The two programs are the same node for node, every argument equal (the hoisted prefix of
-    two builds: it reads no batched input, so a size in it cannot follow the count; weights
-    repeated per sample, as instance norm does, make it differ)."""
+def difference(gm1: fx.GraphModule | None, b1: int, gm2: fx.GraphModule | None, b2: int) -> tuple[fx.Node | None, str] | None:
+    """Where the two programs (for ``b1`` and ``b2`` samples) differ in more than sample-count
+    sizes: the node of ``gm2`` and the difference in words; None where they do not."""
     if gm1 is None or gm2 is None:
-        return gm1 is gm2
-    return _matched(gm1, 1, gm2, 1) is not None  # (one sample each: any integer that differs, differs)
+        return None if gm1 is gm2 else (None, "one of them has a part computed from the parameters alone")
+    try:
+        _matched(gm1, b1, gm2, b2)
+    except _Differs as e:
+        return e.args[1], e.args[0]
+    return None
 
 
-def same_structure(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> bool:
-    """The two programs (for ``b1`` and ``b2`` samples) differ in sample-count sizes alone."""
-    return b1 != b2 and _matched(gm1, b1, gm2, b2) is not None
-
-
-def _matched(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> dict | None:
+def _matched(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int) -> dict:
     """{node of gm1: its arguments with the sample-count integers as _Affine} for the nodes that
-    have any, or None when the programs differ in more than those integers."""
+    have any; raises _Differs where the programs differ in more than those integers."""
     n1, n2 = list(gm1.graph.nodes), list(gm2.graph.nodes)
     if len(n1) != len(n2):
-        return None
+        raise _Differs(f"the program has {len(n1)} nodes at {b1} samples and {len(n2)} at {b2}", None)
     pairs = dict(zip(n1, n2))
     rewrites: dict[fx.Node, tuple] = {}
-    try:
-        for a, b in pairs.items():
-            if a.op != b.op or (a.target != b.target and a.op != "placeholder"):  # (inputs by position)
-                raise _Differs
-            if a.op == "get_attr":
-                if not _same_constant(_attr(gm1, a.target), _attr(gm2, b.target)):
-                    raise _Differs
-                continue
-            sizes = _size_arguments(a.target) if a.op == "call_function" else frozenset()
-            names = _argument_names(a.target) if a.op == "call_function" else []
-            if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
-                raise _Differs
+    for a, b in pairs.items():
+        if a.op != b.op or (a.target != b.target and a.op != "placeholder"):  # (inputs by position)
+            raise _Differs(f"node {a.name} is {_what(a)} at {b1} samples and {_what(b)} at {b2}", b)
+        if a.op == "get_attr":
+            if not _same_constant(_attr(gm1, a.target), _attr(gm2, b.target)):
+                raise _Differs(f"the constant {a.target} differs between {b1} and {b2} samples", b)
+            continue
+        sizes = size_arguments(a.target) if a.op == "call_function" else frozenset()
+        names = _argument_names(a.target) if a.op == "call_function" else []
+        if len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+            raise _Differs(f"node {a.name} ({_what(a)}) takes other arguments at {b1} and {b2} samples", b)
+        try:
             args = [_match(x, y, pairs, b1, b2, i < len(names) and names[i] in sizes)
                     for i, (x, y) in enumerate(zip(a.args, b.args))]
             kwargs = {k: _match(a.kwargs[k], b.kwargs[k], pairs, b1, b2, k in sizes) for k in a.kwargs}
-            if any(c for _, c in args) or any(c for _, c in kwargs.values()):
-                rewrites[a] = (tuple(v for v, _ in args), {k: v for k, (v, _) in kwargs.items()})
-    except _Differs:
-        return None
+        except _Differs as e:
+            shown_1, shown_2, why = e.args
+            raise _Differs(f"node {a.name} ({_what(a)}) takes {shown_1} at {b1} samples and {shown_2} at {b2}{why}",
+                           b) from None
+        if any(c for _, c in args) or any(c for _, c in kwargs.values()):
+            rewrites[a] = (tuple(v for v, _ in args), {k: v for k, (v, _) in kwargs.items()})
     return rewrites
+
+
+def _what(node: fx.Node) -> str:
+    return node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
 
 
 class _Affine:
@@ -114,66 +125,47 @@ class _Affine:
 
 
 def _match(x, y, pairs, b1, b2, size: bool):
-    """(x with B-dependent integers replaced by _Affine, whether any was); raises _Differs. Only
-    an argument that holds ``size``s may follow B: an integer operand (``y / X.shape[0]``) that
-    differs is a value the program computes with, so the structure depends on B."""
+    """(x with B-dependent integers replaced by _Affine, whether any was); raises _Differs(x, y,
+    why). Only an argument that holds ``size``s may follow B: an integer operand (``y /
+    X.shape[0]``) that differs is a value the program computes with, so the structure depends on B."""
     if isinstance(x, fx.Node):
         if not isinstance(y, fx.Node) or pairs.get(x) is not y:
-            raise _Differs
+            raise _Differs(_shown(x), _shown(y), "")
         return x, False
     if isinstance(x, bool) or not isinstance(x, (int, tuple, list, dict)):
         if type(x) is not type(y) or (x != y and not (isinstance(x, float) and x != x and y != y)):
-            raise _Differs
+            raise _Differs(_shown(x), _shown(y), "")
         return x, False
     if isinstance(x, int):
         if not isinstance(y, int) or isinstance(y, bool):
-            raise _Differs
+            raise _Differs(_shown(x), _shown(y), "")
         if x == y:
             return x, False
         if not size:
-            raise _Differs
+            raise _Differs(x, y, " (an operand computed from the number of samples, not a size)")
         # sizes of per-sample blocks are multiples of B (B, B·9, …): anything else (B + 1, B²)
         # is a structure that depends on B
         if x % b1 or y % b2 or x // b1 != y // b2:
-            raise _Differs
+            raise _Differs(x, y, " (a size that is no fixed multiple of the number of samples)")
         return _Affine(x // b1, 0), True
     if type(x) is not type(y) or len(x) != len(y):
-        raise _Differs
+        raise _Differs(_shown(x), _shown(y), "")
     if isinstance(x, dict):
         if x.keys() != y.keys():
-            raise _Differs
+            raise _Differs(_shown(x), _shown(y), "")
         out = {k: _match(x[k], y[k], pairs, b1, b2, size) for k in x}
         return {k: v for k, (v, _) in out.items()}, any(c for _, c in out.values())
     items = [_match(u, v, pairs, b1, b2, size) for u, v in zip(x, y)]
     return type(x)(v for v, _ in items), any(c for _, c in items)
 
 
+def _shown(x) -> str:
+    return f"node {x.name}" if isinstance(x, fx.Node) else repr(x)
+
+
 def _argument_names(target) -> list[str]:
     schema = getattr(target, "_schema", None)
     return [a.name for a in schema.arguments] if schema is not None else []
-
-
-@functools.cache
-def _size_arguments(target) -> frozenset[str]:
-    """The arguments of an ATen op that hold sizes: SymInt ones in its schema (view's size, slice's
-    bounds), and arange's bounds (its length follows them). Empty for anything else."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return frozenset()
-    if schema.name == "aten::arange":
-        return frozenset(a.name for a in schema.arguments if a.name in ("start", "end", "step"))
-    text = str(schema)
-    inside, depth, parts, part = text[text.index("(") + 1:text.rindex(") ->")], 0, [], ""
-    for ch in inside:  # split at the commas outside brackets (defaults such as dims=[0, 1])
-        depth += 1 if ch in "([" else -1 if ch in ")]" else 0
-        if ch == "," and depth == 0:
-            parts.append(part)
-            part = ""
-        else:
-            part += ch
-    parts.append(part)
-    declared = [p.strip().split("=")[0].split() for p in parts if p.strip() not in ("", "*")]
-    return frozenset(words[-1] for words in declared if words[0].startswith("SymInt"))
 
 
 def _build(x, remap, expression):

@@ -21,29 +21,19 @@ from hoad.passes.clean import traced_call as _call
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter
-# entries of the largest product computed transposed: its consumers read it across rows, which
-# costs nothing while it is small ([16,256]: the stochastic Laplacian 5% faster) but more than the
-# kernel gains once it is not (a stochastic biharmonic's [64,512] jets: the program 15% slower)
-TRANSPOSED_RESULT = 1 << 14
 
 
 def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
-    """Rewrite ``aten.mm`` nodes as ``lowering.product`` says; a no-op for the eager lowering.
-
-    A product the kernel takes transposed, as ``(bᵀ @ aᵀ)ᵀ``, with fewer entries copied dense first
-    (none where ``b`` is a transposed activation) runs so, if its result is small (TRANSPOSED_RESULT)."""
+    """Rewrite ``aten.mm`` nodes as ``lowering.product`` says; a no-op for the eager lowering."""
     if not hasattr(lowering, "product"):
         return gm
     changed, restride = False, None  # restride: the fake mode, once a product ran transposed
     for node, (a, b), (va, vb) in _products(gm.graph):
         how = lowering.product(va, vb)
-        transposed = (how != "reduction" and va.shape[0] * vb.shape[1] <= TRANSPOSED_RESULT
-                      and lowering.product(vb.t(), va.t()) == "kernel"
-                      and (how == "mm" or _copied(vb.t(), va.t()) < _copied(va, vb)))
-        if how == "mm" and not transposed:
+        if how == "mm":
             continue
         with gm.graph.inserting_before(node), va.fake_mode:
-            if transposed:
+            if how == "transposed":
                 new = _transposed(gm.graph, a, b, torch.ops.hoad.mm.default, lambda x: _contiguous(gm, x))
             elif how == "kernel":
                 ca, cb = _contiguous(gm, a), _contiguous(gm, b)
@@ -53,17 +43,12 @@ def lower_products(gm: fx.GraphModule, lowering: Lowering) -> fx.GraphModule:
                 right = _call(gm.graph, aten.unsqueeze.default, (b, 0))
                 new = _call(gm.graph, aten.sum.dim_IntList, (_call(gm.graph, aten.mul.Tensor, (left, right)), [1]))
         _replace(gm.graph, node, new)
-        changed, restride = True, va.fake_mode if transposed else restride
+        changed, restride = True, va.fake_mode if how == "transposed" else restride
     if restride:
         _restride(gm.graph, restride)
     if changed:
         gm.recompile()
     return gm
-
-
-def _copied(*operands: torch.Tensor) -> int:
-    """Entries of ``operands`` the kernel copies dense first."""
-    return sum(t.numel() for t in operands if not t.is_contiguous())
 
 
 def _transposed(graph: fx.Graph, a: fx.Node, b: fx.Node, product=aten.mm.default, dense=lambda x: x) -> fx.Node:

@@ -69,6 +69,46 @@ def test_per_sample_compiled_and_new_batch_sizes_compile_once_each(caplog):
     assert compiles(cf) == 2 and "compiling" not in caplog.text, "a third count must build nothing"
 
 
+def test_sample_counts_whose_products_lower_differently_share_one_program():
+    """A PINN's diagonal Hessian first at 256 points, then at 100: hoad::mm suited the products at
+    256 rows and not at 200 ([2·100, 32] @ [32, 32]), so the two programs differed in more than
+    sizes and every later count (128, 257, 1024) built its own. The second build now makes the
+    first's layout choices, and one program serves every count."""
+    torch.manual_seed(46)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 1)).double()
+    f = lambda P: net(P).squeeze(-1)  # noqa: E731
+    cf = hoad.compile(f, order=2, batch_dim=0, diagonal=True, backend="inductor")
+    eager = hoad.compile(f, order=2, batch_dim=0, diagonal=True, backend="eager")
+    with torch.no_grad():
+        for n in (256, 100, 128, 257, 1024):
+            P = torch.rand(n, 2, dtype=torch.float64)
+            got, want = cf(P), eager(P)
+            for K in [(0,), (0, 0)]:
+                torch.testing.assert_close(got[K], want[K], rtol=1e-12, atol=1e-12, msg=f"{K} at {n} points")
+    assert compiles(cf) == 2, "256 points, then one program for every count"
+    general = [e for e in cf._cache.values() if e.build.stats.get("any_samples")]
+    assert general and len({id(e) for e in cf._cache.values()}) == 2
+
+
+def test_a_replayed_lowering_makes_the_recorded_choices():
+    """Recorded writes down each choice by size; given that record, it makes the same choices for
+    other sizes, and asks the lowering afresh where the record names another method."""
+    from hoad.algebra.target import Recorded
+    from hoad.lowering.inductor import InductorLowering
+
+    lowering = InductorLowering(kernels=False, avx2=False)
+    a, b = rand(1, 8), rand(8, 1)  # a tiny vector product: a fused reduction
+    first = Recorded(lowering)
+    assert first.product(a, b) == "reduction" and first.batched_as_reduction(4, 4, False)
+    assert first.made == [("product", "reduction"), ("batched_as_reduction", True)]
+    big = rand(512, 512)
+    again = Recorded(lowering, tuple(first.made))
+    assert again.product(big, big) == "reduction", "the recorded choice, not the one for these sizes"
+    assert again.jets_suit(8) == lowering.jets_suit(8), "another method at this place: asked afresh"
+    assert again.fused is True and Recorded(lowering).product(big, big) == "mm"
+
+
 def test_default_backend_is_inductor_outside_the_test_suite():
     import subprocess
     import sys

@@ -90,8 +90,8 @@ def test_products_the_kernel_takes_transposed():
     (its consumers would read it across rows)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hoad.lowering.inductor import InductorLowering
-    from hoad.passes.lower import TRANSPOSED_RESULT, lower_products
+    from hoad.lowering.inductor import TRANSPOSED_RESULT, InductorLowering
+    from hoad.passes.lower import lower_products
 
     def f(a, e):
         p = a @ e.t()

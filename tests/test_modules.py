@@ -831,3 +831,30 @@ def test_a_torchscript_module_inside_the_function(how):
     sm = torch.jit.script(lin) if how == "script" else torch.jit.trace(lin, (x,))
     cf = hoad.compile(lambda x: torch.tanh(sm(x)).sum(), order=2, backend="eager")
     assert_close(cf(x)[0, 0], jacfwd(jacrev(lambda x: torch.tanh(lin(x)).sum()))(x), "Hessian")
+
+
+def test_a_new_program_for_a_python_number_names_it(caplog):
+    """A retrace for another Python number named no argument ("a new signature (tensors (3,)
+    float64)", the same tensors as before): the log names the argument, its new and old value, and
+    says to pass it as a tensor; a call whose arguments are arranged otherwise shows both calls."""
+    import logging
+
+    class Boltzmann(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1).to(DT)
+
+        @hoad.compile(order=2, backend="eager")
+        def energy(self, x, beta, shift=0.0):
+            return self.lin(x).sum() * beta + shift
+
+    m, x = Boltzmann(), rand(3, seed=12)
+    m.energy(x, 1.0)
+    with caplog.at_level(logging.INFO, logger="hoad"):
+        m.energy(x, 2.0)
+        m.energy(x, 2.0, shift=0.5)
+    said = [r.getMessage() for r in caplog.records if "compiling program" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "called with beta=2.0 (was 1.0)" in said[0] and "as a tensor" in said[0], said[0]
+    assert ("called with (x=tensor (3,) float64, beta=2.0; by keyword shift=0.5), where it was called with "
+            "(x=tensor (3,) float64, beta=2.0)") in said[1], said[1]

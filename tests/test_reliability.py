@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
@@ -392,6 +393,36 @@ def test_a_structure_that_depends_on_the_count_keeps_one_program_per_count():
         assert_close(cf(X)[0, 0], vmap(hessian(lambda x: (x.sin() * count ** 2).sum()))(X), f"{count} samples")
     assert not any(e.build.stats.get("any_samples") for e in cf._cache.values())
     assert len(cf._cache) == 3
+
+
+def test_sample_sized_constants_keep_one_program():
+    """A full per-sample Hessian of an elementwise function: the program stored a [B, 1] index over
+    the samples and a [B, 2, 2] block of zeros, folded as constants, so the builds for two counts
+    differed in their constants and every count built its own program. Values made with the
+    count's sizes now stay ops, whose sizes follow it."""
+    f = lambda X: (X.sin() * 2).sum(-1)  # noqa: E731
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    for count in (100, 128, 200, 3):
+        X = rand(count, 2, seed=395 + count)
+        assert_close(cf(X)[0, 0], vmap(hessian(lambda x: (x.sin() * 2).sum()))(X), f"{count} samples")
+    assert len({id(e) for e in cf._cache.values()}) == 2, "one program for 100 samples, one for every number"
+
+
+def test_a_count_dependent_program_says_why_and_where(caplog):
+    """Where the count changes the program, the log says how (the value at each count) and at
+    which line, once per new count."""
+    def f(X):
+        return (X.sin() * X.shape[0] ** 2).sum(-1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    with caplog.at_level(logging.INFO, logger="hoad"):
+        for count in (3, 5, 7):
+            cf(rand(count, 2, seed=396 + count))
+    text = caplog.text
+    assert "no one program serves every number of samples" in text
+    assert "takes 9 at 3 samples and 25 at 5 (an operand computed from the number of samples" in text, text
+    assert "X.shape[0] ** 2" in text, "the user's line"
+    assert "compiling program 3 for it, since its program depends on the number of samples" in text
 
 
 @pytest.mark.parametrize("how", ["/ count", "* count", "/ tensor(count)", "* (count % 7)"])

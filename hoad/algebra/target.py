@@ -42,6 +42,53 @@ class Lowering:
 
 EAGER = Lowering()
 
+# the methods of a lowering that choose by sizes (a ``Lowering``'s, and ``product``/``jets_suit``
+# of the Inductor one); ``einsum`` chooses too, and acts
+CHOICES = ("orientation", "batched_as_reduction", "product", "jets_suit")
+
+
+class Recorded:
+    """A lowering whose choices by size are written down in the order they are made (``made``).
+
+    Given an earlier build's ``made`` (``replay``), it makes the same choices again in the same
+    order, so that a program built for another number of samples differs from the earlier one in
+    its sizes alone and one program serves both (:mod:`hoad.passes.dynamic`), with the layouts
+    chosen for the earlier sizes. Every choice is between correct layouts: one read back where
+    the two programs part ways costs speed, never a value. A choice whose method differs from
+    the one recorded at its place is made afresh.
+    """
+
+    def __init__(self, inner: Lowering, replay: tuple = ()):
+        self.inner, self.replay, self.made = inner, replay, []
+
+    def __getattr__(self, name: str):
+        inner = getattr(self.inner, name)  # (AttributeError where the lowering has no such method)
+        if name not in CHOICES:
+            return inner
+        return lambda *args: self._choose(name, lambda: inner(*args))
+
+    def einsum(self, terms: list, out: list, size: dict) -> torch.Tensor | None:
+        """The inner lowering's one call for the whole contraction, unless the record says it
+        declined here (where it did not, it is asked: the call is its to write)."""
+        if self._recorded("einsum") is False:
+            whole = None
+        else:
+            whole = self.inner.einsum(terms, out, size)
+        self.made.append(("einsum", whole is not None))
+        return whole
+
+    def _choose(self, name: str, choose):
+        value = self._recorded(name)
+        if value is None:
+            value = choose()
+        self.made.append((name, value))
+        return value
+
+    def _recorded(self, name: str):
+        """The choice recorded at this place, or None where it was another method's (or none)."""
+        i = len(self.made)
+        return self.replay[i][1] if i < len(self.replay) and self.replay[i][0] == name else None
+
 
 @dataclass(frozen=True)
 class Target:

@@ -57,6 +57,10 @@ from hoad.lowering import kernels
 
 SMALL_MATRIX = 64
 TINY_PRODUCT = 1 << 16
+# entries of the largest product computed transposed: its consumers read it across rows, which
+# costs nothing while it is small ([16,256]: the stochastic Laplacian 5% faster) but more than the
+# kernel gains once it is not (a stochastic biharmonic's [64,512] jets: the program 15% slower)
+TRANSPOSED_RESULT = 1 << 14
 
 # The torch releases whose C++ codegen hoad's CPU programs have been checked on. torch 2.11's
 # corrupts the heap on some of them (a PINN's one-program training step aborted with "invalid
@@ -117,13 +121,28 @@ class InductorLowering(Lowering):
 
     def product(self, a: torch.Tensor, b: torch.Tensor) -> str:
         """How a 2-D product a @ b (shapes and strides of the traced values) runs: "kernel"
-        (``hoad::mm``), "reduction" (a fused broadcast product and sum), or "mm"."""
+        (``hoad::mm``), "transposed" (``hoad::mm`` as ``(bᵀ @ aᵀ)ᵀ``), "reduction" (a fused
+        broadcast product and sum), or "mm". Transposed where the kernel takes it so and not
+        straight, or with fewer entries copied dense first (none where ``b`` is a transposed
+        activation), if its result is small (TRANSPOSED_RESULT)."""
+        how = self._straight(a, b)
+        if (how != "reduction" and a.shape[0] * b.shape[1] <= TRANSPOSED_RESULT
+                and self._straight(b.t(), a.t()) == "kernel" and (how == "mm" or _copied(b.t(), a.t()) < _copied(a, b))):
+            return "transposed"
+        return how
+
+    def _straight(self, a: torch.Tensor, b: torch.Tensor) -> str:
         (m, k), n = a.shape, b.shape[1]
         if (self.kernels and kernels.suits(a, b)) or (self.avx2 and kernels.suits_avx2(a, b)):
             return "kernel"
         if min(m, n) == 1 and m * k * n <= TINY_PRODUCT:
             return "reduction"
         return "mm"
+
+
+def _copied(*operands: torch.Tensor) -> int:
+    """Entries of ``operands`` the kernel copies dense first."""
+    return sum(t.numel() for t in operands if not t.is_contiguous())
 
 
 def this_machine() -> InductorLowering:
