@@ -29,6 +29,7 @@ ONE_THREAD = {
     "TORCHINDUCTOR_COMPILE_THREADS": "1",
     # each program compiled before its first call returns: the timed calls run the compiled program
     "HOAD_COMPILE": "wait",
+    "HOAD_PROGRESS": "0",  # (builds say where they are on stderr otherwise)
 }
 
 
@@ -54,6 +55,7 @@ def pin_one_thread() -> None:
 # float32 products are computed in float32 by everyone (no TF32 in XLA, cuBLAS or Inductor).
 ON_GPU = {
     "HOAD_COMPILE": "wait",
+    "HOAD_PROGRESS": "0",
     "JAX_ENABLE_X64": "1",
     "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     "JAX_DEFAULT_MATMUL_PRECISION": "highest",

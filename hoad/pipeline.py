@@ -40,6 +40,7 @@ from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
 from hoad.passes.prune import prune
 from hoad.passes.samples import keep_samples_apart
+from hoad.progress import COMPILE_THREAD, Progress
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +397,6 @@ def _compile(b: Build) -> Build:
     return b
 
 
-COMPILE_THREAD = "hoad-compile"  # the name of the threads that compile in the background
 _EXITING = False
 _IN_FLIGHT: set[threading.Thread] = set()   # background compiles not yet over
 
@@ -541,18 +541,21 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
 def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: list[int], config: Config,
           roots: dict | None = None) -> Build:
     b = Build(fn, layout, tensors, wrt_leaves, config, roots=dict(roots or {"fn": fn}))
-    for name, stage in PIPELINE:
-        start = time.perf_counter()
-        try:
-            b = stage(b)
-        except HoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
-            raise HoadInternalError(f"the {name} stage failed: {type(e).__name__}: {e}") from e
-        gms = [p.gm for p in b.candidates.values()] or ([b.captured.gm] if b.captured is not None else [])
-        b.stats[name] = {"seconds": time.perf_counter() - start, "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
-                         if b.candidates else _count(gms[0]) if gms else None}
-        log.debug("%s: %.3fs, %s nodes", name, b.stats[name]["seconds"], b.stats[name]["nodes"])
+    with Progress(f"{name_of(fn)}'s order-{config.order} program") as progress:
+        for name, stage in PIPELINE:
+            progress.stage(name)
+            start = time.perf_counter()
+            try:
+                b = stage(b)
+            except HoadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
+                raise HoadInternalError(f"the {name} stage failed: {type(e).__name__}: {e}") from e
+            gms = [p.gm for p in b.candidates.values()] or ([b.captured.gm] if b.captured is not None else [])
+            b.stats[name] = {"seconds": time.perf_counter() - start,
+                             "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
+                             if b.candidates else _count(gms[0]) if gms else None}
+            log.debug("%s: %.3fs, %s nodes", name, b.stats[name]["seconds"], b.stats[name]["nodes"])
     return b
 
 

@@ -37,6 +37,7 @@ from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS, Tiered, in_background
+from hoad.progress import Progress
 
 log = logging.getLogger("hoad")
 aten = torch.ops.aten
@@ -151,7 +152,8 @@ class Trainable:
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
         try:
-            with hoad_inductor():
+            with Progress(f"{self.label} for autograd") as progress, hoad_inductor():
+                progress.stage("compile (forward and backward)")
                 # cpp_wrapper pinned off: a process that turned it on (torch._inductor.config) got a
                 # program whose outputs carried no autograd graph, so every gradient was silently zero
                 run = compile_fx(gm, examples, config_patches={"cpp_wrapper": False,

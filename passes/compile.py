@@ -27,6 +27,7 @@ import torch.fx as fx
 from hoad.errors import CompileError, HoadError
 from hoad.lowering.inductor import INDUCTOR_OPTIONS, cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
+from hoad.progress import COMPILE_THREAD
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, memory_plan
 
@@ -86,7 +87,7 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     log.info("hoad: compiling %s (%d ATen calls) with Inductor", label, calls)
     start = time.perf_counter()
     # (a compile in the background, while the eager program serves the calls, keeps it to the log)
-    level = logging.INFO if threading.current_thread().name == "hoad-compile" else logging.WARNING
+    level = logging.INFO if threading.current_thread().name == COMPILE_THREAD else logging.WARNING
     slow = threading.Timer(3.0, lambda: log.log(
         level, "hoad: Inductor is still compiling %s (%d ATen calls); a cold compile takes 5-30 s on a small CPU, "
         "later processes reuse the cache in %s", label, calls, where))
