@@ -279,7 +279,37 @@ def _choose(b: Build) -> Build:
     b.program = min(b.candidates.values(), key=lambda p: p.stats["cost"]["score"])
     b.stats["costs"] = {d: p.stats["cost"] for d, p in b.candidates.items()}
     b.stats["direction"] = b.program.direction
+    if b.config.mode != "auto" and b.config.sized is None and b.program.stats["cost"]["score"] > WEIGH_OTHER_SCORE:
+        _weigh_the_other_direction(b)
     return b
+
+
+# a forced direction whose program is estimated above this (about a GFLOP: a call of 0.1 s or
+# more) has the other direction built too, for its estimate alone: a forced mode="forward" cost
+# 370x mode="auto" (a Lennard-Jones energy of 8 atoms at order 4: 19.9 s per call against 54 ms)
+WEIGH_OTHER_SCORE = 1e9
+OTHER_COSTS_MORE = 10  # the factor past which a forced direction is reported
+
+
+def _weigh_the_other_direction(b: Build) -> None:
+    """Warn, with both estimates, where the direction the user forced is estimated to cost more
+    than OTHER_COSTS_MORE times the other one."""
+    forced = b.program.direction
+    other = "reverse" if forced == "forward" else "forward"
+    twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves, dataclasses.replace(b.config, mode=other), roots=b.roots)
+    twin.captured = b.captured
+    try:
+        for stage in (_differentiate, _prune, _clean, _lower, _hoist):
+            twin = stage(twin)
+    except HoadError:
+        return  # (the other direction cannot be built: nothing to weigh)
+    mine, theirs = b.program.stats["cost"], estimate(twin.candidates[other].gm, b.config.backend)
+    b.stats["costs"][other] = theirs
+    if mine["score"] > OTHER_COSTS_MORE * theirs["score"]:
+        log.warning("hoad: %s's order-%d program in mode=%r is estimated at %.3g GFLOP and %s per call, mode=%r at "
+                    "%.3g GFLOP and %s (%.0fx less); mode='auto' (the default) builds both and keeps the cheaper",
+                    name_of(b.fn), b.config.order, forced, mine["flops"] / 1e9, human(mine["bytes"]), other,
+                    theirs["flops"] / 1e9, human(theirs["bytes"]), mine["score"] / max(theirs["score"], 1))
 
 
 def _plan(b: Build) -> Build:

@@ -42,6 +42,36 @@ def test_mode_overrides_the_cost_model():
     assert set(hoad.compile(scalar, order=2, mode="forward").explain(x).build.stats["costs"]) == {"forward"}
 
 
+def _pair_energy(x):  # R^12 -> R over every pair: forward at order 3 is estimated 2-3x reverse
+    return (x[:, None] - x[None, :]).sin().pow(2).sum()
+
+
+def test_a_forced_direction_far_costlier_than_the_other_says_so(monkeypatch, caplog):
+    """mode="forward" on a Lennard-Jones energy at order 4 cost 370x mode="auto" (19.9 s per call
+    against 54 ms) and said nothing. Over about a GFLOP, the other direction is built for its
+    estimate, and past 10x the log gives both (here both bounds lowered, to keep the build small:
+    8 atoms at order 4 estimate 16x, with a 9 s build)."""
+    import logging
+
+    from hoad import pipeline
+
+    monkeypatch.setattr(pipeline, "WEIGH_OTHER_SCORE", 0)
+    monkeypatch.setattr(pipeline, "OTHER_COSTS_MORE", 1.5)
+    x = rand(12)
+    with caplog.at_level(logging.WARNING, logger="hoad"):
+        e = hoad.compile(_pair_energy, order=3, mode="forward").explain(x)
+    costs = e.build.stats["costs"]
+    assert e.direction == "forward" and set(costs) == {"forward", "reverse"}
+    ratio = costs["forward"]["score"] / costs["reverse"]["score"]
+    said = [r.getMessage() for r in caplog.records if "mode='forward' is estimated" in r.getMessage()]
+    assert ratio > 1.5 and len(said) == 1, (ratio, caplog.text)
+    assert "mode='reverse' at" in said[0] and f"({ratio:.0f}x less)" in said[0], said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hoad"):  # the cheaper one forced: nothing to say
+        e = hoad.compile(_pair_energy, order=3, mode="reverse").explain(x)
+    assert "is estimated at" not in caplog.text and set(e.build.stats["costs"]) == {"forward", "reverse"}
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_directions_agree_with_torch_func_on_wide_and_scalar(mode):
     check(wide, (rand(3),), order=3, mode=mode)
