@@ -210,8 +210,10 @@ def _check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, ch
 
 
 # what torch.compile(fullgraph=True) says of a hoad call inside it
-GRAPH_BREAK = ("a hoad call (hoad.compile's program, or an operator's) runs a program of hoad's own, so torch.compile "
-               "breaks its graph there; with fullgraph=True, call hoad outside the compiled region")
+GRAPH_BREAK = ("hoad: a hoad call (hoad.compile's program, or an operator's) runs a program of hoad's own, which "
+               "torch.compile does not trace, so the hint below to remove torch.compiler.disable does not apply. "
+               "With fullgraph=True, call hoad outside the compiled region (its results as the compiled function's "
+               "inputs); without fullgraph, torch.compile breaks its graph at the hoad call and compiles around it")
 
 
 class _Parameters:

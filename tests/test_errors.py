@@ -580,15 +580,23 @@ def test_torch_compiled_module_names_the_fix():
 @pytest.mark.parametrize("which", ["compile", "laplacian"])
 def test_a_hoad_call_in_a_fullgraph_torch_compile_says_why(which):
     """Inside torch.compile(fullgraph=True) a hoad call is a graph break: dynamo's message said
-    "(reason: None) Hint: Remove the torch.compiler.disable call", pointing at hoad's internals."""
+    "(reason: None) Hint: Remove the torch.compiler.disable call", pointing at hoad's internals.
+    Dynamo's hint is fixed: hoad's reason, in its explanation, says it does not apply and what
+    works instead; without fullgraph the call breaks the graph and runs."""
     import torch._dynamo
 
     u = lambda X: torch.tanh(X).sum(-1)  # noqa: E731
     call = (hoad.compile(lambda X: u(X).sum(), order=1, backend="eager") if which == "compile"
             else hoad.laplacian(u, batch_dim=0, backend="eager"))
     step = torch.compile(lambda X: call(X).value.sum(), backend="eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="call hoad outside the compiled region"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="call hoad outside the compiled region") as caught:
         step(torch.randn(4, 3, dtype=torch.float64))
+    text = str(caught.value)
+    assert "the hint below to remove torch.compiler.disable does not apply" in text, text
+    assert "without fullgraph, torch.compile breaks its graph at the hoad call" in text, text
+    plain = torch.compile(lambda X: call(X).value.sum(), backend="eager")  # (a graph break, then hoad's program)
+    X = torch.randn(4, 3, dtype=torch.float64)
+    assert torch.allclose(plain(X), call(X).value.sum())
 
 
 def test_batch_norm_with_a_cumulative_average_is_refused():
