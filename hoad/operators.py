@@ -1,5 +1,5 @@
 """Differential operators, computed collapsed: Laplacian (weighted, stochastic), biharmonic, and
-directional Taylor coefficients.
+directional derivatives and Taylor coefficients.
 
 Each is a contraction of derivative slots (DESIGN §8). hoad computes it in diagonal mode, where
 all slots of the input share their labels, with two additions:
@@ -490,7 +490,10 @@ class Taylor(_Operator):
 
 
 class TaylorResult:
-    """``result[k]``: the k-th directional derivatives (``result[0]`` is the value)."""
+    """Derivatives along each of the S directions v: ``result[k]`` is dᵏ/dtᵏ u(x + t v) at t = 0,
+    ``(*u, S)`` (``result[0]`` is the value, ``(*u,)``). :attr:`derivatives` stacks them all as
+    ``(K + 1, *u, S)``, the value repeated along the directions; :attr:`coefficients` are the
+    Taylor coefficients, dᵏ/dtᵏ u / k!, in the same layout, so that u(x + t v) ≈ Σ_k c_k tᵏ."""
 
     def __init__(self, res, wrt, order: int):
         self._res, self._wrt, self.order = res, wrt, order
@@ -498,13 +501,28 @@ class TaylorResult:
 
     def __getitem__(self, k: int) -> torch.Tensor:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.order:
-            raise InvalidArgumentError(f"Taylor coefficients go from 0 to {self.order}, got {k!r}")
+            raise InvalidArgumentError(f"a Taylor result holds derivatives of orders 0 to {self.order}, got {k!r}")
         if k == 0:
             return self.value
         key = (self._wrt,) * k
         if self._res.is_structural_zero(key):
             return torch.zeros_like(self._res[(self._wrt,)])
         return self._res[key]
+
+    @property
+    def derivatives(self) -> torch.Tensor:
+        """``(K + 1, *u, S)``: dᵏ/dtᵏ u(x + t v) for k = 0..K along each direction."""
+        first = self[1]
+        value = self.value.unsqueeze(-1).expand(first.shape)
+        return torch.stack([value] + [self[k] for k in range(1, self.order + 1)])
+
+    @property
+    def coefficients(self) -> torch.Tensor:
+        """``(K + 1, *u, S)``: the Taylor coefficients dᵏ/dtᵏ u(x + t v) / k!."""
+        d = self.derivatives
+        factorials = torch.tensor([float(math.factorial(k)) for k in range(self.order + 1)], dtype=d.dtype,
+                                  device=d.device)
+        return d / factorials.reshape((-1,) + (1,) * (d.ndim - 1))
 
     def __len__(self) -> int:
         return self.order + 1
@@ -548,12 +566,13 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
 def taylor(u: Callable | None = None, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
            batch_dim: int | None = None, backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
            memory_budget: float | None = None, **unknown) -> Taylor:
-    """Directional Taylor coefficients: ``taylor(u, order=K, directions=V)(x)[k]`` is
-    ∂^k u[v, …, v] = d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis)."""
+    """Directional derivatives: ``taylor(u, order=K, directions=V)(x)[k]`` is ∂^k u[v, …, v] =
+    d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis); ``.derivatives`` stacks
+    orders 0..K, ``.coefficients`` divides each by k! (:class:`TaylorResult`)."""
     refuse_unknown("hoad.taylor", unknown, ["order", "directions", "wrt", "batch_dim", "backend", "mode", "chunk_size",
                                             "memory_budget"])
     if order is None or directions is None:
-        raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x): the coefficients "
+        raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x): the derivatives "
                                    "d^k/dt^k u(x + t v) for k = 1..K along each direction v")
     if u is None:  # @hoad.taylor(order=K, directions=V)
         return lambda u: taylor(u, order, directions, wrt, batch_dim=batch_dim, backend=backend, mode=mode,

@@ -1,6 +1,8 @@
 """Differential operators against torch.func: Laplacians (plain, weighted, factored, stochastic),
 Taylor coefficients against nested jvp, the biharmonic against nested Hessians; both directions."""
 
+import math
+
 import pytest
 import torch
 from torch.func import hessian, jacrev, jvp, vmap
@@ -99,7 +101,7 @@ def test_the_laplacian_is_collapsed():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_taylor_coefficients_match_nested_jvp(mode):
+def test_taylor_derivatives_match_nested_jvp(mode):
     x = rand(4, seed=11)
     V = rand(3, 4, seed=12)
     res = hoad.taylor(mlp, order=4, directions=V, mode=mode)(x)
@@ -112,14 +114,24 @@ def test_taylor_coefficients_match_nested_jvp(mode):
 
     for k in range(1, 5):
         expected = torch.stack([directional(V[s], k) for s in range(3)])
-        assert_close(res[k], expected, f"coefficient {k}")
+        assert_close(res[k], expected, f"derivative {k}")
+        assert_close(res.derivatives[k], expected, f"derivatives[{k}]")
+        assert_close(res.coefficients[k], expected / math.factorial(k), f"coefficient {k}")
     assert_close(res[0], mlp(x), "value")
+    assert res.derivatives.shape == res.coefficients.shape == (5, 3)
+    assert_close(res.derivatives[0], mlp(x).expand(3), "the value along each direction")
+    # the coefficients are those of the curve's Taylor polynomial: u(x + t v) near t = 0
+    t = 1e-2
+    along = torch.stack([mlp(x + t * V[s]) for s in range(3)])
+    poly = (res.coefficients * t ** torch.arange(5, dtype=torch.float64)[:, None]).sum(0)
+    assert (along - poly).abs().max() < 1e-9, "degree-4 polynomial: error of order t^5"
 
 
 def test_taylor_per_sample_shapes():
     X, V = rand(5, 4, seed=13), rand(3, 4, seed=14)
     res = hoad.taylor(mlp, order=2, directions=V, batch_dim=0)(X)
     assert res[1].shape == (5, 3) and res[2].shape == (5, 3)
+    assert res.derivatives.shape == res.coefficients.shape == (3, 5, 3)
     assert_close(res[2], torch.einsum("sd,bde,se->bs", V, hessians(mlp, X), V), "second coefficients")
 
 
