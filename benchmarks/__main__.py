@@ -1,9 +1,9 @@
-"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--peers NAMES] [--write-readme] [--no-compile] [--device cuda [--dtype D]]``
+"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--peers NAMES] [--write-docs] [--no-compile] [--device cuda [--dtype D]]``
 
 Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, then the
 targets the issues set (:mod:`benchmarks.targets`), prints the tables, writes
-``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with ``--write-readme``
-regenerates the README's benchmark section. ``--device cuda`` runs the GPU-sized workloads
+``benchmarks/results/<stamp>-<mode>.json`` and ``latest.json``, and with ``--write-docs``
+regenerates the results section of docs/benchmarks.md. ``--device cuda`` runs the GPU-sized workloads
 instead (no targets: they are set for the pinned CPU thread), in ``--dtype`` (float32 by default
 there; the CPU suite is float64). ``--peers`` runs the named columns alone (hoad's among them),
 for a GPU lease too short for every peer's compile. The results file is rewritten after each
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     parser.add_argument("--peers", metavar="NAMES",
                         help="comma-separated columns to run, the others left out (e.g. 'hoad,folx,torch-jet compiled')")
-    parser.add_argument("--write-readme", action="store_true", help="replace the README's benchmark section")
+    parser.add_argument("--write-docs", action="store_true", help="replace the results section of docs/benchmarks.md")
     parser.add_argument("--list", action="store_true", help="list the workload ids and the targets, and exit")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the GPU-sized workloads on the first CUDA device (default: cpu, one thread)")
@@ -40,13 +40,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.dtype == "float32" and args.device == "cpu":
         parser.error("the CPU suite is float64 (its targets are set there); --dtype float32 needs --device cuda")
-    if args.write_readme and (args.only or args.targets):
-        parser.error("--write-readme needs the whole suite; drop --only and --targets")
+    if args.write_docs and (args.only or args.targets):
+        parser.error("--write-docs needs the whole suite; drop --only and --targets")
     if args.only and args.targets:
         parser.error("--only selects workloads and --targets runs no workloads: use one of them")
 
-    if args.peers and (args.targets or args.write_readme):
-        parser.error("--peers leaves columns out: the targets and the README need them all")
+    if args.peers and (args.targets or args.write_docs):
+        parser.error("--peers leaves columns out: the targets and docs/benchmarks.md need them all")
     if args.device == "cuda" and args.targets:
         parser.error("the targets are measured on the pinned CPU thread: drop --device cuda or --targets")
 
@@ -95,9 +95,9 @@ def main(argv: list[str]) -> int:
     print(report.render(results))
     path = report.write_results(results)
     print(f"\nresults: {path.relative_to(env.REPO)} (and latest.json)")
-    if args.write_readme:
-        report.write_readme(results)
-        print("README.md: benchmark section regenerated")
+    if args.write_docs:
+        report.write_doc(results)
+        print("docs/benchmarks.md: results section regenerated")
     return 0
 
 

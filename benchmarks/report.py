@@ -1,4 +1,4 @@
-"""Reporting: the results file, the tables, and the README section they regenerate."""
+"""Reporting: the results file, the tables, and the section of docs/benchmarks.md they regenerate."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from benchmarks.operators import FLOOR
 from benchmarks.peers import COLUMNS
 
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "README.md"
+DOC = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 PEERS = COLUMNS[1:]
 # the columns whose first call compiles
@@ -166,7 +166,7 @@ def target_notes(records: list[dict]) -> list[str]:
 def render_targets(records: list[dict]) -> list[str]:
     headers = ["#", "issue", "hoad", "hoad result", "baseline", "baseline result", "measured", "target", "met"]
     met = sum(1 for r in records if r["met"])
-    return ["#### Targets from the issues", "", TARGETS_LEGEND, "",
+    return ["## Targets from the issues", "", TARGETS_LEGEND, "",
             tabulate(target_rows(records), headers, tablefmt="github", disable_numparse=True), "",
             f"{met} of {len(records)} targets met.", "", *(f"- {line}" for line in target_notes(records))]
 
@@ -209,29 +209,29 @@ def render(results: dict) -> str:
     for group, records in groups.items():
         peers = peer_columns(records)
         headers = ["workload", "hoad config", "hoad ms", *(f"{p} ms" for p in peers), "hoad / best"]
-        out += ["", f"#### {group}", "", tabulate(steady_state_rows(records, peers), headers, tablefmt="github",
+        out += ["", f"## {group}", "", tabulate(steady_state_rows(records, peers), headers, tablefmt="github",
                                                   disable_numparse=True)]
     memory = memory_rows(results["workloads"])
     if memory:
         names = list(next(r["memory"] for r in results["workloads"] if r.get("memory")))
-        out += ["", "#### Peak memory of one training step (fresh process), MB", "",
+        out += ["", "## Peak memory of one training step (fresh process), MB", "",
                 tabulate(memory, ["workload", *names, f"{names[0]} / {names[-1]}", "measured as"],
                          tablefmt="github", disable_numparse=True)]
     if results["workloads"]:
-        out += ["", "#### First call (trace + compile), seconds", "",
+        out += ["", "## First call (trace + compile), seconds", "",
                 tabulate(first_call_rows(results["workloads"]), ["workload", *first_call_columns(results["workloads"])],
                          tablefmt="github", disable_numparse=True)]
     lines = problems(results["workloads"])
     if lines:
-        out += ["", "#### Failures, fallbacks, workloads hoad did not run", "", *(f"- {line}" for line in lines)]
+        out += ["", "## Failures, fallbacks, workloads hoad did not run", "", *(f"- {line}" for line in lines)]
     return "\n".join(out)
 
 
-def write_readme(results: dict) -> None:
-    """Replace the text between the bench markers of README.md with this run's report."""
-    text = README.read_text()
+def write_doc(results: dict) -> None:
+    """Replace the text between the bench markers of docs/benchmarks.md with this run's report."""
+    text = DOC.read_text()
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} section to replace")
+        raise SystemExit(f"docs/benchmarks.md has no {BEGIN} ... {END} section to replace")
     section = f"{BEGIN}\n{render(results)}\n{END}"
-    README.write_text(pattern.sub(lambda _: section, text, count=1))
+    DOC.write_text(pattern.sub(lambda _: section, text, count=1))

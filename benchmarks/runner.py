@@ -63,7 +63,7 @@ MEMORY_COLUMNS = ("hoad", "torch.func")  # whose training step's peak memory is 
 # glibc malloc in the memory processes: every block of 64 KiB or more is its own mapping, returned
 # to the OS when freed, and the heap is trimmed at once, so resident memory follows the live
 # tensors: what the checking call freed is not reused unseen by the measured step (setting these
-# also keeps hoad's own malloc tuning off, see the README)
+# also keeps hoad's own malloc tuning off, see docs/guide.md)
 EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 

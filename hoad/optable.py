@@ -1,11 +1,13 @@
 """The supported-op table, generated from the rule table: ``python -m hoad.optable``.
 
-The README embeds this table between markers; a test keeps the two equal.
+docs/ops.md embeds this table between markers; a test keeps the two equal
+(``python -m hoad.optable --write`` regenerates it there).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, USER_OPS
 
@@ -13,9 +15,13 @@ BEGIN = "<!-- optable:begin -->"
 END = "<!-- optable:end -->"
 
 
-def _first_line(fn) -> str:
-    doc = inspect.getdoc(getattr(fn, "derivatives", fn)) or ""
-    return doc.splitlines()[0] if doc else ""
+def _defined(fn) -> str:
+    """Where the rule is written: the ``def`` a grep finds (a factory's, for a rule it makes) and
+    its file, e.g. ``exp`` in ``elementwise.py``."""
+    f = inspect.unwrap(getattr(fn, "derivatives", fn))
+    qualname = getattr(f, "__qualname__", f.__name__)
+    name = qualname.split(".<locals>")[0].split(".")[-1] if "<locals>" in qualname else f.__name__
+    return f"`{name}` in `{os.path.basename(inspect.getsourcefile(f))}`"
 
 
 def markdown() -> str:
@@ -28,19 +34,19 @@ def markdown() -> str:
              "| family | ATen overload | rule |",
              "|---|---|---|"]
     for op, fn in rows:
-        lines.append(f"| {FAMILIES[op]} | `{op}` | `{fn.__name__}` |")
+        lines.append(f"| {FAMILIES[op]} | `{op}` | {_defined(fn)} |")
     constant = ", ".join(f"`{op}`" for op in sorted(PIECEWISE_CONSTANT, key=str))
     lines += ["", f"Piecewise-constant (derivative zero, like torch): {constant}; any op with a non-floating output "
               "(comparisons, argmax, integer casts) is constant too."]
     return "\n".join(lines)
 
 
-def embedded(readme: str) -> str:
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    return readme[start:end].strip()
+def embedded(text: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:end].strip()
 
 
-def write(path: str = "README.md") -> None:
+def write(path: str = "docs/ops.md") -> None:
     """Replace the table between the markers in ``path``."""
     with open(path) as f:
         text = f.read()

@@ -464,7 +464,7 @@ def _raise_capture_error(e: Exception) -> None:
             f"the function calls a custom torch.autograd.Function{_at(user_frame(e.__traceback__))}: hoad "
             "differentiates ATen ops by its own rules to every order and cannot use a hand-written backward. Write "
             "its forward in torch ops, or make it a torch.library custom op and give hoad its derivatives "
-            "(hoad.register_elementwise / register_linear / register_rule: README, Adding rules)") from e
+            "(hoad.register_elementwise / register_linear / register_rule: docs/how-it-works.md, Adding rules)") from e
     if "Interpreter.cpp" in str(e) and "wrapper" in str(e):  # (functorch's own assert)
         raise CaptureError(
             f"the function reads a tensor a torch.func transform wraps without receiving it"

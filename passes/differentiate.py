@@ -322,7 +322,7 @@ class _Interpreter:
         if rule is None:
             how = ("Register one with hoad.register_elementwise (its scalar derivatives), hoad.register_linear (its "
                    "transpose) or hoad.register_rule" if getattr(node.target, "namespace", "aten") != "aten" else
-                   "Rewrite the function with supported ops (see the supported-op table in the README), or register a "
+                   "Rewrite the function with supported ops (see the supported-op table in docs/ops.md), or register a "
                    "rule with hoad.register_elementwise, hoad.register_linear or hoad.register_rule")
             raise UnsupportedOperatorError(f"no derivative rule for {node.target} (node {node.name}){self.where(node)}. "
                                            f"{how}.")

@@ -418,7 +418,7 @@ def test_training_through_a_register_rule_op_autograd_cannot_see_through_is_refu
 
 LIB.define("cumsum_last(Tensor x) -> Tensor")
 torch.library.impl(LIB, "cumsum_last", "CompositeExplicitAutograd")(lambda x: x.cumsum(-1))
-torch.library.register_fake("hoadtest::cumsum_last")(lambda x: torch.empty_like(x))  # (the README's fake)
+torch.library.register_fake("hoadtest::cumsum_last")(lambda x: torch.empty_like(x))  # (docs/how-it-works.md's fake)
 CUMSUM_LAST = torch.ops.hoadtest.cumsum_last.default
 
 

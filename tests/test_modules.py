@@ -293,7 +293,7 @@ def test_a_method_whose_first_parameter_is_not_named_self():
 
 
 class HoldsOperators(nn.Module):
-    """The README's pattern: operators of ``self.u`` built in __init__."""
+    """The guide's pattern: operators of ``self.u`` built in __init__."""
 
     def __init__(self):
         super().__init__()

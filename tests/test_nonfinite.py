@@ -1,5 +1,5 @@
 """Where a function's value is NaN or infinite: hoad's derivatives follow torch's per op, and its
-structural zeros stay zeros (README, "NaN and infinity")."""
+structural zeros stay zeros (docs/guide.md, on NaN and infinity)."""
 
 import pytest
 import torch
@@ -49,7 +49,7 @@ def test_entries_no_path_connects_stay_zero_where_torch_func_spreads_nan(name):
     H = hoad.compile(g, order=2)(X)[0, 0]
     off = ~torch.eye(4, dtype=torch.bool)
     assert torch.equal(H[off], torch.zeros_like(H[off]))
-    assert torch.isnan(hessian(g)(X)[off]).any(), "torch.func no longer spreads NaN: revisit the README's note"
+    assert torch.isnan(hessian(g)(X)[off]).any(), "torch.func no longer spreads NaN: revisit the note in docs/guide.md"
 
 
 def test_torch_func_disagrees_with_itself_where_the_value_is_nan():

@@ -14,7 +14,7 @@ aten = torch.ops.aten
 def test_table_and_cases_cover_each_other():
     from hoad.rules import USER_OPS
 
-    own = set(RULES) - USER_OPS  # (a README example or another test may have registered rules)
+    own = set(RULES) - USER_OPS  # (a docs example or another test may have registered rules)
     assert own - set(CASES) == set(), "rules without a test case"
     assert set(CASES) - set(RULES) == set(), "test cases without a rule"
 

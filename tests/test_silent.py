@@ -53,7 +53,7 @@ def test_complex_values_off_the_differentiated_path_are_fine():
 
 @pytest.mark.parametrize("how", ["no_grad", "detach"])
 def test_complex_values_autograd_sees_as_constants_are_fine(how):
-    """Computed from x under no_grad or detached (constants to autograd, as the README says),
+    """Computed from x under no_grad or detached (constants to autograd, as docs/guide.md says),
     they were refused as complex values from a differentiated input. (torch.func's jacfwd is no
     reference here: forward AD differentiates through no_grad.)"""
     def scale(x):
