@@ -5,7 +5,9 @@ value and every derivative block of orders 1..N between the wrt inputs (canonica
 by Schwarz symmetry), and runs it.
 """
 
-from hoad.api import Compiled, compile, parameters
+from hoad.api import compile
+from hoad.compiled import Compiled
+from hoad.options import parameters
 from hoad.derivatives import Derivatives
 from hoad.extend import register_elementwise, register_linear, register_rule, unregister_rule
 from hoad.operators import OperatorResult, biharmonic, laplacian, taylor

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from hoad.api import GRAPH_BREAK, Compiled, Rebuilt, bind_per_instance, in_class_body, plain_int, refuse_unknown
+from hoad.compiled import Compiled
+from hoad.methods import Rebuilt, bind_per_instance, in_class_body
+from hoad.options import GRAPH_BREAK, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 

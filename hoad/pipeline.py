@@ -339,7 +339,8 @@ def smaller_programs(c: Config) -> list[str]:
 
 def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
     p, c = b.program, b.config
-    given = "memory_budget=" if c.memory_budget is not None else f"{BUDGET_SHARE:.0%} of the memory free now; memory_budget= sets it"
+    given = ("memory_budget=" if c.memory_budget is not None
+             else f"{BUDGET_SHARE:.0%} of the memory free now; memory_budget= sets it")
     ways = []
     if c.batch_dim is None:
         ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
@@ -380,7 +381,7 @@ def _name_outputs(p: Program) -> None:
 def _compile(b: Build) -> Build:
     p = b.program
     n_user = b.n_user
-    # an Inductor program is called with the call's tensors dense (hoad.api, _Entry.result)
+    # an Inductor program is called with the call's tensors dense (hoad.cache, Entry.result)
     dense = list(b.tensors)
     if b.config.backend == "inductor":
         dense[:n_user] = [t.contiguous() for t in dense[:n_user]]
@@ -394,9 +395,11 @@ def _compile(b: Build) -> Build:
         first = b.config.sized
         count = first.samples
         here = b.captured.out_shape[0]
-        general, why = None, _in_words(b, difference(first.captured, count, b.captured.gm, here), "the function's trace")
+        general = None
+        why = _in_words(b, difference(first.captured, count, b.captured.gm, here), "the function's trace")
         if why is None:
-            why = _in_words(b, difference(first.prefix, 1, p.prefix, 1), "the part hoad computes from the parameters alone")
+            why = _in_words(b, difference(first.prefix, 1, p.prefix, 1),
+                            "the part hoad computes from the parameters alone")
         if why is None:
             general = generalize(first.gm, count, p.gm, here, b.wrt_leaves[0])
             why = _in_words(b, difference(first.gm, count, p.gm, here), "hoad's program") if general is None else None

@@ -114,7 +114,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     val = out.meta.get("val") if isinstance(out, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         raise OutputError(
-            f"the function must return a single tensor, got {type(val).__name__ if val is not None else _describe(out)}; "
+            f"the function must return a single tensor, got "
+            f"{type(val).__name__ if val is not None else _describe(out)}; "
             "to differentiate several outputs, stack them into one tensor or compile one function per output"
         )
     if not val.dtype.is_floating_point:
@@ -218,7 +219,7 @@ def _stand_in_traced_free(gm: fx.GraphModule, own: int) -> None:
     """Free tensors that belong to the trace calling this function (hoad.laplacian(net) called
     inside a loss that hoad.compile traces: the module's parameters are that trace's values) get
     placeholder values of this trace's fake mode: the program is built on stand-ins, and each call
-    reads the caller's values then (``_Entry.read_free``), so its ops join the caller's program."""
+    reads the caller's values then (``Entry.read_free``), so its ops join the caller's program."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -374,7 +375,7 @@ def _describe(x) -> str:
 def _read_value(t: torch.Tensor):
     """``.item()``, ``float()``, ``int()`` of a tensor the function closes over (narrow's start,
     momentum=None batch norm's 1/float(num_batches_tracked)): the program keeps the number, so
-    the call records it and every later call compares it (hoad.api, _Entry.read_free) and builds
+    the call records it and every later call compares it (hoad.cache, Entry.read_free) and builds
     again when it changed. A traced tensor's value is refused as data-dependent by the fake trace."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -493,8 +494,8 @@ def _raise_capture_error(e: Exception) -> None:
         at = f" at {line}" if line else ""
         raise DataDependentControlFlowError(
             f"Python control flow or a shape depends on tensor values{at}. One derivative program must serve "
-            "every input value: replace `if tensor_condition:` with torch.where(...) (both branches computed), and avoid "
-            ".item()/.tolist()/nonzero() on traced tensors."
+            "every input value: replace `if tensor_condition:` with torch.where(...) (both branches computed), and "
+            "avoid .item()/.tolist()/nonzero() on traced tensors."
         ) from e
     if "mutating a non-functional tensor with a functional tensor" in str(e):  # an in-place update of a free tensor
         raise CaptureError(

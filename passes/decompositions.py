@@ -63,7 +63,7 @@ def _dot(a, b):
 
 
 # (tensor, value) of every .item() (a number) or .tolist() (a list) the trace took of a tensor the
-# function closes over: the program keeps it, so each call compares it (hoad.api, _Entry.read_free)
+# function closes over: the program keeps it, so each call compares it (hoad.cache, Entry.read_free)
 VALUE_READS: list[tuple[torch.Tensor, object]] = []
 
 

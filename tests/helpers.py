@@ -9,7 +9,7 @@ from torch.func import jacfwd, jacrev, vmap
 
 import hoad
 from hoad.algebra import Target
-from hoad.api import Compiled
+from hoad.compiled import Compiled
 from hoad.lowering.inductor import this_machine
 
 DT = torch.float64

@@ -437,7 +437,8 @@ def test_wrt_naming_a_tied_parameter_names_the_listed_one():
     a, b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
     b.weight = a.weight
     model = torch.nn.Sequential(a, b)
-    raises(hoad.InvalidArgumentError, lambda: hoad.compile(model, order=1, wrt="1.weight"), "same parameter as '0.weight'")
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(model, order=1, wrt="1.weight"),
+           "same parameter as '0.weight'")
 
 
 def test_a_shape_mismatch_is_one_error_without_torchs_log():
@@ -525,11 +526,12 @@ def test_unsupported_operator_off_the_differentiated_path_is_fine():
 # ---------------------------------------------------------------------------------- options
 @pytest.mark.parametrize("backend", ["xla", "", "EAGER", "Inductor"])
 def test_bad_backend(backend):
-    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, backend=backend), "backend", "eager", "inductor")
+    raises(hoad.InvalidArgumentError, lambda: hoad.compile(f_xy, order=2, backend=backend),
+           "backend", "eager", "inductor")
 
 
 def test_backend_none_means_the_default():
-    assert hoad.compile(f_xy, order=2, backend=None).config.backend == hoad.api.default_backend()
+    assert hoad.compile(f_xy, order=2, backend=None).config.backend == hoad.options.default_backend()
 
 
 @pytest.mark.parametrize("mode", ["backward", "", None, "Forward"])
@@ -573,7 +575,8 @@ def test_graph_before_any_call():
 
 def test_torch_compiled_module_names_the_fix():
     net = torch.compile(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double())
-    raises(hoad.CaptureError, lambda: hoad.compile(lambda x: net(x).sum(), order=2)(torch.randn(3, dtype=torch.float64)),
+    raises(hoad.CaptureError,
+           lambda: hoad.compile(lambda x: net(x).sum(), order=2)(torch.randn(3, dtype=torch.float64)),
            "torch.compile'd", "without torch.compile", "_orig_mod")
 
 

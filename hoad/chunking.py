@@ -1,0 +1,116 @@
+"""``chunk_size=n``: a call split into calls of n samples each, the last padded, and the
+results joined as each chunk finishes."""
+
+from __future__ import annotations
+
+import torch
+
+from hoad.derivatives import Derivatives
+from hoad.errors import InvalidArgumentError, MemoryBudgetError
+from hoad.binding import Keyword, Positional
+from hoad.passes.memory import human, samples_that_fit
+from hoad.pipeline import count_dependence, smaller_programs
+from hoad.cache import Entry
+
+
+def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
+    """``cf``'s call split into calls of n samples each (the last padded with copies of its first
+    sample, so one program serves every chunk): [(args, kwargs, samples kept)], or None when
+    the call has at most n samples."""
+    places = []
+    for w in cf._expanded_wrt():
+        if isinstance(w, int) and w < len(args):
+            places.append(Positional(w))
+        elif isinstance(w, int) and w < len(cf._positional) and cf._positional[w] in kwargs:
+            places.append(Keyword(cf._positional[w]))
+        elif isinstance(w, str) and w in kwargs:
+            places.append(Keyword(w))
+        elif isinstance(w, str) and w in cf._positional and cf._positional.index(w) < len(args):
+            places.append(Positional(cf._positional.index(w)))
+    values = [args[p.index] if isinstance(p, Positional) else kwargs[p.name] for p in places]
+    if not values or not all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in values):
+        return None  # the unchunked call names what is wrong
+    samples = values[0].shape[0]
+    if any(v.shape[0] != samples for v in values):
+        raise InvalidArgumentError(f"batch_dim=0 with chunk_size: the wrt inputs have different numbers of samples "
+                                   f"{[v.shape[0] for v in values]} along dim 0")
+    if samples <= n:
+        return None
+    wrt_ids = {id(v) for v in values}
+    others = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (repr(k), v) for k, v in kwargs.items() if not k.startswith("hoad_")]  # (an operator's own: shared)
+    for name, t in others:
+        if isinstance(t, torch.Tensor) and id(t) not in wrt_ids and t.ndim > 0 and t.shape[0] == samples:
+            # which of them hold samples, chunk_size cannot tell: a shared (B, ...) tensor split
+            # would be silently wrong, a per-sample one kept whole fails to broadcast
+            raise InvalidArgumentError(
+                f"chunk_size={n} splits the wrt inputs along dim 0, and the tensor {name} (shape "
+                f"{tuple(t.shape)}) also has {samples} rows: hoad cannot tell whether it holds samples. Split the "
+                f"call into chunks yourself, or drop chunk_size")
+    chunks = []
+    for start in range(0, samples, n):
+        kept = min(n, samples - start)
+        a, k = list(args), dict(kwargs)
+        for place, v in zip(places, values):
+            piece = v[start:start + kept]
+            if kept < n:
+                piece = torch.cat([piece, piece[:1].expand(n - kept, *piece.shape[1:])])
+            if isinstance(place, Positional):
+                a[place.index] = piece
+            else:
+                k[place.name] = piece
+        chunks.append((tuple(a), k, kept))
+    return chunks
+
+
+def joined(cf, chunks: list) -> Derivatives:
+    """The chunks' results written into the joined ones as each chunk finishes: the call holds
+    the joined results and one chunk's program, not every chunk's results besides."""
+    total = sum(kept for _a, _k, kept in chunks)
+    value = blocks = first = None
+    at = 0
+    for i, (a, k, kept) in enumerate(chunks):
+        r, entry = cf._call_entry(*a, **k)
+        if i == 0:  # (this call's program: another thread's calls move _last)
+            _check_count_free(cf, entry)
+            _check_joined_size(cf, entry, len(chunks), total)
+            first = r
+            value = r.value.new_empty((total, *r.value.shape[1:]))
+            blocks = {K: b.new_empty((total, *b.shape[1:])) for K, b in r._blocks.items()}
+        value[at:at + kept] = r.value[:kept]
+        for K, b in r._blocks.items():
+            blocks[K][at:at + kept] = b[:kept]
+        at += kept
+    return Derivatives(value, blocks, first._spec)
+
+
+def _check_count_free(cf, entry: Entry) -> None:
+    """Chunks change what the function sees as its number of samples: refuse one that computes
+    with it (a per-sample loss divided by X.shape[0] was off by the samples over chunk_size)."""
+    b = entry.build
+    if "count_free" not in b.stats:
+        b.stats["count_free"] = count_dependence(b, b.captured.out_shape[0] + 1) is None
+    if not b.stats["count_free"]:
+        raise InvalidArgumentError(
+            f"chunk_size={cf.config.chunk_size} runs the function on {cf.config.chunk_size} samples at a time, "
+            "and the function uses its number of samples as a value (X.shape[0] in a mean, say), so chunks would "
+            "change its results. Divide by the total outside the function, pass the count as an argument, or "
+            "drop chunk_size")
+
+
+def _check_joined_size(cf, entry: Entry, chunks: int, samples: int) -> None:
+    """The joined results must fit, whatever the size of one chunk's program."""
+    memory = entry.build.stats.get("memory")
+    if not memory or memory["budget"] is None:
+        return
+    plan, budget = memory["plan"], memory["budget"]
+    results = plan.results * chunks
+    total = results + plan.peak  # (the joined results, and one chunk's program)
+    if total > budget:
+        n, shared = cf.config.chunk_size, entry.build.shared_bytes
+        fit = samples_that_fit(samples, plan.results / n, (plan.peak - shared) / n, budget, shared)
+        ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(cf.config)
+        raise MemoryBudgetError(
+            f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
+            f"memory budget of {human(budget)}: chunking bounds the program's working memory, not its results. "
+            f"Ways out: {'; '.join(ways + ['fewer samples per call', 'a larger memory_budget'])}")

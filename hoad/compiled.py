@@ -1,0 +1,561 @@
+"""The compiled callable: a call's key, its program from the cache or a new build, the run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import itertools
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.utils._python_dispatch import _disable_current_modes
+
+from hoad.derivatives import Derivatives
+from hoad.distributed import LocalCall, data_parallel_wrappers, has_dtensors
+from hoad.errors import CaptureError, InvalidArgumentError
+from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names, _reachable
+from hoad.algebra import Target
+from hoad.rules import EDITS
+from hoad.pipeline import BUILDS, Config, OperatorSpec, Sized, build, name_of
+from hoad.printing import ProgramView
+from hoad.cache import Entry, Family, ambient, is_nested, leaf_key, same_key, shown_leaf, stand_in, what_changed
+from hoad.chunking import joined, split
+from hoad.methods import Rebuilt, bind_per_instance, in_class_body, tied_names, var_positional
+from hoad.options import GRAPH_BREAK, MAX_PROGRAMS, check_options, default_backend, parameters, plain_ints, wrt_entries
+
+
+log = logging.getLogger(__name__)
+
+
+class Compiled(Rebuilt):
+    """A compiled derivative function. Call it like the original; it returns :class:`Derivatives`.
+
+    Programs are cached per call signature (tensor shapes, dtypes and devices, and the values
+    of non-tensor arguments); a new signature traces and compiles again, with a warning, and at
+    most ``MAX_PROGRAMS`` (16) programs are kept, least recently compiled out first.
+
+    On an ``nn.Module`` method (as a decorator), on a bound method of a module, or on a module
+    itself, the module's parameters and buffers are inputs of the program read at every call,
+    never baked-in constants; ``wrt`` may name them (``"fc1.weight"``) or use
+    :data:`hoad.parameters` for every trainable one, and result keys use those names.
+    """
+
+    def __init__(self, fn: Callable, order: int, wrt: Any = 0, *, backend: str | None = None, mode: str = "auto",
+                 batch_dim: int | None = None, diagonal: bool = False, chunk_size: int | None = None,
+                 memory_budget: float | None = None, split_blocks: Any = None, module: torch.nn.Module | None = None,
+                 operator: OperatorSpec | None = None, roots: dict | None = None, nestable: bool = False,
+                 target: Target | None = None):
+        self._keep_arguments(fn, order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
+                             diagonal=diagonal, chunk_size=chunk_size, memory_budget=memory_budget,
+                             split_blocks=split_blocks, module=module, operator=operator, roots=roots,
+                             nestable=nestable, target=target)
+        backend = default_backend() if backend is None else backend
+        order, wrt, batch_dim, chunk_size = plain_ints(order, wrt, batch_dim, chunk_size)
+        check_options(order, wrt, backend, mode, batch_dim, diagonal, chunk_size, memory_budget, split_blocks)
+        if module is None and isinstance(fn, torch.nn.Module):
+            module, fn = fn, type(fn).forward
+        elif module is None and inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
+            module, fn = fn.__self__, fn.__func__
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.module = module
+        self.order = order
+        self.wrt = wrt_entries(wrt)
+        self.config = Config(order=order, backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
+                             operator=operator, nestable=nestable, target=target, memory_budget=memory_budget,
+                             chunk_size=chunk_size, split_blocks=split_blocks or None)
+        self._extra_roots = dict(roots or {})
+        self._options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal,
+                             chunk_size=chunk_size, memory_budget=memory_budget, split_blocks=split_blocks)
+        names = positional_names(fn)
+        self._positional = names[1:] if module is not None else names
+        self._method = module is None and bool(names) and names[0] == "self"
+        if not (self._method or (module is None and in_class_body(fn))):  # (a method's wrt may name
+            self._check_wrt_against_signature()                           # its module's parameters)
+        self._cache: dict[Hashable, Entry] = {}
+        self._families: dict[Hashable, Family] = {}
+        # programs by key and the Python values they were traced with (Guard), kept when those
+        # values change so that changing them back (net.eval(), then net.train()) traces nothing
+        self._twins: dict[tuple, Entry] = {}
+        self._wrt_leaves: dict[Hashable, list[int]] = {}
+        self._edits = EDITS[0]    # the rule registrations the cached programs were built with
+        self._last: Entry | None = None
+
+    # ------------------------------------------------------------------------------ binding
+    def __get__(self, instance, owner=None):
+        """``@hoad.compile`` on a method: each instance gets its own compiled callable."""
+        if instance is None:
+            return self
+
+        def make():
+            if isinstance(instance, torch.nn.Module):
+                return Compiled(self.fn, self.order, self.wrt, module=instance, **self._options)
+            # a plain object: it is a non-tensor argument of the function
+            return Compiled(functools.partial(self.fn, instance), self.order, self.wrt, **self._options)
+
+        return bind_per_instance(self, instance, getattr(self.fn, "__name__", "method"), make,
+                                 lambda b: (b.module if b.module is not None else b.fn.args[0]) is instance)
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers as they are now: the live tensors, so that autograd
+        reaches every parameter from the results (training through derivatives)."""
+        state = dict(self.module.named_parameters())
+        state.update(self.module.named_buffers())
+        if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in state.values()):
+            raise CaptureError("the module has lazy layers (nn.LazyLinear, say) whose parameters are not initialized "
+                               "yet; call it once on an example batch before hoad traces it")
+        return state
+
+    def _stateful(self, state: dict, *args, **kwargs):
+        # tie_weights: a parameter shared by two submodules (a decoder tied to its embedding) is
+        # one state entry, named once by named_parameters; the traced value must replace it in
+        # every place, or the other uses read the live tensor as a constant (derivatives wrong)
+        with _reparametrize_module(self.module, state, tie_weights=True):
+            out = self.fn(self.module, *args, **kwargs)
+            self._write_back_assigned(state)
+            return out
+
+    def _write_back_assigned(self, state: dict) -> None:
+        """A buffer the function assigns a new tensor to (``self.ema = 0.9 * self.ema + ...``)
+        gets that value written into its state entry, which the program replays at every call
+        as it replays in-place updates (torch's module then holds the new value, as after a
+        plain call; reparametrization would otherwise drop it)."""
+        for name, t in state.items():
+            path, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(path)
+            now = owner._buffers.get(attr, t)  # (t itself for a parameter)
+            if now is t or now is None:
+                continue
+            if not isinstance(now, torch.Tensor) or now.shape != t.shape or now.dtype != t.dtype:
+                raise CaptureError(
+                    f"the function assigns to the buffer {name!r} a value of another shape, dtype or type "
+                    f"({getattr(now, 'shape', type(now).__name__)}, was {tuple(t.shape)} {t.dtype}); a derivative "
+                    "program can replay updates of a buffer only in place: keep its shape and dtype")
+            t.copy_(now)
+
+    # ------------------------------------------------------------------------------- calling
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # inside torch.compile: a graph break, hoad runs its own program
+    def __call__(self, *args, **kwargs) -> Derivatives:
+        if has_dtensors(args, kwargs):  # each rank's program on its local tensors (hoad.distributed)
+            local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
+            return self(*local.args, **local.kwargs).mapped(local.wrap)
+        n = self.config.chunk_size
+        if n is not None and get_proxy_mode() is None:
+            chunks = split(self, n, args, kwargs)
+            if chunks is not None:
+                return joined(self, chunks)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs) -> Derivatives:
+        return self._call_entry(*args, **kwargs)[0]
+
+    def _call_entry(self, *args, **kwargs) -> tuple[Derivatives, Entry]:
+        """The call's results and the program that computed them."""
+        if self._method:
+            raise InvalidArgumentError(
+                f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
+                "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
+        nested = get_proxy_mode() is not None  # inside another hoad.compile's trace
+        if self._edits != EDITS[0]:  # a rule was registered or removed: every program may change
+            with BUILDS:  # (not while another thread builds into these tables)
+                if self._cache:
+                    log.info("hoad: %s: derivative rules were registered or removed; tracing again",
+                             getattr(self.fn, "__name__", "function"))
+                self._cache.clear()
+                self._twins.clear()
+                self._families.clear()
+                self._edits = EDITS[0]
+        for i, a in enumerate((*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor) and (a.is_nested or a.layout is not torch.strided):  # (before the cache)
+                name = (self._positional[i] if i < len(self._positional) else f"argument {i}") if i < len(args) \
+                    else list(kwargs)[i - len(args)]
+                if a.is_nested:
+                    raise InvalidArgumentError(f"input {name!r} is a nested tensor; hoad traces dense tensors: pad it "
+                                               "(torch.nested.to_padded_tensor) or call once per component")
+                raise InvalidArgumentError(f"input {name!r} is a {str(a.layout).removeprefix('torch.')} tensor; hoad "
+                                           "traces dense (strided) tensors: pass t.to_dense()")
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None  # under torch.func.grad, vmap
+        if (not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args)
+                and all(type(v) is torch.Tensor for v in kwargs.values())):
+            # fast path: tensors only, no pytree needed (~20 us per call less); keyword ones are
+            # leaves after the positional ones in the order given, as pytree flattens them
+            key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)
+            if kwargs:
+                key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
+            entry = self._cache.get(key)
+            if entry is not None:
+                free = entry.read_free()
+                if free is not None:
+                    self._last = entry
+                    return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
+        else:
+            key = None
+        extra: tuple = ()
+        if self.module is not None:
+            args = (self._state(),) + args
+            extra = tuple(m.training for m in self.module.modules())
+            if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
+                extra += (self._expanded_wrt(),)
+        leaves, treedef = pytree.tree_flatten((args, kwargs))
+        key = key or (treedef, tuple(leaf_key(leaf) for leaf in leaves), extra, ambient())
+        config = self.config
+        if transformed and not nested and config.backend != "eager":
+            # compiled kernels take plain tensors and hoad's kernels have no functorch rules: the
+            # transform runs an eager twin of the program
+            config = dataclasses.replace(config, backend="eager")
+            key = ("transformed", key)
+        if nested and (config.backend, config.nestable) != ("eager", True):
+            # the outer program differentiates this program's ops: an eager twin made for it
+            config = dataclasses.replace(config, backend="eager", nestable=True)
+            key = ("nested", key)
+        entry = self._cache.get(key)
+        free = entry.read_free() if entry is not None else None
+        if free is None:
+            with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
+                entry = self._cache.get(key)  # another thread may have built it meanwhile
+                free = entry.read_free() if entry is not None else None
+                if free is None and entry is not None:
+                    twin = self._twins.get((key, entry.values_now()))
+                    free = twin.read_free() if twin is not None else None
+                    if free is not None:  # built before for these Python values (train/eval, say)
+                        entry = self._cache[key] = twin
+                    else:
+                        self._forget(entry)
+                if free is None:
+                    family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
+                    entry = family.entry if family is not None and family.entry is not None else None
+                    if entry is not None:  # one program for every number of samples
+                        entry.check_samples(family.samples(leaves))
+                        self._keep(key, entry)
+                    else:
+                        if family is not None and family.first is not None and family.tried is None:
+                            config = dataclasses.replace(config, sized=family.first)
+                        entry = self._new_signature(key, args, kwargs, config, nested,
+                                                    family.tried if family is not None else None)
+                        if not nested and config.batch_dim is not None:
+                            self._remember(treedef, leaves, extra, entry, config.sized is not None)
+                    self._twins[(key, entry.values)] = entry
+                    while len(self._twins) > MAX_PROGRAMS:
+                        del self._twins[next(iter(self._twins))]
+                    free = entry.read_free()
+                    if free is None:
+                        raise InvalidArgumentError(
+                            f"{name_of(self.fn)}: {entry.why} between the trace and the check that follows it: "
+                            "the program keeps what the trace read, and a value that is not the same at two reads "
+                            "in a row (a property computed anew at each read, a counter, another thread's writes) "
+                            "cannot be checked at later calls. Keep such a value in a tensor (read afresh at "
+                            "every call) or compute it once before the first call")
+        if not nested:
+            self._last = entry
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return entry.result(tensors, free), entry
+
+    def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool,
+                       per_count: str | None = None) -> Entry:
+        """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out).
+        ``per_count``: why this function's program depends on its number of samples, if it does."""
+        name = getattr(self.fn, "__name__", "function")
+        if config.sized is not None:
+            log.info("hoad: %s called with another number of samples; building one program for every number",
+                     name)
+        elif per_count is not None:
+            level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
+            log.log(level, "hoad: %s called with another number of samples; compiling program %d for it, since its "
+                           "program depends on the number of samples (%s)", name, len(self._cache) + 1, per_count)
+        elif not nested and any(not is_nested(k) for k in self._cache):
+            level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
+            why = what_changed(key, [k for k in self._cache if not is_nested(k)])
+            changed = "" if why else self._arguments_changed(key, args, kwargs)
+            if why:
+                log.log(level, "hoad: %s called after %s; compiling program %d for it (kept: changing it back "
+                               "compiles nothing).", name, why, len(self._cache) + 1)
+            elif changed:
+                log.log(level, "hoad: %s called with %s; compiling program %d for it (kept: a call like an earlier "
+                               "one compiles nothing).", name, changed, len(self._cache) + 1)
+            else:
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                                   for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                log.log(level, "hoad: %s called with a new signature (tensors %s); compiling program %d for it. "
+                               "Each distinct shape, dtype or Python-scalar value is its own program (under "
+                               "batch_dim=0, a second number of samples tries one program for every number).",
+                        name, shapes, len(self._cache) + 1)
+        if nested or torch._C._functorch.peek_interpreter_stack() is not None:
+            # built outside the outer trace (and its tracing context: torch.export's would lend the
+            # build its symbolic sizes) or the torch.func transform (inside one the trace saw its
+            # wrappers, and every derivative through the program came out 0), on concrete
+            # stand-ins of the values; the calls then run inside, like any other
+            with contextlib.ExitStack() as outside:
+                outside.enter_context(temporarily_clear_interpreter_stack())
+                if nested:
+                    outside.enter_context(_disable_current_modes())
+                    outside.enter_context(torch._guards.tracing(None))
+                args, kwargs = pytree.tree_map_only(torch.Tensor, stand_in, (args, kwargs))
+                entry = self._compile(args, kwargs, config)
+            if nested:
+                entry.trace = get_proxy_mode()
+        else:
+            entry = self._compile(args, kwargs, config)
+        self._keep(key, entry)
+        return entry
+
+    def _arguments_changed(self, key, args: tuple, kwargs: dict) -> str:
+        """The arguments that set this call apart from the cached call nearest to it (the fewest
+        leaves differing, in the same structure), as ``k=0.7 (was 0.5)``, or "" where none is near."""
+        if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
+            return ""
+        full = [k for k in self._cache if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
+                and k[2:] == key[2:]]
+        alike = [k for k in full if k[0] == key[0] and len(k[1]) == len(key[1])]
+        if not alike:  # the arguments are arranged otherwise: both calls, as written
+            return (f"({self._written(key)}), where it was called with ({self._written(full[-1])})"
+                    if full else "")
+        differing = lambda k: [i for i, (a, b) in enumerate(zip(k[1], key[1])) if not same_key(a, b)]  # noqa: E731
+        nearest = min(alike, key=lambda k: len(differing(k)))
+        paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+        state = self.module is not None  # (args[0] is then the module's state)
+        changes = [f"{self._leaf_name(paths[i], state)}={shown_leaf(key[1][i])} (was {shown_leaf(nearest[1][i])})"
+                   for i in differing(nearest)]
+        if not changes:
+            return ""
+        scalars = [i for i in differing(nearest) if key[1][i][0] == "S"]
+        advice = (" (a Python number is part of the program it is traced into: pass one that changes between calls "
+                  "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
+        return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
+
+    def _written(self, key) -> str:
+        """The call a cache key stands for: ``x=tensor (3,) float64, k=0.5; by keyword scale=2.0``."""
+        args, kwargs = pytree.tree_unflatten(list(key[1]), key[0])
+        state = self.module is not None
+        shown = lambda v: shown_leaf(v) if isinstance(v, tuple) and v and v[0] in ("T", "S") else "…"  # noqa: E731
+        parts = [f"{self._leaf_name((pytree.SequenceKey(0), pytree.SequenceKey(i)), state)}={shown(a)}"
+                 for i, a in enumerate(args) if i >= state]
+        keywords = ", ".join(f"{name}={shown(v)}" for name, v in kwargs.items())
+        return ", ".join(parts) + (f"; by keyword {keywords}" if keywords else "")
+
+    def _leaf_name(self, path: tuple, state: bool) -> str:
+        """A leaf of (args, kwargs) as the user wrote it: ``k``, ``x``, ``batch['u']``."""
+        where, rest = path[0].idx, path[2:]
+        if where == 1:  # a keyword
+            return f"{path[1].key}{pytree.keystr(rest)}"
+        i = path[1].idx - state
+        if i < 0:
+            return f"the module state{pytree.keystr(rest)}"
+        name = self._positional[i] if i < len(self._positional) else f"argument {i}"
+        return f"{name}{pytree.keystr(rest)}"
+
+    def _forget(self, entry: Entry) -> None:
+        """Drop a program whose free tensors or Python values changed (every key it serves, and
+        the sample-count families, which may hold it or a graph traced with the old values)."""
+        name = getattr(self.fn, "__name__", "the function")
+        if entry.expected:
+            log.info("hoad: %s: %s; tracing it again", name, entry.why)
+        else:
+            log.warning("hoad: %s was traced with Python values it may read, and %s; tracing it again (keep values "
+                        "that change between calls in tensors: a tensor is read afresh at every call)", name, entry.why)
+        for key in [k for k, e in self._cache.items() if e is entry]:
+            del self._cache[key]
+        self._families.clear()
+
+    def _keep(self, key, entry: Entry) -> None:
+        if len(self._cache) >= MAX_PROGRAMS:
+            oldest = next(iter(self._cache))
+            dropped = self._cache.pop(oldest)
+            if not any(f.entry is dropped for f in self._families.values()):  # (else a size's shortcut)
+                log.warning("hoad: %s keeps at most %d programs; dropped the least recently compiled one",
+                            getattr(self.fn, "__name__", "function"), MAX_PROGRAMS)
+        self._cache[key] = entry
+
+    # ----------------------------------------------------------------- every number of samples
+    def _family(self, treedef, leaves: list, extra) -> Family | None:
+        """The calls that differ from this one only in the number of samples (dim 0 of every wrt
+        input, all equal), or None when this call has none or fewer than 2 samples."""
+        wrt = self._wrt_leaves.get((treedef, extra))
+        if wrt is None:
+            return None
+        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None for i in wrt}
+        if len(counts) != 1 or None in counts or next(iter(counts)) < 2:
+            return None
+        fkey = (treedef, tuple((None,) + tuple(leaf.shape[1:]) + (leaf.dtype, leaf.device) if i in wrt
+                               else leaf_key(leaf) for i, leaf in enumerate(leaves)), extra)
+        return self._families.setdefault(fkey, Family(wrt))
+
+    def _remember(self, treedef, leaves: list, extra, entry: Entry, tried: bool) -> None:
+        """After a build: the wrt leaves of this call structure, and the family's program."""
+        self._wrt_leaves.setdefault((treedef, extra), list(entry.build.wrt_leaves))
+        family = self._family(treedef, leaves, extra)
+        if family is None:
+            return
+        if entry.build.stats.get("any_samples"):
+            family.entry = entry
+            log.info("hoad: %s: one program now serves every number of samples",
+                     getattr(self.fn, "__name__", "function"))
+        elif tried:  # the structure depends on the number of samples: one program per count
+            family.tried = entry.build.stats.get("samples_differ") or "its builds for two counts differ"
+            log.log(logging.WARNING if self.config.backend == "inductor" else logging.INFO,
+                    "hoad: %s: no one program serves every number of samples, since %s; each count is compiled on "
+                    "its own", getattr(self.fn, "__name__", "function"), family.tried)
+        elif family.first is None:
+            family.first = Sized.of(entry.build)
+
+    def _compile(self, args: tuple, kwargs: dict, config: Config) -> Entry:
+        stateful = self.module is not None
+        target = self._stateful if stateful else self.fn
+        layout, tensors = bind_layout(target, args, kwargs, state=stateful, names=self._positional)
+        user_args = args[1:] if stateful else args
+        wrt = self._expanded_wrt()
+        wrt_leaves = [self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
+        if len(set(wrt_leaves)) != len(wrt_leaves):
+            raise InvalidArgumentError(f"wrt={self.wrt!r} names the same input twice (e.g. by position and by name)")
+        for name, t in zip(layout.names, tensors):
+            if t.layout != torch.strided:  # sparse or nested: make_fx traces dense tensors only
+                raise InvalidArgumentError(
+                    f"input {name!r} is a {str(t.layout).removeprefix('torch.')} tensor; hoad traces dense (strided) "
+                    "tensors: pass t.to_dense()")
+        for w, leaf in zip(wrt, wrt_leaves):
+            t = tensors[leaf]
+            if not t.dtype.is_floating_point:
+                raise InvalidArgumentError(
+                    f"wrt input {w!r} has dtype {t.dtype}; derivatives need a floating-point tensor "
+                    "(convert it with .double() or .float())")
+        log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"),
+                 self.order)
+        roots = self._roots()
+        # (ddp_model.module.method(x): DDP's protocol while training; an FSDP2 module is refused)
+        wrappers = data_parallel_wrappers(itertools.chain([self.module] if self.module is not None else [],
+                                                          _reachable(roots)))
+        b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
+        entry = Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
+        entry.ddp += [(w, False) for w in wrappers if all(d is not w for d, _always in entry.ddp)]
+        return entry
+
+    def _roots(self) -> dict:
+        """Where the tensors the function reaches without receiving them are looked up."""
+        roots = {"fn": self.fn}
+        if self.module is not None:
+            roots["module"] = self.module
+        roots.update(self._extra_roots)
+        return roots
+
+    # ----------------------------------------------------------------------------------- wrt
+    def _expanded_wrt(self) -> tuple:
+        """wrt with :data:`hoad.parameters` replaced by every trainable parameter's name."""
+        out: list = []
+        for w in self.wrt:
+            if w is parameters:
+                if self.module is None:
+                    raise InvalidArgumentError("wrt=hoad.parameters needs a module: decorate a module method, or pass "
+                                               "a module or a bound method of one to hoad.compile")
+                out += [n for n, p in self.module.named_parameters() if p.requires_grad]
+            else:
+                out.append(w)
+        twice = sorted({w for w in out if out.count(w) > 1}, key=out.index)
+        if twice:
+            raise InvalidArgumentError(f"wrt names {', '.join(map(repr, twice))} twice: hoad.parameters includes every "
+                                       "trainable parameter; name it once")
+        if not out:
+            raise InvalidArgumentError(
+                f"wrt=hoad.parameters, but {type(self.module).__name__} has no parameter that requires grad (none, or "
+                "all frozen): unfreeze some (p.requires_grad_(True)), or name the inputs to differentiate in wrt")
+        return tuple(out)
+
+    def _check_wrt_against_signature(self) -> None:
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):
+            return
+        var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+        var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        state = (dict(self.module.named_parameters()) | dict(self.module.named_buffers())
+                 if self.module is not None else {})
+        for w in self.wrt:
+            if isinstance(w, int) and w >= len(self._positional) and not var_positional:
+                raise InvalidArgumentError(
+                    f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
+                    f"positional arguments {tuple(self._positional)}")
+            if isinstance(w, str) and w not in params and w not in state and not var_keyword:
+                tied = tied_names(self.module).get(w) if self.module is not None else None
+                if tied is not None:
+                    raise InvalidArgumentError(
+                        f"wrt names {w!r}, which is the same parameter as {tied!r} (tied weights): the module lists "
+                        f"it once, as {tied!r}; name that, and its derivatives cover every use")
+                bound = list(params)[:1] if self.module is not None else []  # (the module itself)
+                known = tuple(n for n in params if n not in bound) + tuple(state)
+                nor = " nor a parameter or buffer of the module" if self.module is not None else ""
+                raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function{nor}; "
+                                           f"valid names are {known}")
+
+    def _resolve_wrt(self, w, layout: CallLayout, args: tuple, kwargs: dict) -> int:
+        """The tensor-leaf index of wrt entry ``w`` in this call (``args`` without the state)."""
+        if isinstance(w, int):
+            if w < len(args):
+                place, value = Positional(w), args[w]
+            elif w < len(self._positional) and self._positional[w] in kwargs:
+                place, value = Keyword(self._positional[w]), kwargs[self._positional[w]]
+            else:
+                raise InvalidArgumentError(f"wrt={w} but the call passes only {len(args)} positional arguments")
+        elif w in kwargs:
+            place, value = Keyword(w), kwargs[w]
+        elif w in self._positional and self._positional.index(w) < len(args):
+            place, value = Positional(self._positional.index(w)), args[self._positional.index(w)]
+        elif layout.leaf(StateEntry(w)) is not None:
+            return layout.leaf(StateEntry(w))
+        elif var_positional(self.fn) == w:
+            raise InvalidArgumentError(f"wrt names {w!r}, the function's *{w}: its entries have no names of their "
+                                       f"own; name them by position (wrt=0, wrt=(0, 1), ...)")
+        else:
+            raise InvalidArgumentError(f"wrt names {w!r}, but the call does not pass it; pass it explicitly")
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__}; hoad differentiates with "
+                                       "respect to tensors only (pass a torch.Tensor)")
+        leaf = layout.leaf(place)
+        if leaf is None:
+            raise InvalidArgumentError(f"wrt input {w!r} must be a tensor argument itself, not inside a container")
+        return leaf
+
+    def _aliases(self, wrt: tuple, layout: CallLayout, wrt_leaves: list[int]) -> dict:
+        """Every way a user may name a wrt entry in a result key: as given, by argnum, by name."""
+        aliases: dict = {}
+        for pos, (w, leaf) in enumerate(zip(wrt, wrt_leaves)):
+            aliases[w] = pos
+            place = layout.places[leaf]
+            if isinstance(place, Positional):
+                aliases.setdefault(place.index, pos)
+                if place.index < len(self._positional):
+                    aliases.setdefault(self._positional[place.index], pos)
+            else:
+                aliases.setdefault(place.name, pos)
+                if place.name in self._positional:
+                    aliases.setdefault(self._positional.index(place.name), pos)
+        return aliases
+
+    # ------------------------------------------------------------------------------ inspect
+    @property
+    def graph(self) -> ProgramView:
+        """The derivative program of the most recent call signature (print it to read it)."""
+        if self._last is None:
+            raise InvalidArgumentError("call the compiled function once before asking for its graph "
+                                       "(the program depends on the shapes of the arguments)")
+        return ProgramView(self._last.build.program, self._last.build.stats)
+
+    def explain(self, *args, **kwargs):
+        """Blocks (dense vs stored entries), both directions' estimated cost and the chosen one,
+        and per-stage node counts, for the program of these arguments (or the last call)."""
+        from hoad.explanation import Explanation
+
+        if args or kwargs:
+            self(*args, **kwargs)
+        if self._last is None:
+            raise InvalidArgumentError("pass the arguments to explain (or call the compiled function first)")
+        return Explanation(self._last.build)
+
+    def __repr__(self) -> str:
+        return f"<hoad.compile({getattr(self.fn, '__name__', self.fn)!s}, order={self.order}, wrt={self.wrt!r})>"
