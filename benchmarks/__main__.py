@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--peers NAMES] [--write-docs] [--no-compile] [--device cuda [--dtype D]]``
+"""``python -m benchmarks [--quick] [--targets] [--only SUBSTRING] [--peers NAMES] [--write-docs] [--no-compile]
+[--device cuda [--dtype D]]``
 
 Runs the workloads (:mod:`benchmarks.workloads`) against every peer on one thread, then the
 targets the issues set (:mod:`benchmarks.targets`), prints the tables, writes
@@ -30,7 +31,8 @@ def main(argv: list[str]) -> int:
                              "(and no targets)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     parser.add_argument("--peers", metavar="NAMES",
-                        help="comma-separated columns to run, the others left out (e.g. 'hoad,folx,torch-jet compiled')")
+                        help="comma-separated columns to run, the others left out "
+                             "(e.g. 'hoad,folx,torch-jet compiled')")
     parser.add_argument("--write-docs", action="store_true", help="replace the results section of docs/benchmarks.md")
     parser.add_argument("--list", action="store_true", help="list the workload ids and the targets, and exit")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

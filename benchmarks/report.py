@@ -142,7 +142,8 @@ def problems(records: list[dict]) -> list[str]:
                 what = "fell back after"
             else:
                 continue
-            lines.append(f"`{r['id']}` {name}" + (f" ({o['config']})" if o["config"] else "") + f": {what}: {o['note']}")
+            config = f" ({o['config']})" if o["config"] else ""
+            lines.append(f"`{r['id']}` {name}{config}: {what}: {o['note']}")
     return lines
 
 

@@ -126,7 +126,8 @@ class Derivatives(Mapping):
         P = next(reversed(index.values())).stop if index else 0
         if not isinstance(vector, torch.Tensor) or vector.ndim < 1 or vector.shape[-1] != P:
             shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
-            raise InvalidArgumentError(f"unflat takes a tensor whose last axis has the P = {P} flat entries, got {shape}")
+            raise InvalidArgumentError(f"unflat takes a tensor whose last axis has the P = {P} flat entries, "
+                                       f"got {shape}")
         lead = tuple(vector.shape[:-1])
         return {key: vector[..., where].reshape(lead + shape)
                 for (key, where), shape in zip(index.items(), self._slot_shapes)}

@@ -298,7 +298,8 @@ def _constants(op, how: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             raise UnsupportedOperatorError(
                 f"{op} is registered by {how}, which differentiates its first argument only, but another tensor "
                 "argument depends on the inputs being differentiated too, and its derivatives would be lost. Register "
-                "the op with hoad.register_rule (a rule over every argument's blocks), or make that argument a constant")
+                "the op with hoad.register_rule (a rule over every argument's blocks), or make that argument a "
+                "constant")
         return a.primal
 
     return tuple(value(a) for a in args), {k: value(v) for k, v in kwargs.items()}

@@ -49,7 +49,8 @@ def format_program(gm: fx.GraphModule, title: str = "program") -> str:
     lines = [f"def {title}({', '.join(args)}):"]
     for n in nodes:
         if n.op == "call_function":
-            call = f"{_op(n.target)}({', '.join([_fmt(a) for a in n.args] + [f'{k}={_fmt(v)}' for k, v in n.kwargs.items()])})"
+            arguments = [_fmt(a) for a in n.args] + [f"{k}={_fmt(v)}" for k, v in n.kwargs.items()]
+            call = f"{_op(n.target)}({', '.join(arguments)})"
             lines.append(f"    {n.name}: {_shape(n)} = {call}{_comment(n)}")
         elif n.op == "get_attr":
             lines.append(f"    {n.name}: {_shape(n)} = <constant {n.target}>")
@@ -95,7 +96,8 @@ class ProgramView:
     def __str__(self) -> str:
         p = self.program
         header = (f"# hoad derivative program: order {p.order}, wrt {', '.join(p.wrt_names)}, {p.direction}; "
-                  f"returns value + {_count(len(p.keys), 'block')} ({_count(len(p.zeros), 'structural zero')} omitted); {self.nodes} ATen calls")
+                  f"returns value + {_count(len(p.keys), 'block')} ({_count(len(p.zeros), 'structural zero')} "
+                  f"omitted); {self.nodes} ATen calls")
         return "\n".join([header, *self.passes(), format_program(self.module)])
 
     def __repr__(self) -> str:

@@ -46,7 +46,8 @@ FAST = {
     aten.tanh.default: torch.tanh, aten.sigmoid.default: torch.sigmoid, aten.sqrt.default: torch.sqrt,
     aten.rsqrt.default: torch.rsqrt, aten.reciprocal.default: torch.reciprocal, aten.abs.default: torch.abs,
     aten.relu.default: torch.relu, aten.erf.default: torch.erf, aten.pow.Tensor_Scalar: torch.pow,
-    aten.pow.Tensor_Tensor: torch.pow, aten.amax.default: torch.amax, aten.constant_pad_nd.default: torch.constant_pad_nd,
+    aten.pow.Tensor_Tensor: torch.pow, aten.amax.default: torch.amax,
+    aten.constant_pad_nd.default: torch.constant_pad_nd,
 }
 
 BACKENDS = ("inductor", "eager")

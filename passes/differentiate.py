@@ -122,7 +122,8 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     except Exception as e:  # noqa: BLE001 - hoad's own failure: name where it happened
         node = interp.current
         at = f" at node {node.name} ({node.target}){where(node)}" if node is not None else ""
-        raise HoadInternalError(f"building the {direction} derivative program failed{at}: {type(e).__name__}: {e}") from e
+        raise HoadInternalError(f"building the {direction} derivative program failed{at}: "
+                                f"{type(e).__name__}: {e}") from e
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
@@ -268,7 +269,8 @@ class _Interpreter:
         if self.batch_dim is None:
             return Block.dense(data)
         r = t.ndim
-        return _canonical(data.unsqueeze(0), [0] + list(range(1, r)) + [0, r], tuple(t.shape) + (t.shape[0], v.shape[0]))
+        return _canonical(data.unsqueeze(0), [0] + list(range(1, r)) + [0, r],
+                          tuple(t.shape) + (t.shape[0], v.shape[0]))
 
     def _operator_setup(self) -> None:
         """The collapse, with its weights read from the program's inputs (so they are live)."""
@@ -316,16 +318,16 @@ class _Interpreter:
         rule = table.get(node.target)
         if rule is None and getattr(node.target, "__name__", "") in ("cond", "while_loop", "map_impl", "scan"):
             raise UnsupportedOperatorError(
-                f"torch.{node.target.__name__} (node {node.name}){self.where(node)} runs one of several subgraphs chosen by "
-                "tensor values; hoad builds one derivative program for every input value. Compute both branches and "
-                "pick with torch.where(condition, a, b)")
+                f"torch.{node.target.__name__} (node {node.name}){self.where(node)} runs one of several subgraphs "
+                "chosen by tensor values; hoad builds one derivative program for every input value. Compute both "
+                "branches and pick with torch.where(condition, a, b)")
         if rule is None:
             how = ("Register one with hoad.register_elementwise (its scalar derivatives), hoad.register_linear (its "
                    "transpose) or hoad.register_rule" if getattr(node.target, "namespace", "aten") != "aten" else
                    "Rewrite the function with supported ops (see the supported-op table in docs/ops.md), or register a "
                    "rule with hoad.register_elementwise, hoad.register_linear or hoad.register_rule")
-            raise UnsupportedOperatorError(f"no derivative rule for {node.target} (node {node.name}){self.where(node)}. "
-                                           f"{how}.")
+            raise UnsupportedOperatorError(f"no derivative rule for {node.target} (node {node.name})"
+                                           f"{self.where(node)}. {how}.")
         return rule
 
     def _call(self, rule, node: fx.Node, ctx, args, kwargs):
@@ -609,7 +611,8 @@ def _differentiable(out) -> bool:
 def _constant(out, varies: bool = False) -> object:
     """Jets without blocks; ``varies`` marks values that depend on wrt inputs all the same."""
     if isinstance(out, (tuple, list)):
-        return tuple(Jet(o, varies=varies and o.dtype.is_floating_point) if isinstance(o, torch.Tensor) else o for o in out)
+        return tuple(Jet(o, varies=varies and o.dtype.is_floating_point) if isinstance(o, torch.Tensor) else o
+                     for o in out)
     return Jet(out, varies=varies) if isinstance(out, torch.Tensor) else out
 
 

@@ -13,7 +13,8 @@ Only an argument that holds sizes (SymInt in the op's schema) may differ so: an 
 constant's shape or values, a different node) means the structure depends on B: there is no
 general program and each size keeps its own. The second build takes the first's direction and
 its layout choices by size (:class:`~hoad.algebra.target.Recorded`), which would part them
-otherwise (a product run by hoad's kernel at 256 rows and by MKL at 200). (The pipeline also traces the function at a third
+otherwise (a product run by hoad's kernel at 256 rows and by MKL at 200). (The pipeline also traces the
+function at a third
 count, since two counts may agree by chance on such a value; :func:`difference` says in words
 where two programs part.)
 """
@@ -67,7 +68,8 @@ def generalize(gm1: fx.GraphModule, b1: int, gm2: fx.GraphModule, b2: int, batch
     return gm
 
 
-def difference(gm1: fx.GraphModule | None, b1: int, gm2: fx.GraphModule | None, b2: int) -> tuple[fx.Node | None, str] | None:
+def difference(gm1: fx.GraphModule | None, b1: int, gm2: fx.GraphModule | None,
+               b2: int) -> tuple[fx.Node | None, str] | None:
     """Where the two programs (for ``b1`` and ``b2`` samples) differ in more than sample-count
     sizes: the node of ``gm2`` and the difference in words; None where they do not."""
     if gm1 is None or gm2 is None:

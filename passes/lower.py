@@ -171,7 +171,8 @@ def _jet_square(sq: fx.Node):
     P, M, S = X.meta["val"].shape
     (user,) = sq.users
     weights = None
-    if _is(user, aten.sum.dim_IntList) and list(user.args[1]) in ([2], [-1]) and len(user.args) == 2 and not user.kwargs:
+    if (_is(user, aten.sum.dim_IntList) and list(user.args[1]) in ([2], [-1]) and len(user.args) == 2
+            and not user.kwargs):
         out = user
     elif _is(user, aten.permute.default) and list(user.args[1]) == [1, 2, 0] and len(user.users) == 1:
         (out,) = user.users  # the squares [M, S, P], weighted over S by a bmm or a broadcast product

@@ -44,7 +44,8 @@ def _replacement(node: fx.Node):
         return a[0].args[0]
     if t == aten.mul.Tensor and len(a) == 2 and _scalar(a[1]) and isinstance(a[0], fx.Node):
         inner = a[0]
-        if inner.target == aten.mul.Tensor and len(inner.args) == 2 and _scalar(inner.args[1]) and len(inner.users) == 1:
+        if (inner.target == aten.mul.Tensor and len(inner.args) == 2 and _scalar(inner.args[1])
+                and len(inner.users) == 1):
             return aten.mul.Tensor, (inner.args[0], inner.args[1] * a[1])
         if inner.target == aten.neg.default and len(inner.users) == 1:
             return aten.mul.Tensor, (inner.args[0], -a[1])

@@ -460,7 +460,8 @@ def _counts_rows(index, n: int) -> bool:
         return False
     while isinstance(index, fx.Node) and index.target in _UNIT_VIEWS:
         index = index.args[0]
-    if not (isinstance(index, fx.Node) and index.target in _ARANGES) or index.kwargs.get("dtype") not in (None, torch.int64):
+    if (not (isinstance(index, fx.Node) and index.target in _ARANGES)
+            or index.kwargs.get("dtype") not in (None, torch.int64)):
         return False
     bounds = list(index.args)
     start, end, step = ([0] + bounds + [1])[:3] if len(bounds) == 1 else (bounds + [1])[:3]

@@ -1,11 +1,8 @@
 """Diagonal pruning and batch_dim: compact blocks equal dense ones, per-sample blocks equal
 vmap(hessian), coupling ops are named, and compact programs do not grow with B²."""
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
@@ -369,8 +366,6 @@ def test_a_reduction_across_merged_samples_is_still_a_coupling_error():
 def test_recurrent_layers_are_per_sample(cell):
     """torch's GRU and LSTM join their steps' [B, h] outputs into [T·B, h] viewed as [T, B, h]; the
     sample pass stacks them instead (it was a false BatchCouplingError)."""
-    from helpers import check
-
     torch.manual_seed(3)
     rnn = getattr(torch.nn, cell)(3, 4, batch_first=True, dtype=torch.float64).eval()
 

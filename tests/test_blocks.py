@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from hoad.algebra import Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out, unsqueeze_out
+from hoad.algebra import (Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out,
+                          unsqueeze_out)
 
 
 def dense_of(blk: Block) -> torch.Tensor:
@@ -115,7 +116,8 @@ def test_output_maps(seed):
     d = rng.randrange(r + 1)
     torch.testing.assert_close(dense_of(unsqueeze_out(blk, r, d)), dense.unsqueeze(d))
     ones = [a for a in range(r) if shape[a] == 1]
-    torch.testing.assert_close(dense_of(squeeze_out(blk, r, ones)), dense.reshape([n for a, n in enumerate(shape) if a not in ones]))
+    torch.testing.assert_close(dense_of(squeeze_out(blk, r, ones)),
+                               dense.reshape([n for a, n in enumerate(shape) if a not in ones]))
     # expand (with a new leading axis)
     new_out = [2] + [n if n != 1 else rng.choice([1, 3]) for n in out]
     ref = dense.reshape([1] + shape).expand(new_out + shape[r:])
@@ -134,7 +136,6 @@ def test_output_maps(seed):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_materialize_keep_ties(seed):
-    rng = random.Random(seed)
     x = torch.randn(3, 2, dtype=torch.float64)
     seed_blk = Block.identity(x, (3, 2))
     # keep axis 0 tied to slot axis 0: per-row Jacobian, i.e. the diagonal over rows
@@ -195,7 +196,9 @@ def test_a_weight_broadcast_over_a_batch_makes_one_matrix_product():
         terms = [(w.expand(5, 4, 3), ["b", "i", "k"]), (y, ["b", "k", "j"])]
         return _einsum(terms, ["b", "i", "j"], {"b": 5, "i": 4, "k": 3, "j": 6}, lowering=lowering)
 
-    for lowering, op in ((InductorLowering(), torch.ops.aten.mm.default), (Target().lowering, torch.ops.aten.bmm.default)):
+    for lowering, op in ((InductorLowering(), torch.ops.aten.mm.default),
+                         (Target().lowering, torch.ops.aten.bmm.default)):
         gm = make_fx(lambda w, y: product(w, y, lowering))(w, y)
-        assert [n.target for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)] == [op]
+        assert [n.target for n in gm.graph.nodes
+                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)] == [op]
         torch.testing.assert_close(gm(w, y), torch.bmm(w.expand(5, 4, 3), y))

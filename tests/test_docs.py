@@ -33,7 +33,8 @@ def test_every_rule_in_the_op_table_is_a_def_a_grep_finds():
     rows = re.findall(r"\| `([^`]+)` in `([^`]+)` \|", (ROOT / "docs" / "ops.md").read_text())
     sources = {p.name: p.read_text() for p in (ROOT / "hoad" / "rules").rglob("*.py")}
     assert len(rows) > 100
-    missing = [(name, file) for name, file in rows if not re.search(rf"^\s*def {re.escape(name)}\b", sources[file], re.M)]
+    missing = [(name, file) for name, file in rows
+               if not re.search(rf"^\s*def {re.escape(name)}\b", sources[file], re.M)]
     assert not missing, missing
 
 

@@ -214,7 +214,8 @@ def test_gram_broadcast_weights_other_dtypes_and_bad_shapes():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # samples split between threads
-        torch.testing.assert_close(torch.ops.hoad.gram(big, weights), gram_reference(big, weights), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.ops.hoad.gram(big, weights), gram_reference(big, weights),
+                                   rtol=1e-12, atol=1e-12)
     finally:
         torch.set_num_threads(threads)
     J32, w32 = J.float(), w.float()
@@ -321,13 +322,15 @@ def test_jet_sqnorm_equals_its_definition(P, S, K, M, shared):
     c, W = rand(P, K, seed=S), rand(K, M, seed=M)
     for u in (None, rand(S, M, seed=3), rand(S, 1, seed=4), torch.tensor(0.5, dtype=torch.float64)):
         args = (J, c, W) if u is None else (J, c, W, u)
-        torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(*args), jet_sqnorm_reference(*args), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(*args), jet_sqnorm_reference(*args),
+                                   rtol=1e-12, atol=1e-12)
 
 
 @needs_jets
 def test_jet_sqnorm_strided_operands_empty_sizes_and_other_dtypes():
     J, c, W = rand(64, 16, seed=1).t(), rand(256, 128, seed=2)[:, ::2], rand(64, 64, seed=3).t()
-    torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), jet_sqnorm_reference(J, c, W), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), jet_sqnorm_reference(J, c, W),
+                               rtol=1e-12, atol=1e-12)
     for P, K in ((0, 4), (3, 0)):
         J, c, W = rand(2, K, seed=5), rand(P, K, seed=6), rand(K, 4, seed=7)
         torch.testing.assert_close(torch.ops.hoad.jet_sqnorm(J, c, W), torch.zeros(P, 4, dtype=torch.float64))
@@ -746,5 +749,6 @@ def test_jet_kernels_avx2_strips_where_avx512_ones_run_by_default():
     """)
     env = {**os.environ, "HOAD_JETS_AVX2": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's hoad
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

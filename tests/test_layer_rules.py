@@ -19,12 +19,14 @@ W = rand(3, 2, 3, 3, seed=7)
 X = rand(2, 2, 5, 5, seed=8)
 
 VARIANTS = {
-    "conv2d_input_only_dilation": (lambda x: F.conv2d(x.sin(), W, dilation=2).tanh().sum((1, 2, 3)), (rand(2, 2, 5, 5),), (0,)),
+    "conv2d_input_only_dilation": (lambda x: F.conv2d(x.sin(), W, dilation=2).tanh().sum((1, 2, 3)),
+                                   (rand(2, 2, 5, 5),), (0,)),
     "conv2d_weight_only_stride": (lambda w: F.conv2d(X, w.sin(), stride=(2, 1)).tanh().sum(),
                                   (rand(3, 2, 3, 3),), (0,)),
     "conv2d_groups_bias": (lambda x, w, b: F.conv2d(x.sin(), w, b, groups=2, padding=(1, 0)).sin().sum(),
                            (rand(2, 4, 4, 4), rand(4, 2, 3, 3), rand(4)), (0, 1, 2)),
-    "conv1d": (lambda x, w: F.conv1d(x.sin(), w, stride=2, padding=1).sin().sum(), (rand(2, 2, 6), rand(3, 2, 3)), (0, 1)),
+    "conv1d": (lambda x, w: F.conv1d(x.sin(), w, stride=2, padding=1).sin().sum(),
+               (rand(2, 2, 6), rand(3, 2, 3)), (0, 1)),
     "conv3d": (lambda x, w: F.conv3d(x.sin(), w).sin().sum(), (rand(1, 2, 3, 3, 3), rand(2, 2, 2, 2, 2)), (0, 1)),
     "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x.sin(), w, stride=2, output_padding=1).sin().sum(),
                          (rand(2, 2, 3, 3), rand(2, 3, 2, 2)), (0, 1)),
@@ -35,8 +37,10 @@ VARIANTS = {
     "avg_pool2d_divisor": (lambda x: F.avg_pool2d(x.sin(), 2, ceil_mode=True, divisor_override=3).tanh().sum(),
                            (rand(2, 2, 3, 5),), (0,)),
     "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x.sin(), 3).tanh().sum(), (rand(2, 2, 5),), (0,)),
-    "max_pool1d_dilation": (lambda x: F.max_pool1d(x.sin(), 3, stride=2, dilation=2).tanh().sum(), (rand(2, 3, 9),), (0,)),
-    "max_pool2d_unbatched_ceil": (lambda x: F.max_pool2d(x.sin(), 2, ceil_mode=True).tanh().sum(), (rand(2, 3, 5),), (0,)),
+    "max_pool1d_dilation": (lambda x: F.max_pool1d(x.sin(), 3, stride=2, dilation=2).tanh().sum(),
+                            (rand(2, 3, 9),), (0,)),
+    "max_pool2d_unbatched_ceil": (lambda x: F.max_pool2d(x.sin(), 2, ceil_mode=True).tanh().sum(),
+                                  (rand(2, 3, 5),), (0,)),
     "adaptive_max_pool1d": (lambda x: F.adaptive_max_pool1d(x.sin(), 2).tanh().sum(), (rand(2, 2, 5),), (0,)),
     "unfold_step": (lambda x: x.sin().unfold(0, 2, 2).tanh().prod(-1).sum(), (rand(5, 2),), (0,)),
     "index_put_accumulate": (lambda x, v: x.sin().index_put((_idx(0, 2, 0),), v.exp(), accumulate=True).tanh().sum(0),
@@ -47,8 +51,10 @@ VARIANTS = {
                                    (rand(4, 3), rand(3)), (0, 1)),
     "index_put_slice_first": (lambda x, v: torch.ops.aten.index_put(x.sin(), [None, _idx(0, 2)], v.exp()).tanh().sum(0),
                               (rand(4, 3), rand(2)), (0, 1)),
-    "index_add": (lambda x, v: x.sin().index_add(1, _idx(0, 2, 0), v.exp()).tanh().sum(0), (rand(4, 3), rand(4, 3)), (0, 1)),
-    "index_copy": (lambda x, v: x.sin().index_copy(0, _idx(3, 1), v.exp()).tanh().sum(0), (rand(4, 3), rand(2, 3)), (0, 1)),
+    "index_add": (lambda x, v: x.sin().index_add(1, _idx(0, 2, 0), v.exp()).tanh().sum(0),
+                  (rand(4, 3), rand(4, 3)), (0, 1)),
+    "index_copy": (lambda x, v: x.sin().index_copy(0, _idx(3, 1), v.exp()).tanh().sum(0),
+                   (rand(4, 3), rand(2, 3)), (0, 1)),
     "max_unpool2d": (lambda x: F.max_unpool2d(*F.max_pool2d(x.sin(), 2, return_indices=True), 2).tanh().sum(),
                      (rand(1, 2, 4, 4),), (0,)),
 }
@@ -62,7 +68,8 @@ VARIANTS["index_put_duplicates"] = (
     lambda x, v: x.sin().index_put((_DUP,), v.exp()).tanh().sum(0), (rand(4, 3), rand(3, 3)), (0, 1),
     lambda x, v: x.sin().index_put((_DUP,), torch.where(_WON, v.exp(), v.exp().detach())).tanh().sum(0))
 _SIDX = _idx(2, 0, 2, 1, 0, 3).view(2, 3)
-_SWON = torch.full((4, 3), -1).scatter(0, _SIDX, torch.arange(6).view(2, 3)).gather(0, _SIDX) == torch.arange(6).view(2, 3)
+_SWON = (torch.full((4, 3), -1).scatter(0, _SIDX, torch.arange(6).view(2, 3)).gather(0, _SIDX)
+         == torch.arange(6).view(2, 3))
 VARIANTS["scatter_duplicates"] = (
     lambda x, s: x.sin().scatter(0, _SIDX, s.exp()).tanh().sum(0), (rand(4, 3), rand(2, 3)), (0, 1),
     lambda x, s: x.sin().scatter(0, _SIDX, torch.where(_SWON, s.exp(), s.exp().detach())).tanh().sum(0))
@@ -78,7 +85,8 @@ for _red in ("sum", "mean", "amax", "amin"):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_variant(name, mode):
     fn, args, wrt, *reference = VARIANTS[name]
-    check(fn, args, wrt=wrt, order=2 if len(wrt) > 1 else 3, mode=mode, reference_fn=reference[0] if reference else None)
+    check(fn, args, wrt=wrt, order=2 if len(wrt) > 1 else 3, mode=mode,
+          reference_fn=reference[0] if reference else None)
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])

@@ -86,7 +86,8 @@ def test_reverse_on_parameter_hessian_all_mixed_blocks():
         h = torch.tanh(X @ W1 + b1)
         return torch.nn.functional.cross_entropy(h @ W2, y)
 
-    res, cf = check(loss, (rand(4, 5, seed=4), rand(5, seed=5), rand(5, 3, seed=6)), wrt=(0, 1, 2), order=2, mode="reverse")
+    res, cf = check(loss, (rand(4, 5, seed=4), rand(5, seed=5), rand(5, 3, seed=6)), wrt=(0, 1, 2), order=2,
+                    mode="reverse")
     assert cf.explain().direction == "reverse"
 
 

@@ -192,7 +192,6 @@ def test_train_mode_dropout_raises_and_eval_mode_works():
         m(x)
     m.eval()
     res = m(x)
-    ref = jacfwd(jacrev(lambda x: functional_call(m, dict(m.named_parameters()), (x,)).sum()))
     assert_close(res[0, 0], torch.func.hessian(lambda x: m.fc(x).tanh().sum())(x), "eval-mode dropout is identity")
 
 

@@ -11,7 +11,6 @@ derivative (the op's convention) where torch has one.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import jacrev
 
 import hoad
 from helpers import assert_close, check, rand
@@ -53,10 +52,12 @@ def test_grid_sample_2d_in_image_and_grid(mode, padding, align, order):
     a, grid = rand(1, 1, 3, 4, seed=40), rand(1, 1, 3, 2, seed=41) * 1.3
 
     def f(a, g):
-        return F.grid_sample(a.sin(), g.tanh() * 1.2, mode=mode, padding_mode=padding, align_corners=align).sin().sum((0, 1))
+        return F.grid_sample(a.sin(), g.tanh() * 1.2, mode=mode, padding_mode=padding,
+                             align_corners=align).sin().sum((0, 1))
 
     def plain(a, g):
-        return _plain_grid_sampler_2d(a.sin(), g.tanh() * 1.2, _MODES[mode], _PADDINGS[padding], align).sin().sum((0, 1))
+        return _plain_grid_sampler_2d(a.sin(), g.tanh() * 1.2, _MODES[mode], _PADDINGS[padding],
+                                      align).sin().sum((0, 1))
 
     for want, got in zip(_grad(lambda a, g: f(a, g).sum(), a, grid), _grad(lambda a, g: plain(a, g).sum(), a, grid)):
         assert_close(got, want, "the plain form's first derivative is torch's")
@@ -102,7 +103,8 @@ def test_grid_sample_2d_per_sample(mode, padding):
 @pytest.mark.slow
 def test_grid_sample_3d_nearest_border():
     a, grid = rand(1, 2, 3, 2, 2, seed=44), rand(1, 2, 1, 2, 3, seed=45) * 1.5
-    check(lambda a: F.grid_sample(a.sin(), grid, mode="nearest", padding_mode="border", align_corners=False).tanh().sum(),
+    check(lambda a: F.grid_sample(a.sin(), grid, mode="nearest", padding_mode="border",
+                                  align_corners=False).tanh().sum(),
           (a,), order=2, reference_fn=lambda a: _grid_sampler(a.sin(), grid, 1, 1, False).tanh().sum())
 
 
@@ -235,7 +237,8 @@ def test_index_put_with_a_mask():
 
     check(lambda x, v: torch.index_put(x.sin(), (mask,), v.exp()).tanh(), (x, v), wrt=(0, 1), order=2,
           reference_fn=lambda x, v: torch.index_put(x.sin(), (rows,), v.exp()).tanh())
-    check(lambda x, v: torch.index_put(x.sin(), (mask,), v[0].exp(), accumulate=True).tanh(), (x, v), wrt=(0, 1), order=2,
+    check(lambda x, v: torch.index_put(x.sin(), (mask,), v[0].exp(), accumulate=True).tanh(), (x, v),
+          wrt=(0, 1), order=2,
           reference_fn=lambda x, v: torch.index_put(x.sin(), (rows,), v[0].exp(), accumulate=True).tanh())
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import hoad
 from hoad.rules import RULES, VJPS
 from helpers import check
 from op_cases import CASES

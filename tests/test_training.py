@@ -22,7 +22,8 @@ BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.inductor)]
 
 def _net(seed=0, width=8):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)).double()
+    return nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, 1)).double()
 
 
 def _laplacian_by_autograd(u, X):

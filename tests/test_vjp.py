@@ -1,7 +1,5 @@
 """Every VJP rule against torch.func.vjp, node by node, on the graphs of the rule cases."""
 
-import operator
-
 import pytest
 import torch
 import torch.fx as fx

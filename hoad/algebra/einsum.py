@@ -226,7 +226,8 @@ def _diagonal(t: torch.Tensor, labels: list) -> tuple[torch.Tensor, list]:
 
 
 def contract_blocks(operands: Sequence[tuple[Block, Sequence[Label]]], out: Sequence[Label],
-                    sizes: dict | None = None, target: Target = EAGER_TARGET, samples: frozenset = frozenset()) -> Block:
+                    sizes: dict | None = None, target: Target = EAGER_TARGET,
+                    samples: frozenset = frozenset()) -> Block:
     """:func:`hoad.algebra.contract` on evaluated blocks: the einsum of their compact data."""
     size: dict = dict(sizes or {})
     parent: dict = {}

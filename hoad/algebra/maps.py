@@ -48,7 +48,8 @@ def map_out(blk: Block | Lazy, r: int, fn: Callable[[torch.Tensor], torch.Tensor
         data = data.reshape(list(blk.shape[:r]) + [data.shape[len(perm) - len(rest) + i] for i in range(len(rest))])
     new = fn(data)
     r2 = len(new_out)
-    internal_check(tuple(new.shape[:r2]) == tuple(new_out), f"map_out: got {tuple(new.shape)}, expected leading {tuple(new_out)}")
+    internal_check(tuple(new.shape[:r2]) == tuple(new_out),
+                   f"map_out: got {tuple(new.shape)}, expected leading {tuple(new_out)}")
     index = {blk.dims[a]: b for a, b in keep.items() if blk.dims[a] is not None}
     index.update({c: r2 + i for i, c in enumerate(rest)})
     dims = list(range(r2)) + [None if d is None else index[d] for d in blk.dims[r:]]
@@ -121,7 +122,8 @@ def unsqueeze_out(blk: Block | Lazy, r: int, dim: int) -> Block | Lazy:
     dim = dim % (r + 1)
     if isinstance(blk, Lazy):
         return blk.relabel(list(range(dim)) + [_Fresh(1)] + list(range(dim, blk.ndim)))
-    return Block(blk.data, blk.dims[:dim] + (None,) + blk.dims[dim:], blk.shape[:dim] + (1,) + blk.shape[dim:], blk.unit)
+    return Block(blk.data, blk.dims[:dim] + (None,) + blk.dims[dim:], blk.shape[:dim] + (1,) + blk.shape[dim:],
+                 blk.unit)
 
 
 def squeeze_out(blk: Block | Lazy, r: int, dims_to_drop: Sequence[int]) -> Block | Lazy:

@@ -32,7 +32,8 @@ def all_multi_indices(n_wrt: int, max_order: int) -> list[MultiIndex]:
 
 def sub_multi_indices(K: MultiIndex) -> list[MultiIndex]:
     """The distinct non-empty sub-multisets of ``K``, lower orders first."""
-    subs = {tuple(K[i] for i in positions) for k in range(1, len(K) + 1) for positions in itertools.combinations(range(len(K)), k)}
+    subs = {tuple(K[i] for i in positions)
+            for k in range(1, len(K) + 1) for positions in itertools.combinations(range(len(K)), k)}
     return sorted(subs, key=lambda s: (len(s), s))
 
 

@@ -136,7 +136,8 @@ class Lazy:
     def scale(self, c: float) -> Lazy:
         if c == 1:
             return self
-        return Lazy([LTerm(t.scale * c, t.operands, t.out, t.sizes, t.target, t.samples) for t in self.terms], self.shape)
+        return Lazy([LTerm(t.scale * c, t.operands, t.out, t.sizes, t.target, t.samples) for t in self.terms],
+                    self.shape)
 
     def neg(self) -> Lazy:
         return self.scale(-1.0)

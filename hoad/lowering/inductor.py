@@ -127,7 +127,8 @@ class InductorLowering(Lowering):
         activation), if its result is small (TRANSPOSED_RESULT)."""
         how = self._straight(a, b)
         if (how != "reduction" and a.shape[0] * b.shape[1] <= TRANSPOSED_RESULT
-                and self._straight(b.t(), a.t()) == "kernel" and (how == "mm" or _copied(b.t(), a.t()) < _copied(a, b))):
+                and self._straight(b.t(), a.t()) == "kernel"
+                and (how == "mm" or _copied(b.t(), a.t()) < _copied(a, b))):
             return "transposed"
         return how
 

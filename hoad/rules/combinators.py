@@ -152,7 +152,8 @@ def leibniz(ctx: Ctx, factors: Sequence[tuple[Jet, Sequence]], out: Sequence, ou
             blocks = [jet[sub] for (jet, _labels), sub in zip(factors, term.sub_indices(K))]
             if any(b is None for b in blocks):
                 continue
-            operands = [(b, list(labels) + ctx.slots(K, part)) for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
+            operands = [(b, list(labels) + ctx.slots(K, part))
+                        for b, (_jet, labels), part in zip(blocks, factors, term.parts)]
             result_labels = lead + ctx.slots(K)
             prod = contract(ctx.weigh(_with_adjoint(ctx, operands, out), result_labels), result_labels,
                             sizes=dict(zip(out, out_shape)), lazy=_lazy(ctx, K), target=ctx.target,

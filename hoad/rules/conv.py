@@ -171,7 +171,8 @@ def convolution_vjp(v, g: Block, x, w, bias, stride, padding, dilation, transpos
         shape = [gx.shape[0]] + list(xv.shape[1:])
         gi = aten.convolution_backward.default(gx, xv.new_zeros(()).expand(shape), wv, None, *params,
                                                [True, False, False])[0]
-        gi = gi.reshape(rest + list(xv.shape)).movedim(list(range(len(rest))), list(range(xv.ndim, xv.ndim + len(rest))))
+        gi = gi.reshape(rest + list(xv.shape)).movedim(list(range(len(rest))),
+                                                       list(range(xv.ndim, xv.ndim + len(rest))))
         pairs.append((x, _relabel(gi, xv.shape, [(refs, {0: 0}, f_shape, len(rest))])))
     if isinstance(w, Jet) and w.varies:
         keep_w = _weight_keep(params)
@@ -179,7 +180,8 @@ def convolution_vjp(v, g: Block, x, w, bias, stride, padding, dilation, transpos
         rest = list(t.shape[r:])
         nf = math.prod(rest)
         # F goes after each output channel: (N, O*F, *sp'), a weight of nf times the channels
-        gw = t.movedim(list(range(r, t.ndim)), list(range(2, 2 + len(rest)))).reshape([t.shape[0], -1] + list(t.shape[2:r]))
+        gw = t.movedim(list(range(r, t.ndim)), list(range(2, 2 + len(rest))))
+        gw = gw.reshape([t.shape[0], -1] + list(t.shape[2:r]))
         at = 1 if params[3] else 0
         wshape = list(wv.shape)
         wshape[at] *= nf

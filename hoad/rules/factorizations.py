@@ -153,7 +153,8 @@ qr_q.register_fake(lambda A: A.new_empty(A.shape[:-1] + (_k(A),)))
 qr_r.register_fake(lambda A: A.new_empty(A.shape[:-2] + (_k(A), A.shape[-1])))
 lu_pivots.register_fake(lambda A: A.new_empty(A.shape[:-2] + (_k(A),), dtype=torch.int32))
 lu_permutation.register_fake(lambda pivots, like: like.new_empty(like.shape[:-1] + (like.shape[-2],)))
-pinv.register_fake(lambda A, atol=None, rtol=None, hermitian=False: A.new_empty(A.shape[:-2] + (A.shape[-1], A.shape[-2])))
+pinv.register_fake(lambda A, atol=None, rtol=None, hermitian=False:
+                   A.new_empty(A.shape[:-2] + (A.shape[-1], A.shape[-2])))
 
 
 # ------------------------------------------------------------------- cotangents (plain torch)

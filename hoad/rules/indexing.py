@@ -135,7 +135,8 @@ def index_put_rule(ctx: Ctx, x, indices, values, accumulate: bool = False):
             parts.append(linear(ctx, x, lambda b: b))
         else:
             zero = torch.zeros((), dtype=ctx.out.dtype, device=ctx.out.device)
-            parts.append(linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.index_put(t, idx, zero), new, untouched)))
+            parts.append(linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.index_put(t, idx, zero), new,
+                                                          untouched)))
     if _varies(values):
         ishape = _indexed_shape(new, idx)
         won = None if accumulate else _put_winners(ctx.out, idx, ishape)

@@ -62,7 +62,8 @@ def expand_rule(ctx: Ctx, x: Jet, size, implicit: bool = False):
 def slice_rule(ctx: Ctx, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d = dim % r
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.slice.Tensor(t, d, start, end, step), new, along(r, [d])))
+    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.slice.Tensor(t, d, start, end, step), new,
+                                            along(r, [d])))
 
 
 @RULES.register(aten.select.int)
@@ -121,8 +122,10 @@ def _padded_axes(r: int, pad) -> list[int]:
 def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
     r, new = x.ndim, tuple(ctx.out.shape)
     padded = _padded_axes(r, pad)
-    return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + list(pad), 0.0),
-                                            new, along(r, padded)))
+    def padded_block(t):
+        return aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + list(pad), 0.0)
+
+    return linear(ctx, x, lambda b: map_out(b, r, padded_block, new, along(r, padded)))
 
 
 @RULES.register(aten.cumsum.default)
@@ -447,7 +450,8 @@ def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
     r = x.ndim
     d = dim % r
     keep = {b: a for a, b in along(r, [d], removed=True).items()}
-    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index), x.shape, keep))]
+    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index),
+                        x.shape, keep))]
 
 
 @VJPS.register(aten.index_select.default)
@@ -509,8 +513,10 @@ def flip_vjp(v, g: Block, x: Jet, dims):
 def pad_vjp(v, g: Block, x: Jet, pad, value=0):
     r = x.ndim
     padded = _padded_axes(r, pad)
-    return [(x, map_out(g, r, lambda t: aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0), x.shape,
-                        along(r, padded)))]
+    def cropped(t):
+        return aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0)
+
+    return [(x, map_out(g, r, cropped, x.shape, along(r, padded)))]
 
 
 @VJPS.register(aten.cumsum.default)
@@ -657,7 +663,8 @@ def split_vjp(v, g, x: Jet, split, dim: int = 0):
         if gi is not None:
             before, after = offset, x.shape[d] - offset - n
             spec = lambda t, b=before, a=after: [0, 0] * (t.ndim - d - 1) + [b, a]  # noqa: E731
-            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape, along(r, [d])))
+            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape,
+                                 along(r, [d])))
         offset += n
     return [(x, add(parts))] if parts else []
 

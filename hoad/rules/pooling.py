@@ -40,7 +40,8 @@ def _spatially(r: int, k: int, op):
 
 def _pooled(ctx: Ctx, x: Jet, k: int, op) -> dict:
     r = x.ndim
-    return linear(ctx, x, lambda b: map_out(b, r, _spatially(r, k, op), tuple(ctx.out.shape), along(r, range(r - k, r))))
+    return linear(ctx, x, lambda b: map_out(b, r, _spatially(r, k, op), tuple(ctx.out.shape),
+                                            along(r, range(r - k, r))))
 
 
 def _avg_args(kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):

@@ -42,8 +42,10 @@ def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
         new[d] = width
         spec = lambda t, pad: [0, 0] * (t.ndim - d - 1) + [0, pad]  # noqa: E731
         primal = aten.constant_pad_nd(x.primal, spec(x.primal, width - n), 1.0)
-        x = Jet(primal, linear(inner, x, lambda b: map_out(b, r, lambda t: aten.constant_pad_nd(t, spec(t, width - n), 0.0),
-                                                           new, along(r, [d]))))
+        def padded(t):
+            return aten.constant_pad_nd(t, spec(t, width - n), 0.0)
+
+        x = Jet(primal, linear(inner, x, lambda b: map_out(b, r, padded, new, along(r, [d]))))
     while x.shape[d] > 1:
         h = x.shape[d] // 2
         lo = _narrow(inner, x, d, 0, h, x.primal.narrow(d, 0, h))
@@ -62,7 +64,8 @@ def prod_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
         x = Jet(x.primal.to(dtype), {K: b.to(dtype) for K, b in x.blocks.items()}, x.varies, x.flat)
     d = 0 if dim is None else dim % max(x.ndim, 1)
     if dim is None:  # all elements: flatten first
-        x = Jet(x.primal.reshape(-1), linear(ctx.inner(x.primal), x, lambda b: reshape_out(b, x.ndim, [x.primal.numel()])))
+        x = Jet(x.primal.reshape(-1),
+                linear(ctx.inner(x.primal), x, lambda b: reshape_out(b, x.ndim, [x.primal.numel()])))
     if _by_derivatives(ctx, x.shape[d]):
         keep = keepdim and dim is not None
         return chain(ctx, x, _product_derivatives(x.primal, d, ctx.max_order, keep), axis=d, keepdim=keep)
@@ -182,7 +185,8 @@ def _shifted(ctx: Ctx, x: Jet, d: int, s: int) -> Jet:
     def shift(t, fill):
         return aten.constant_pad_nd(t, [0, 0] * (t.ndim - d - 1) + [s, 0], fill).narrow(d, 0, shape[d])
 
-    return Jet(shift(x.primal, 1.0), linear(ctx, x, lambda b: map_out(b, r, lambda t: shift(t, 0.0), shape, along(r, [d]))))
+    return Jet(shift(x.primal, 1.0),
+               linear(ctx, x, lambda b: map_out(b, r, lambda t: shift(t, 0.0), shape, along(r, [d]))))
 
 
 @RULES.register(aten.cumprod.default)
