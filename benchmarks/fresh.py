@@ -92,8 +92,7 @@ def step_memory(workload_id: str, way_name: str, dtype_name: str) -> dict:
     import torch
 
     from benchmarks import operators, workloads
-    from benchmarks.reference import compare
-    from benchmarks.runner import reference_of
+    from benchmarks.reference import compare, reference_of
     from benchmarks.timing import synchronize, synchronize_with
 
     w = workloads.get(workload_id)

@@ -373,13 +373,26 @@ def _hoad_operator(p: OperatorProblem, backend: str, graphs: bool = False) -> Ca
     return answer
 
 
+def chosen_mode(cf) -> str:
+    """The mode asked for, and under "auto" the direction hoad chose (where its program says)."""
+    import hoad
+
+    asked = cf.config.mode
+    try:
+        program = cf.graph.program
+    except hoad.HoadError:
+        return asked
+    chosen = getattr(program, "direction", None)
+    if not isinstance(chosen, str) or chosen == asked:
+        return asked
+    return f"{asked}→{chosen}"
+
+
 def _with_mode(answer: Callable[[], dict], compiled) -> Callable[[], dict]:
     """``answer`` that, once called, says the direction hoad chose (``auto→reverse``, ...)."""
 
     def chosen() -> str:
-        from benchmarks.peers import _chosen_mode
-
-        return _chosen_mode(compiled)
+        return chosen_mode(compiled)
 
     answer.chosen = chosen
     return answer

@@ -36,6 +36,7 @@ import torch
 
 import hoad
 from benchmarks import env, operators
+from benchmarks.operators import chosen_mode
 from benchmarks.reference import TORCH, MultiIndex, answer_fn, canonical, compare, jax_transforms, nested_blocks
 from benchmarks.timing import median, synchronize, time_calls
 from benchmarks.worker import PREFIX, summary
@@ -217,22 +218,9 @@ def hoad_answer(p: Problem, cf: hoad.Compiled, option: HoadOption, every_order: 
 
 def hoad_config(cf: hoad.Compiled, option: HoadOption) -> str:
     """The config label: backend/mode, then how per-sample blocks were obtained."""
-    config = f"{option.backend}/{_chosen_mode(cf)}"
+    config = f"{option.backend}/{chosen_mode(cf)}"
     config += {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
     return config + (", diagonal" if option.diagonal else "")
-
-
-def _chosen_mode(cf: hoad.Compiled) -> str:
-    """The mode asked for, and under "auto" the direction hoad chose (where its program says)."""
-    asked = cf.config.mode
-    try:
-        program = cf.graph.program
-    except hoad.HoadError:
-        return asked
-    chosen = getattr(program, "direction", None)
-    if not isinstance(chosen, str) or chosen == asked:
-        return asked
-    return f"{asked}→{chosen}"
 
 
 def per_sample_blocks(block: torch.Tensor, out_ndim: int, sample_ndim: int, order: int) -> torch.Tensor:

@@ -130,3 +130,11 @@ def compare(got: dict[MultiIndex, torch.Tensor], ref: dict[MultiIndex, torch.Ten
     if worst > limit:
         return Check(False, worst, f"max scaled error {worst:.1e}")
     return Check(True, worst)
+
+
+def reference_of(w, p, dtype: torch.dtype) -> dict:
+    """The float64 reference (nested torch.func) of ``w``'s problem ``p``: of a float64 twin of the
+    problem, on the same device, when the contenders compute in another dtype."""
+    if dtype != torch.float64:
+        p = w.make(torch.float64)
+    return reference(p) if isinstance(p, Problem) else p.reference()

@@ -13,7 +13,7 @@ import torch
 from benchmarks import operators, peers
 from benchmarks.fresh import run_fresh
 from benchmarks.peers import Outcome
-from benchmarks.reference import reference
+from benchmarks.reference import reference_of
 from benchmarks.timing import Budget, interleave
 from benchmarks.workloads import Problem, Workload
 
@@ -79,14 +79,6 @@ def step_memory(w: Workload, settings: Settings) -> dict[str, dict]:
         _progress(f"{reply.get('peak_mb', 0):.0f} MB, step {reply.get('step_s', 0) * 1e3:.1f} ms"
                   if reply.get("status") == "ok" else f"{reply.get('status')}: {reply.get('note', '')}")
     return out
-
-
-def reference_of(w: Workload, p, dtype: torch.dtype) -> dict:
-    """The float64 reference (nested torch.func) of ``w``'s problem ``p``: of a float64 twin of the
-    problem, on the same device, when the contenders compute in another dtype."""
-    if dtype != torch.float64:
-        p = w.make(torch.float64)
-    return reference(p) if isinstance(p, Problem) else p.reference()
 
 
 def measure(entries: list[tuple[object, dict]], budget: Budget) -> dict[str, Outcome]:

@@ -33,6 +33,7 @@ from hoad.source import locate
 from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
+from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import difference, generalize
 from hoad.passes.hoist import Prefix, hoist
@@ -229,7 +230,7 @@ def name_of(fn) -> str:
 
 
 def _differentiate(b: Build) -> Build:
-    where = lambda node: locate(b.fn, b.layout, b.tensors, node)  # noqa: E731
+    where = lambda node: locate(b.fn, b.layout, b.tensors, node, decomposed=decomposition_table())  # noqa: E731
     op = b.config.operator.inputs(b.layout) if b.config.operator is not None else None
     b.target = b.config.resolve_target()
     share = share_of(b.config.split_blocks) if b.config.split_blocks is not None else None
@@ -542,7 +543,8 @@ def _in_words(b: Build, differs: tuple | None, what: str) -> str | None:
     if differs is None:
         return None
     node, text = differs
-    where = locate(b.fn, b.layout, b.tensors, node) if node is not None and node.graph is b.captured.gm.graph else ""
+    where = (locate(b.fn, b.layout, b.tensors, node, decomposed=decomposition_table())
+             if node is not None and node.graph is b.captured.gm.graph else "")
     return f"in {what}, {text}{where}"
 
 

@@ -6,21 +6,23 @@ import linecache
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+
+
+# hoad's own code: the package, and passes/ beside it where the checkout is installed in place
+# (installed from a wheel, hoad.passes lies inside the package)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+HOAD_DIRECTORIES = (_PACKAGE, os.path.join(os.path.dirname(_PACKAGE), "passes"))
 
 
 def user_frame(tb=None) -> str | None:
     """The innermost traceback frame outside torch and hoad, as 'file:line: code' (of the stack
     being run when ``tb`` is None), followed by the torch module it called into, if any
     ('(in BatchNorm1d)')."""
-    import hoad
-    import hoad.passes
-
-    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), os.path.dirname(hoad.__file__),
-                                                os.path.dirname(hoad.passes.__file__)))
+    skip = tuple(os.path.join(d, "") for d in (os.path.dirname(torch.__file__), *HOAD_DIRECTORIES))
     found, module = None, None
     frames = traceback.walk_tb(tb) if tb is not None else reversed(list(traceback.walk_stack(None)))
     for frame, lineno in frames:
@@ -39,16 +41,19 @@ def user_frame(tb=None) -> str | None:
 
 
 def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node | None = None,
-           match: Callable | None = None) -> str:
+           match: Callable | None = None, decomposed: Mapping | None = None) -> str:
     """' at file:line: code' for the user's line that emitted ``node``, or '' when unknown.
 
     Re-runs the function eagerly on zeros under a dispatch mode that stops at the node's op the
     same number of times it occurs before ``node`` in the graph (or at the first op ``match``
-    accepts). Only called on the way to an error, so it costs nothing otherwise. An op that only
-    a decomposition made (unbind's slices) is not run eagerly: then ' near' the line of the
-    closest op around it that is (its users first, a few tries).
+    accepts), decomposing the ops the trace decomposed (``decomposed``: capture's table, so
+    that batch norm's sums are seen again). Only called on the way to an error, so it costs
+    nothing otherwise. An op that only a decomposition made (unbind's slices) is not run
+    eagerly: then ' near' the line of the closest op around it that is (its users first, a few
+    tries).
     """
-    found = _locate(fn, layout, tensors, node, match)
+    table = decomposed or {}
+    found = _locate(fn, layout, tensors, node, match, table)
     if found or node is None or match is not None:
         return found
     seen, frontier, tries = {node}, [node], 0
@@ -58,14 +63,14 @@ def locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node 
         frontier = [n for n in around if n.op == "call_function"]
         for near in frontier:
             tries += 1
-            found = _locate(fn, layout, tensors, near, None)
+            found = _locate(fn, layout, tensors, near, None, table)
             if found or tries >= 8:
                 return found.replace(" at ", " near ", 1)
     return ""
 
 
 def _locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node | None,
-            match: Callable | None) -> str:
+            match: Callable | None, table: Mapping) -> str:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     occurrence = 0
@@ -98,9 +103,6 @@ def _locate(fn: Callable, layout, tensors: Sequence[torch.Tensor], node: fx.Node
                     return out
             return func(*args, **(kwargs or {}))
 
-    from hoad.passes.decompositions import decomposition_table
-
-    table = decomposition_table()
     flat_fn = layout.flat(fn)
 
     fresh = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in tensors]

@@ -124,20 +124,20 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         shape = getattr(node.meta.get("val"), "shape", ())
         if any(isinstance(n, torch.SymInt) for n in shape):
             op = node.args[0] if node.target is operator.getitem else node  # (unique's values, counts)
-            where = locate(fn, layout, tensors, op)
+            where = locate(fn, layout, tensors, op, decomposed=decomposition_table())
             raise DataDependentControlFlowError(
                 f"a shape depends on tensor values ({op.target}){where}, e.g. boolean-mask indexing, nonzero() or "
                 "unique(); "
                 "one derivative program must serve every input value. Use torch.where(mask, x, 0) instead of x[mask]."
             )
         if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
-            where = locate(fn, layout, tensors, node)
+            where = locate(fn, layout, tensors, node, decomposed=decomposition_table())
             raise DataDependentControlFlowError(
                 f"the function reads a tensor value into Python (.item(), float(t), int(t)){where}; the derivative "
                 "program cannot follow values through Python numbers. Keep the computation in tensor ops."
             )
         if node.op == "call_function" and is_random(node.target):
-            where = locate(fn, layout, tensors, match=is_random)
+            where = locate(fn, layout, tensors, match=is_random, decomposed=decomposition_table())
             raise RandomnessError(
                 f"the function draws random numbers ({node.target}){where}; a derivative program must be "
                 "deterministic. Put modules in eval() mode (dropout), or pass the noise in as an argument."

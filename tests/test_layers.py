@@ -6,6 +6,7 @@ layer fails here, not in a review.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,22 +46,25 @@ def _modules():
         yield ".".join(("hoad", "passes") + (rel.parts[:-1] if rel.name == "__init__" else rel.parts)), path
 
 
-def _imports(path: Path) -> list[str]:
-    """Modules imported at module level (imports inside functions are deferred and may reach up)."""
+def _imports(path: Path, package: str = "hoad") -> list[str]:
+    """Modules of ``package`` the file imports, at module level or inside functions (a deferred
+    import is still a dependency: hoad/source.py reached up to hoad.passes from a function)."""
     names = []
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-    return [n for n in names if n == "hoad" or n.startswith("hoad.")]
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return [n for n in names if n == package or n.startswith(package + ".")]
 
 
 @pytest.mark.parametrize("module,path", list(_modules()), ids=lambda x: x if isinstance(x, str) else "")
 def test_imports_flow_one_way(module, path):
     own, level = _layer_of(module)
     for imported in _imports(path):
-        other, other_level = _layer_of(imported)
+        if imported != "hoad" and _module_of(imported, _known()) is None:
+            continue  # (a name imported from a module: its module is checked)
+        other, other_level = _layer_of(_module_of(imported, _known()) or imported)
         assert other_level <= level, f"{module} (layer {level}) imports {imported} (layer {other_level})"
         assert (own, other) not in APART, f"{module} imports {imported}"
 
@@ -70,3 +74,48 @@ def test_no_module_level_flags_steer_the_algebra():
     for path in (ROOT / "hoad" / "algebra").glob("*.py"):
         text = path.read_text()
         assert "ContextVar" not in text and "global " not in text, path.name
+
+
+@functools.cache
+def _known() -> dict[str, Path]:
+    """Every module of hoad (passes/ as hoad.passes) and of benchmarks/, by name."""
+    known = dict(_modules())
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        known[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    return known
+
+
+def _module_of(name: str, known: dict) -> str | None:
+    """The module ``name`` is, or is a name in (``hoad.passes.clean.cse`` -> ``hoad.passes.clean``)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports, deferred ones included: lowering.inductor and
+    kernels, rules.elementwise and multilinear, source and passes.decompositions, and two
+    groups of benchmarks/ modules did."""
+    known = _known()
+    graph = {}
+    for module, path in known.items():
+        package = "benchmarks" if module.startswith("benchmarks") else "hoad"
+        targets = {_module_of(n, known) for n in _imports(path, package)}
+        # (a package's __init__ re-exports its modules: importing it is not a dependency of them)
+        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])

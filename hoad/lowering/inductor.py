@@ -197,21 +197,16 @@ def gram(terms: list[tuple[torch.Tensor, list]], out: list, size: dict) -> torch
 
 
 # ------------------------------------------------------------------------------ the cache
-def cache_root() -> str:
-    """hoad's cache directory: ``$HOAD_CACHE_DIR``, by default ``~/.cache/hoad`` (kept across
-    reboots, unlike Inductor's own default under /tmp)."""
-    return os.environ.get("HOAD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hoad")
-
-
 def cache_dir() -> str:
     """Where Inductor's compiled programs persist across processes: ``TORCHINDUCTOR_CACHE_DIR``
-    when the user set it, else ``<cache_root>/inductor``. Reads, never writes, the environment."""
+    when the user set it, else ``<cache_root>/inductor`` (:func:`~hoad.lowering.kernels.cache_root`).
+    Reads, never writes, the environment."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is not None and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
         return current
-    return os.path.join(cache_root(), "inductor")
+    return os.path.join(kernels.cache_root(), "inductor")
 
 
 def use_cache_dir() -> str:

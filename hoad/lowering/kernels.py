@@ -91,9 +91,14 @@ _lock = threading.Lock()
 _mkl_avx512: bool | None = None  # mkl_avx512(), once read
 
 
-def _build_directory() -> str:
-    from hoad.lowering.inductor import cache_root
+def cache_root() -> str:
+    """hoad's cache directory: ``$HOAD_CACHE_DIR``, by default ``~/.cache/hoad`` (kept across
+    reboots, unlike Inductor's own default under /tmp): the kernels here, Inductor's programs
+    beside them (:func:`hoad.lowering.inductor.cache_dir`)."""
+    return os.environ.get("HOAD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hoad")
 
+
+def _build_directory() -> str:
     return os.path.join(cache_root(), "kernels")
 
 

@@ -679,36 +679,6 @@ def hypot_rule(ctx: Ctx, a, b):
     return chain(ctx, Jet(u, sum_blocks(*squares)), _power(ctx.max_order, u, ctx.out, 0.5))
 
 
-def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
-    """num / den, with den replaced by 1 where ``taken`` is false (no inf or NaN made there)."""
-    from hoad.rules.multilinear import div_rule
-
-    safe = Jet(torch.where(taken, den.primal, torch.ones_like(den.primal)), den.blocks, den.varies)
-    value = num.primal / safe.primal
-    return Jet(value, div_rule(ctx.inner(value), num, safe))
-
-
-@RULES.register(aten.atan2.default)
-def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
-    """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
-    (each differs from it by a constant where defined): one branch per entry, each ratio
-    formed only where it is taken. At the origin, where the angle is discontinuous, every
-    derivative is NaN: torch's 0 at order 1 made a smooth composite silently wrong (r² cos 2θ =
-    x² - y² had Hessian diag(2, 2) there, not diag(2, -2)). The blocks are returned uncontracted,
-    also as remainders."""
-    shape = tuple(ctx.out.shape)
-    a, b = broadcast(a, shape), broadcast(b, shape)
-    first = a.primal.abs() <= b.primal.abs()
-    plain = replace(ctx, adjoint=None)
-    branches = []
-    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
-        q = _ratio(ctx, num, den, taken)
-        d = atan(ctx.max_order, q.primal, q.primal.atan())
-        coeffs = Scaled([c * sign for c in d.coeffs], d.scale)
-        branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
-    return _select(plain, branches)
-
-
 def _copysign_coeff(a, out: torch.Tensor) -> torch.Tensor:
     """∂ copysign(a, b) / ∂a: +1 where a already has the output's sign, -1 where not, 0 at a = 0 (torch)."""
     va = _value(a)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hoad.algebra import Block, contract
 from hoad.errors import HoadInternalError
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
-from hoad.rules.combinators import broadcast, chain, leibniz, scaled
-from hoad.rules.elementwise import reciprocal
+from hoad.rules.combinators import Scaled, broadcast, chain, leibniz, scaled
+from hoad.rules.elementwise import atan, reciprocal
+from hoad.rules.linear import _select
 
 aten = torch.ops.aten
 RULES = RuleTable("multilinear")
@@ -200,3 +203,31 @@ def maximum_vjp(v, g: Block, a, b):
 def minimum_vjp(v, g: Block, a, b):
     va, vb = _value(a), _value(b)
     return _pick_vjp(v, g, a, b, (va < vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
+
+
+def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
+    """num / den, with den replaced by 1 where ``taken`` is false (no inf or NaN made there)."""
+    safe = Jet(torch.where(taken, den.primal, torch.ones_like(den.primal)), den.blocks, den.varies)
+    value = num.primal / safe.primal
+    return Jet(value, div_rule(ctx.inner(value), num, safe))
+
+
+@RULES.register(aten.atan2.default)
+def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
+    """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
+    (each differs from it by a constant where defined): one branch per entry, each ratio
+    formed only where it is taken. At the origin, where the angle is discontinuous, every
+    derivative is NaN: torch's 0 at order 1 made a smooth composite silently wrong (r² cos 2θ =
+    x² - y² had Hessian diag(2, 2) there, not diag(2, -2)). The blocks are returned uncontracted,
+    also as remainders."""
+    shape = tuple(ctx.out.shape)
+    a, b = broadcast(a, shape), broadcast(b, shape)
+    first = a.primal.abs() <= b.primal.abs()
+    plain = replace(ctx, adjoint=None)
+    branches = []
+    for (num, den, taken), sign in (((a, b, first), 1), ((b, a, ~first), -1)):
+        q = _ratio(ctx, num, den, taken)
+        d = atan(ctx.max_order, q.primal, q.primal.atan())
+        coeffs = Scaled([c * sign for c in d.coeffs], d.scale)
+        branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
+    return _select(plain, branches)
