@@ -47,7 +47,8 @@ class Entry:
         self.program = p = b.program
         self.run = b.run
         self.spec = ResultSpec(p.keys, p.zeros, wrt, aliases, p.slot_shapes, p.order, p.diagonal,
-                               Split(b.config.split_blocks, p.owners, p.rank) if p.owners else None)
+                               Split(b.config.split_blocks, p.owners, p.rank) if p.owners else None,
+                               b.captured.out_tree)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
         self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)

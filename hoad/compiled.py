@@ -19,7 +19,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hoad.derivatives import Derivatives
+from hoad.derivatives import Derivatives, each_output
 from hoad.distributed import LocalCall, data_parallel_wrappers, has_dtensors
 from hoad.errors import CaptureError, InvalidArgumentError
 from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names, _reachable
@@ -147,13 +147,13 @@ class Compiled(Rebuilt):
     def __call__(self, *args, **kwargs) -> Derivatives:
         if has_dtensors(args, kwargs):  # each rank's program on its local tensors (hoad.distributed)
             local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
-            return self(*local.args, **local.kwargs).mapped(local.wrap)
+            return each_output(self(*local.args, **local.kwargs), lambda r: r.mapped(local.wrap))
         n = self.config.chunk_size
         if n is not None and get_proxy_mode() is None:
             chunks = split(self, n, args, kwargs)
             if chunks is not None:
-                return joined(self, chunks)
-        return self._call(*args, **kwargs)
+                return joined(self, chunks).per_output()
+        return self._call(*args, **kwargs).per_output()
 
     def _call(self, *args, **kwargs) -> Derivatives:
         return self._call_entry(*args, **kwargs)[0]

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from hoad.distributed import Split
 from hoad.errors import InvalidArgumentError
@@ -15,11 +16,11 @@ from hoad.algebra.multiindex import MultiIndex
 class ResultSpec:
     """What every result of one compiled signature shares: built once, not per call."""
 
-    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order", "diagonal", "split")
+    __slots__ = ("keys", "zeros", "wrt", "aliases", "slot_shapes", "order", "diagonal", "split", "outputs")
 
     def __init__(self, keys: Sequence[MultiIndex], zeros: Sequence[MultiIndex], wrt: Sequence[Hashable],
                  aliases: Mapping[Hashable, int], slot_shapes: Sequence[tuple[int, ...]], order: int,
-                 diagonal: bool = False, split: Split | None = None):
+                 diagonal: bool = False, split: Split | None = None, outputs=None):
         self.keys = tuple(keys)
         self.zeros = frozenset(zeros)
         self.wrt = list(wrt)
@@ -28,6 +29,9 @@ class ResultSpec:
         self.order = order
         self.diagonal = diagonal
         self.split = split  # split_blocks: which rank holds each top-order block
+        # a function returning several tensors: how the joined output splits back
+        # (hoad.passes.capture.OutputTree; read by Derivatives.per_output)
+        self.outputs = outputs
 
     def result(self, outs) -> Derivatives:
         """Wrap a program's outputs ``(value, *blocks)``."""
@@ -71,6 +75,26 @@ class Derivatives(Mapping):
             return self
         blocks = split.gather(self._blocks, self._zero_shape, self.value, dst)
         return Derivatives(self.value, blocks, self._spec)
+
+    def per_output(self):
+        """For a function that returns several tensors (a tuple, list or dict, nested), one
+        result per tensor in the same structure, each with its own value and blocks; this result
+        itself for a function returning one tensor."""
+        tree = self._spec.outputs
+        if tree is None:
+            return self
+        spec = ResultSpec(self._spec.keys, self._spec.zeros, self._spec.wrt, self._spec.aliases,
+                          self._spec.slot_shapes, self._spec.order, self._spec.diagonal, self._spec.split)
+        axis, sizes = (1 if tree.batched else 0), tree.sizes()
+        values = self.value.split(sizes, dim=axis)
+        parts = {K: b.split(sizes, dim=axis) for K, b in self._blocks.items()}
+        results = []
+        for i, shape in enumerate(tree.shapes):
+            if tree.batched:  # (the samples of this call: a program serves every count, and chunks join)
+                shape = (self.value.shape[0],) + tuple(shape[1:])
+            blocks = {K: pieces[i].reshape(shape + tuple(pieces[i].shape[axis + 1:])) for K, pieces in parts.items()}
+            results.append(Derivatives(values[i].reshape(shape), blocks, spec))
+        return pytree.tree_unflatten(results, tree.treedef)
 
     def mapped(self, fn) -> Derivatives:
         """The same result with ``fn`` applied to the value and to every computed block."""
@@ -252,6 +276,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def each_output(results, fn):
+    """``fn`` applied to a call's result, or to each of its results where the function returned
+    several tensors (:meth:`Derivatives.per_output`), in their structure."""
+    if isinstance(results, Derivatives):
+        return fn(results)
+    return pytree.tree_map(fn, results, is_leaf=lambda r: isinstance(r, Derivatives))
 
 
 class KeyErrorWithHelp(KeyError, InvalidArgumentError):

@@ -24,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 import torch._dynamo
 
 from hoad.compiled import Compiled
+from hoad.derivatives import Derivatives
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body
 from hoad.options import GRAPH_BREAK, plain_int, refuse_unknown
 from hoad.errors import InvalidArgumentError
@@ -52,6 +54,15 @@ class OperatorResult:
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
         return f"OperatorResult({shapes})"
+
+
+def leafwise(fn: Callable, first, *rest):
+    """``fn`` of one result (``Derivatives`` or ``OperatorResult``), or of the corresponding results of
+    each tensor a function returns when it returns several (a tuple, list or dict), in their structure."""
+    def one(r) -> bool:
+        return isinstance(r, (Derivatives, OperatorResult))
+
+    return fn(first, *rest) if one(first) else pytree.tree_map(fn, first, *rest, is_leaf=one)
 
 
 def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
@@ -256,8 +267,10 @@ class Laplacian(_Operator):
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> OperatorResult:
-        res = self.compiled(*args, **self._extra(args, kwargs))
         x = self._point(args, kwargs)
+        return leafwise(lambda res: self._result(res, x), self.compiled(*args, **self._extra(args, kwargs)))
+
+    def _result(self, res, x: torch.Tensor) -> OperatorResult:
         # the two blocks by their canonical keys (res[wrt] and res[wrt, wrt] resolve and check
         # each key: ~10 us a call, a tenth of a Laplacian at one point)
         p = res._position(self.wrt)
@@ -392,7 +405,7 @@ class Biharmonic(_Method):
             inner = self.inner
 
             def laplacian_of_u(*args, **kwargs):
-                return inner(*args, **kwargs).laplacian
+                return leafwise(lambda r: r.laplacian, inner(*args, **kwargs))
 
             laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
             self.outer = Laplacian(laplacian_of_u, wrt, weights=weights, factor=factor, directions=directions,
@@ -415,15 +428,17 @@ class Biharmonic(_Method):
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> OperatorResult:
         if self.estimator == "gaussian":
-            lap, fourth = self.fourth(*args, **kwargs)
-            return OperatorResult(laplacian=lap, biharmonic=fourth / (3 * self.directions.shape[0]))
-        res = self.outer(*args, **kwargs)
+            S = self.directions.shape[0]
+            return leafwise(lambda r: OperatorResult(laplacian=r.laplacian, biharmonic=r.fourth / (3 * S)),
+                            self.fourth(*args, **kwargs))
+        outer = self.outer(*args, **kwargs)
         if self.estimator != "pairs":
-            return OperatorResult(laplacian=res.value, biharmonic=res.laplacian)
+            return leafwise(lambda r: OperatorResult(laplacian=r.value, biharmonic=r.laplacian), outer)
         s = _check_pairs(self.directions)
-        _, fourth = self.fourth(*args, **kwargs)
         # Σ_{s,t} T[v_s, v_s, v_t, v_t] (S² times the nested estimate) less its S terms s = t
-        return OperatorResult(laplacian=res.value, biharmonic=(s * s * res.laplacian - fourth) / (s * (s - 1)))
+        return leafwise(lambda r, f: OperatorResult(laplacian=r.value,
+                                                    biharmonic=(s * s * r.laplacian - f.fourth) / (s * (s - 1))),
+                        outer, self.fourth(*args, **kwargs))
 
 
 def _check_pairs(v: torch.Tensor) -> int:
@@ -449,13 +464,16 @@ class _FourthAlong(_Operator):
             self.weights = _unit_weights(self._given)
         return self._given, self.weights, "directions"
 
-    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        res = self.compiled(*args, **self._extra(args, kwargs))
+    def __call__(self, *args, **kwargs) -> OperatorResult:
+        """``.laplacian`` (the stochastic one) and ``.fourth`` (the collapsed fourth order)."""
+        return leafwise(self._result, self.compiled(*args, **self._extra(args, kwargs)))
+
+    def _result(self, res) -> OperatorResult:
         p = res._position(self.wrt)
         second = res._blocks.get((p, p))
         lap = torch.zeros_like(res.value) if second is None else second.mean(-1)
         fourth = res._blocks.get((p, p, p, p))
-        return lap, torch.zeros_like(res.value) if fourth is None else fourth
+        return OperatorResult(laplacian=lap, fourth=torch.zeros_like(res.value) if fourth is None else fourth)
 
 
 def _unit_weights(v: torch.Tensor) -> torch.Tensor:
@@ -487,8 +505,8 @@ class Taylor(_Operator):
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> TaylorResult:
-        res = self.compiled(*args, **self._extra(args, kwargs))
-        return TaylorResult(res, self.wrt, self.order)
+        return leafwise(lambda res: TaylorResult(res, self.wrt, self.order),
+                        self.compiled(*args, **self._extra(args, kwargs)))
 
 
 class TaylorResult:

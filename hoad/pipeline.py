@@ -162,7 +162,8 @@ def _capture(b: Build) -> Build:
         return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
 
     with untouched(b.roots) as rebound:
-        b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free)
+        b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free,
+                             batched=b.config.batch_dim is not None)
     b.tensors = list(b.tensors) + b.captured.free
     _check_stores(b, rebound)
     if b.config.batch_dim is not None:
@@ -527,7 +528,7 @@ def count_dependence(b: Build, count: int) -> str | None:
     tensors = [t.new_empty((count, *t.shape[1:])) if i in b.wrt_leaves else t for i, t in enumerate(b.tensors[:n_user])]
     try:
         with untouched(b.roots):
-            captured = capture(b.fn, b.layout, tensors, b.wrt_leaves)
+            captured = capture(b.fn, b.layout, tensors, b.wrt_leaves, batched=b.config.batch_dim is not None)
         _settle(captured, b.config)  # (as the program it is compared with: a (B, N, d) product unmerged)
     except HoadError as e:
         return f"the function fails at {count} samples ({first_line(e)})"

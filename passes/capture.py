@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -39,6 +40,49 @@ aten = torch.ops.aten
 
 # ------------------------------------------------------------------------------------ capture
 @dataclass
+class OutputTree:
+    """A function that returns several tensors (a tuple, list or dict of them, nested): the
+    program's one output joins their entries along one axis (after the samples' under
+    ``batch_dim``), and each result splits back along it (:meth:`hoad.derivatives.Derivatives.per_output`)."""
+
+    treedef: pytree.TreeSpec
+    shapes: tuple[tuple[int, ...], ...]   # each output's shape, samples included
+    batched: bool                         # joined per sample: along dim 1
+
+    def sizes(self) -> list[int]:
+        """Each output's entries along the joined axis."""
+        return [_numel(shape[1:] if self.batched else shape) for shape in self.shapes]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _joined(out, batched: bool, tree: list):
+    """The function's output as one tensor: itself, or several tensors' entries joined (their tree
+    appended to ``tree``). Anything else is left for the output check to name."""
+    if isinstance(out, torch.Tensor):
+        return out
+    leaves, treedef = pytree.tree_flatten(out)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves) or treedef.num_nodes == 1:
+        return out
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in leaves})
+    if len(dtypes) > 1:
+        raise OutputError(f"the function returns several tensors of different dtypes ({', '.join(dtypes)}); hoad "
+                          "differentiates them in one program: give them one dtype")
+    if batched and (any(t.ndim == 0 for t in leaves) or len({t.shape[0] for t in leaves}) > 1):
+        raise OutputError("under batch_dim=0 every tensor the function returns holds its samples along dim 0; got "
+                          f"shapes {[tuple(t.shape) for t in leaves]}")
+    tree.append(OutputTree(treedef, tuple(tuple(t.shape) for t in leaves), batched))
+    if batched:
+        return torch.cat([t.reshape(t.shape[0], -1) for t in leaves], dim=1)
+    return torch.cat([t.reshape(-1) for t in leaves])
+
+
+@dataclass
 class Captured:
     """A traced primal program and how the call's arguments map onto its placeholders."""
 
@@ -55,17 +99,25 @@ class Captured:
     values: list = field(default_factory=list)
     # the DistributedDataParallel modules the function calls (traced as the modules they wrap)
     ddp: list = field(default_factory=list)
+    # a function returning several tensors: the program returns them joined (OutputTree)
+    out_tree: OutputTree | None = None
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
-            name_free: Callable[[list[torch.Tensor]], list[str]] | None = None) -> Captured:
+            name_free: Callable[[list[torch.Tensor]], list[str]] | None = None, batched: bool = False) -> Captured:
     """Trace ``fn`` called with ``tensors`` placed into ``layout`` to an ATen GraphModule.
 
     Tensors the function reaches without receiving them become placeholders after the call's own
-    (``Captured.free``, named by ``name_free``), so the program reads them at every call.
+    (``Captured.free``, named by ``name_free``), so the program reads them at every call. Several
+    tensors returned (a tuple, list or dict) are joined into one output (:class:`OutputTree`; per
+    sample when ``batched``).
     """
 
-    flat_fn = layout.flat(fn)
+    call = layout.flat(fn)
+    tree: list[OutputTree] = []
+
+    def flat_fn(*ts):
+        return _joined(call(*ts), batched, tree)
 
     # fresh storage per leaf, so one tensor passed twice still gives two independent inputs
     fresh = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
@@ -116,7 +168,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         raise OutputError(
             f"the function must return a single tensor, got "
             f"{type(val).__name__ if val is not None else _describe(out)}; "
-            "to differentiate several outputs, stack them into one tensor or compile one function per output"
+            "several tensors may come as a tuple, list or dict of them"
         )
     if not val.dtype.is_floating_point:
         raise OutputError(f"the function's output has dtype {val.dtype}; derivatives need a floating-point output")
@@ -158,7 +210,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 "BatchNorm(momentum=None) does in training mode with num_batches_tracked); the program would keep "
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
     return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before,
-                    values=list(VALUE_READS), ddp=list(dict.fromkeys(ddp)))
+                    values=list(VALUE_READS), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:

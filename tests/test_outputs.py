@@ -1,0 +1,138 @@
+"""Functions that return several tensors (a tuple, list or dict of them, nested): one program
+for all of them, and one result per tensor in the function's own structure. A Navier-Stokes
+PINN returns (u, v, p)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import hessian, jacfwd, jacrev, vmap
+
+import hoad
+from helpers import assert_close, rand
+
+DT = torch.float64
+
+
+def _net():
+    torch.manual_seed(44)
+    return nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 3)).to(DT)
+
+
+NET = _net()
+
+
+def uvp(P):
+    out = NET(P)
+    return out[..., 0], out[..., 1], out[..., 2]
+
+
+def one(i):
+    return lambda p: NET(p)[..., i]
+
+
+def _laplacian(f):
+    return lambda p: hessian(f)(p).diagonal().sum()
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_per_sample_tuple_outputs_against_each_output_alone(backend):
+    cf = hoad.compile(uvp, order=2, batch_dim=0, backend=backend)
+    for count in (6, 9, 4):  # (then one program for every count: each output's shape follows the call)
+        P = rand(count, 2, seed=count)
+        res = cf(P)
+        assert isinstance(res, tuple) and len(res) == 3
+        for i, r in enumerate(res):
+            assert isinstance(r, hoad.Derivatives)
+            assert_close(r.value, NET(P)[:, i], f"value {i} at {count} samples")
+            assert_close(r[0], vmap(jacrev(one(i)))(P), f"gradient {i}")
+            assert_close(r[0, 0], vmap(hessian(one(i)))(P), f"Hessian {i}")
+    assert any(e.build.stats.get("any_samples") for e in cf._cache.values())
+
+
+def test_nested_dict_outputs_with_two_inputs_at_order_3():
+    """A dict holding a tuple, outputs of different shapes, mixed blocks of two inputs."""
+    x, w = rand(3, seed=2), rand(3, 2, seed=3)
+
+    def f(x, w):
+        h = torch.tanh(x @ w)
+        return {"energy": h.pow(2).sum(), "parts": (h * 2, x.sin() * w.sum())}
+
+    res = hoad.compile(f, order=3, wrt=(0, 1))(x, w)
+    assert set(res) == {"energy", "parts"} and isinstance(res["parts"], tuple)
+    leaves = {"energy": lambda x, w: f(x, w)["energy"], "parts0": lambda x, w: f(x, w)["parts"][0],
+              "parts1": lambda x, w: f(x, w)["parts"][1]}
+    got = {"energy": res["energy"], "parts0": res["parts"][0], "parts1": res["parts"][1]}
+    for name, g in leaves.items():
+        assert_close(got[name].value, g(x, w), f"{name} value")
+        assert_close(got[name][0, 1], jacfwd(jacrev(g, argnums=0), argnums=1)(x, w), f"{name} ∂²/∂x∂w")
+        assert_close(got[name][1, 0, 0], jacfwd(jacfwd(jacrev(g, argnums=1), argnums=0), argnums=0)(x, w),
+                     f"{name} order 3")
+
+
+def test_a_list_output_keeps_its_type_and_the_program_is_one():
+    x = rand(4, seed=4)
+    cf = hoad.compile(lambda x: [x.sin().sum(), x.exp()], order=2)
+    res = cf(x)
+    assert isinstance(res, list) and res[1].value.shape == (4,)
+    assert_close(res[1][0, 0], jacfwd(jacrev(torch.exp))(x), "exp's second derivatives")
+    assert len({id(e) for e in cf._cache.values()}) == 1
+
+
+@pytest.mark.parametrize("estimator", [None, "pairs", "gaussian"])
+def test_operators_give_one_result_per_output(estimator):
+    P = rand(4, 2, seed=5)
+    if estimator is None:
+        lap = hoad.laplacian(uvp, batch_dim=0)(P)
+        bih = hoad.biharmonic(uvp, batch_dim=0)(P)
+        for i in range(3):
+            assert_close(lap[i].laplacian, vmap(_laplacian(one(i)))(P), f"Δu of output {i}")
+            assert_close(lap[i].gradient, vmap(jacrev(one(i)))(P), f"∇u of output {i}")
+            assert_close(bih[i].biharmonic, vmap(_laplacian(_laplacian(one(i))))(P), f"Δ²u of output {i}")
+        return
+    V = rand(3, 2, seed=6)
+    bih = hoad.biharmonic(uvp, batch_dim=0, directions=V, estimator=estimator)(P)
+    for i in (0, 2):
+        alone = hoad.biharmonic(one(i), batch_dim=0, directions=V, estimator=estimator)(P)
+        assert_close(bih[i].biharmonic, alone.biharmonic, f"{estimator} estimate of output {i}")
+        assert_close(bih[i].laplacian, alone.laplacian, f"{estimator} Laplacian of output {i}")
+
+
+def test_taylor_per_output():
+    P, V = rand(4, 2, seed=7), rand(3, 2, seed=8)
+    jets = hoad.taylor(uvp, order=3, directions=V, batch_dim=0)(P)
+    for i in range(3):
+        alone = hoad.taylor(one(i), order=3, directions=V, batch_dim=0)(P)
+        assert_close(jets[i].derivatives, alone.derivatives, f"output {i}")
+
+
+def test_training_through_several_outputs():
+    """A residual over (u, v, p) trains every parameter: gradients as with each output's own
+    operator (one program against three)."""
+    P = rand(8, 2, seed=9)
+    lap = hoad.laplacian(uvp, batch_dim=0)
+    loss = sum((r.laplacian + r.value).pow(2).mean() for r in lap(P))
+    got = torch.autograd.grad(loss, list(NET.parameters()))
+    want_loss = sum((hoad.laplacian(one(i), batch_dim=0)(P).laplacian + NET(P)[:, i]).pow(2).mean() for i in range(3))
+    want = torch.autograd.grad(want_loss, list(NET.parameters()))
+    for g, h in zip(got, want):
+        assert_close(g, h, "parameter gradient")
+
+
+def test_chunks_join_each_output():
+    P = rand(10, 2, seed=10)
+    whole = hoad.compile(uvp, order=2, batch_dim=0)(P)
+    chunked = hoad.compile(uvp, order=2, batch_dim=0, chunk_size=4)(P)
+    for a, b in zip(whole, chunked):
+        assert_close(b[0, 0], a[0, 0], "chunked Hessians")
+
+
+@pytest.mark.parametrize("f,options,fragment", [
+    (lambda x: (x.sin().sum(), x.float().cos().sum()), {}, "different dtypes (float32, float64)"),
+    (lambda X: (X.sin().sum(), X.cos()), {"batch_dim": 0}, "holds its samples along dim 0"),
+    (lambda x: (x.sin().sum(), "label"), {}, "several tensors may come as a tuple, list or dict"),
+])
+def test_outputs_that_cannot_be_joined_are_refused(f, options, fragment):
+    with pytest.raises(hoad.OutputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        hoad.compile(f, order=1, **options)(rand(4, 2, seed=11) if options else rand(3, seed=11))
