@@ -84,6 +84,7 @@ def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
             pass
     wrapped.__name__ = getattr(u, "__name__", type(u).__name__)
     wrapped.__qualname__ = getattr(u, "__qualname__", wrapped.__name__)
+    wrapped.__wrapped__ = u  # (the user's function, for hoad.compiled's count of remade operators)
     return wrapped
 
 
