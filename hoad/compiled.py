@@ -413,8 +413,9 @@ class Compiled(Rebuilt):
         target = self._stateful if stateful else self.fn
         layout, tensors = bind_layout(target, args, kwargs, state=stateful, names=self._positional)
         user_args = args[1:] if stateful else args
-        wrt = self._expanded_wrt()
-        wrt_leaves = [self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
+        wrt, inside = self._expanded_containers(self._expanded_wrt(), args, kwargs, stateful)
+        wrt_leaves = [inside[w] if isinstance(w, str) and w in inside
+                      else self._resolve_wrt(w, layout, user_args, kwargs) for w in wrt]
         if len(set(wrt_leaves)) != len(wrt_leaves):
             raise InvalidArgumentError(f"wrt={self.wrt!r} names the same input twice (e.g. by position and by name)")
         for name, t in zip(layout.names, tensors):
@@ -495,6 +496,39 @@ class Compiled(Rebuilt):
                 raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function{nor}; "
                                            f"valid names are {known}")
 
+    def _expanded_containers(self, wrt: tuple, args: tuple, kwargs: dict, stateful: bool) -> tuple[tuple, dict]:
+        """wrt with each entry that names a tuple, list or dict argument replaced by that
+        argument's tensors, each named by its path (``"batch['u']"``, ``"pair[0]"``), and the
+        tensor-leaf index of each such path."""
+        flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+        tensor_paths = [path for path, leaf in flat if isinstance(leaf, torch.Tensor)]
+        user_args = args[1:] if stateful else args
+        out, inside = [], {}
+        for w in wrt:
+            if isinstance(w, int) and w < len(user_args):
+                prefix, value, name = (pytree.SequenceKey(0), pytree.SequenceKey(w + stateful)), user_args[w], \
+                    (self._positional[w] if w < len(self._positional) else f"arg{w}")
+            elif isinstance(w, str) and w in kwargs:
+                prefix, value, name = (pytree.SequenceKey(1), pytree.MappingKey(w)), kwargs[w], w
+            elif isinstance(w, str) and w in self._positional and self._positional.index(w) < len(user_args):
+                i = self._positional.index(w)
+                prefix, value, name = (pytree.SequenceKey(0), pytree.SequenceKey(i + stateful)), user_args[i], w
+            else:
+                out.append(w)
+                continue
+            if isinstance(value, torch.Tensor) or not isinstance(value, (tuple, list, dict)):
+                out.append(w)
+                continue
+            for leaf, path in enumerate(tensor_paths):
+                if path[:2] == prefix:
+                    key = name + pytree.keystr(path[2:])
+                    inside[key] = leaf
+                    out.append(key)
+            if not any(path[:2] == prefix for path in tensor_paths):
+                raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__} holding no tensor; hoad "
+                                           "differentiates with respect to tensors")
+        return tuple(out), inside
+
     def _resolve_wrt(self, w, layout: CallLayout, args: tuple, kwargs: dict) -> int:
         """The tensor-leaf index of wrt entry ``w`` in this call (``args`` without the state)."""
         if isinstance(w, int):
@@ -529,6 +563,8 @@ class Compiled(Rebuilt):
         for pos, (w, leaf) in enumerate(zip(wrt, wrt_leaves)):
             aliases[w] = pos
             place = layout.places[leaf]
+            if place is None:  # (a tensor inside a container argument: named by its path alone)
+                continue
             if isinstance(place, Positional):
                 aliases.setdefault(place.index, pos)
                 if place.index < len(self._positional):

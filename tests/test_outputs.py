@@ -1,6 +1,7 @@
-"""Functions that return several tensors (a tuple, list or dict of them, nested): one program
-for all of them, and one result per tensor in the function's own structure. A Navier-Stokes
-PINN returns (u, v, p)."""
+"""Containers: functions that return several tensors (a tuple, list or dict of them, nested),
+one program for all of them and one result per tensor in the function's own structure (a
+Navier-Stokes PINN returns (u, v, p)); and wrt entries that name a container argument, each of
+its tensors then a wrt entry named by its path."""
 
 from __future__ import annotations
 
@@ -136,3 +137,40 @@ def test_chunks_join_each_output():
 def test_outputs_that_cannot_be_joined_are_refused(f, options, fragment):
     with pytest.raises(hoad.OutputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         hoad.compile(f, order=1, **options)(rand(4, 2, seed=11) if options else rand(3, seed=11))
+
+
+# ------------------------------------------------------------------------- container inputs
+def _with_batch(x, batch):
+    return (batch["u"] * x.sin()).sum() + (batch["v"] ** 2).sum() * x.cos().sum() + batch["w"]["deep"].exp().sum()
+
+
+@pytest.mark.parametrize("wrt", [(0, "batch"), (0, 1)])
+def test_a_dict_argument_in_wrt_is_each_of_its_tensors(wrt):
+    """wrt naming a dict raised "wrt input 1 is a dict"; each tensor in it is now an entry named
+    by its path, against torch.func's dict-shaped derivatives."""
+    x = rand(3, seed=20)
+    batch = {"u": rand(3, seed=21), "v": rand(2, seed=22), "w": {"deep": rand(2, seed=23)}}
+    res = hoad.compile(_with_batch, order=3, wrt=wrt)(x, batch)
+    assert list(res.wrt) == [0, "batch['u']", "batch['v']", "batch['w']['deep']"]
+    h = jacfwd(jacrev(_with_batch, argnums=1), argnums=1)(x, batch)
+    assert_close(res["batch['u']", "batch['v']"], h["u"]["v"], "∂²/∂u∂v")
+    assert_close(res["batch['w']['deep']", "batch['w']['deep']"], h["w"]["deep"]["w"]["deep"], "the nested tensor")
+    mixed = jacfwd(jacrev(_with_batch, argnums=0), argnums=1)(x, batch)
+    assert_close(res["x", "batch['v']"], mixed["v"], "with the plain input")
+    third = jacfwd(jacfwd(jacrev(_with_batch, argnums=1), argnums=1), argnums=0)(x, batch)
+    assert_close(res["batch['u']", "batch['u']", 0], third["u"]["u"], "order 3")
+    assert res.flat().shape == (10, 10), "every entry along one flat axis"
+
+
+def test_a_tuple_argument_per_sample():
+    X, Y = rand(5, 2, seed=24), rand(5, 2, seed=25)
+    f = lambda pair: (pair[0].sin() * pair[1]).sum(-1) + pair[1].pow(3).sum(-1)  # noqa: E731
+    res = hoad.compile(f, order=2, wrt="pair", batch_dim=0)((X, Y))
+    assert list(res.wrt) == ["pair[0]", "pair[1]"]
+    g = lambda x, y: (x.sin() * y).sum() + y.pow(3).sum()  # noqa: E731
+    assert_close(res["pair[0]", "pair[1]"], vmap(jacfwd(jacrev(g, argnums=0), argnums=1))(X, Y), "per sample")
+
+
+def test_a_container_without_tensors_is_refused():
+    with pytest.raises(hoad.InvalidArgumentError, match="holding no tensor"):
+        hoad.compile(lambda x, opts: x.sin().sum() * opts["k"], order=1, wrt="opts")(rand(3, seed=26), {"k": 2.0})
