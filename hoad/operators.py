@@ -154,26 +154,7 @@ class _Operator(_Method):
         return self.compiled.explain(*args, **self._extra(args, kwargs))
 
     def _point(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        if isinstance(self.wrt, int):
-            if self.wrt < len(args):
-                x = args[self.wrt]
-            else:  # the wrt-th parameter, passed by name
-                sig = _signature(self.u)
-                names = list(sig.parameters) if sig is not None else []
-                x = kwargs.get(names[self.wrt]) if self.wrt < len(names) else None
-                if x is None:
-                    raise InvalidArgumentError(f"wrt={self.wrt} but the call passes {len(args)} positional arguments "
-                                               "and not that parameter by name")
-        else:
-            x = kwargs.get(self.wrt)
-            if x is None:
-                sig = _signature(self.u)
-                names = list(sig.parameters) if sig is not None else []
-                x = args[names.index(self.wrt)] if self.wrt in names and names.index(self.wrt) < len(args) else None
-        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-            got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-            raise InvalidArgumentError(f"the operator's input {self.wrt!r} must be a floating-point tensor, got {got}")
-        return x
+        return _point_of(self.u, self.wrt, args, kwargs)
 
     def _operator_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
         """The directions (S, ...) and collapse weights (S,) of this call, and the argument they
@@ -334,6 +315,30 @@ def _check_symmetric(c: torch.Tensor) -> None:
     if not torch.allclose(c, c.mT, rtol=rtol, atol=rtol * 1e-2 * float(c.abs().max().clamp_min(1))):
         raise InvalidArgumentError("weights=C must be symmetric (tr(C ∇²u) only sees its symmetric part: "
                                    "pass (C + C.T) / 2); for C = L Lᵀ pass factor=L")
+
+
+def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The operator's input ``wrt`` in a call of ``u``."""
+    if isinstance(wrt, int):
+        if wrt < len(args):
+            x = args[wrt]
+        else:  # the wrt-th parameter, passed by name
+            sig = _signature(u)
+            names = list(sig.parameters) if sig is not None else []
+            x = kwargs.get(names[wrt]) if wrt < len(names) else None
+            if x is None:
+                raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
+                                           "and not that parameter by name")
+    else:
+        x = kwargs.get(wrt)
+        if x is None:
+            sig = _signature(u)
+            names = list(sig.parameters) if sig is not None else []
+            x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
+    return x
 
 
 def _directions(v: torch.Tensor) -> torch.Tensor:
@@ -555,6 +560,87 @@ class TaylorResult:
         return f"TaylorResult(order={self.order}, shapes={[tuple(self[k].shape) for k in range(self.order + 1)]})"
 
 
+DISTRIBUTIONS = ("normal", "rademacher")  # of randomization=(distribution, S), as torch-jet names them
+
+
+class Resampled:
+    """A randomized operator that draws new directions at every call: ``randomization=(kind, S)``
+    with ``kind`` "normal" or "rademacher" (torch-jet's), from ``generator`` (the points' device's
+    default one when None). The directions V (S, *x) are made at the first call, on the points'
+    device and dtype, and written in place before every call; the operator reads V at every call,
+    so its program is built once. A seeded generator makes the sequence of results reproducible.
+    The same V serves every sample of a call (``batch_dim=0``)."""
+
+    def __init__(self, u: Callable, wrt, batch_dim, randomization, generator, make: Callable):
+        kind, count = _randomization(randomization)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InvalidArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
+        self.kind, self.count, self.generator, self._make = kind, count, generator, make
+        self.operator = None
+        self.directions: torch.Tensor | None = None
+
+    def resample(self, x: torch.Tensor) -> torch.Tensor:
+        """New directions for a call at points ``x``, written into V."""
+        point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
+        g = self.generator
+        if g is not None and g.device.type != x.device.type:
+            raise InvalidArgumentError(f"generator is on {g.device} and the points on {x.device}: draw on the "
+                                       f"points' device (torch.Generator(device={str(x.device)!r}))")
+        new = self.directions is None or tuple(self.directions.shape[1:]) != point or self.directions.device != x.device
+        if new:  # (a new shape of points: a new operator over new directions)
+            self.directions = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            if self.kind == "normal":
+                self.directions.normal_(generator=g)
+            else:
+                self.directions.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
+        if new:
+            self.operator = self._make(self.directions)
+        return self.directions
+
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
+    def __call__(self, *args, **kwargs):
+        self.resample(_point_of(self.u, self.wrt, args, kwargs))
+        return self.operator(*args, **kwargs)
+
+    @property
+    def graph(self):
+        if self.operator is None:
+            raise InvalidArgumentError("call the operator once before asking for its graph")
+        return self.operator.graph
+
+    def __repr__(self) -> str:
+        name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
+        return f"<hoad randomized operator of {name}: {self.kind}, S={self.count}>"
+
+
+def _randomization(randomization) -> tuple[str, int]:
+    if (not isinstance(randomization, (tuple, list)) or len(randomization) != 2
+            or randomization[0] not in DISTRIBUTIONS or isinstance(randomization[1], bool)
+            or not isinstance(randomization[1], int) or randomization[1] < 1):
+        raise InvalidArgumentError(f"randomization must be (distribution, S) with a distribution in {DISTRIBUTIONS} "
+                                   f"and S >= 1 directions drawn per call, got {randomization!r}")
+    return randomization[0], randomization[1]
+
+
+def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: dict, make: Callable):
+    """``u``'s operator that draws its directions at every call, or None when not asked to."""
+    if randomization is None:
+        if generator is not None:
+            raise InvalidArgumentError(f"{name}: generator= draws the directions of randomization=(kind, S); "
+                                       "pass randomization too")
+        return None
+    clash = [k for k, v in given.items() if v is not None]
+    if clash:
+        raise InvalidArgumentError(f"{name}: randomization= draws its own directions; it cannot be combined with "
+                                   f"{', '.join(f'{k}=' for k in clash)}")
+    if in_class_body(u):
+        raise InvalidArgumentError(f"{name}(randomization=...) on a method: build the operator over the bound "
+                                   "method instead (self.lap = hoad.laplacian(self.u, randomization=...) in __init__)")
+    return Resampled(u, wrt, batch_dim, randomization, generator, make)
+
+
 # the options of hoad.laplacian and hoad.biharmonic (after u)
 _OPTIONS = ["wrt", "batch_dim", "weights", "factor", "directions", "backend", "mode", "chunk_size", "memory_budget"]
 
@@ -562,6 +648,7 @@ _OPTIONS = ["wrt", "batch_dim", "weights", "factor", "directions", "backend", "m
 def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
               factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, backend: str | None = None,
               mode: str = "auto", chunk_size: int | None = None, memory_budget: float | None = None,
+              randomization: tuple | None = None, generator: torch.Generator | None = None,
               **unknown) -> Laplacian:
     """The Laplacian Δu = Σ_i ∂²u/∂x_i² of ``u`` with respect to input ``wrt``, computed collapsed.
 
@@ -574,14 +661,22 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
     differentiable (train through it); ``.gradient`` is ∇u (None for ``factor`` and
     ``directions``, where ``.directional`` holds the derivatives along each direction).
     ``chunk_size`` and ``memory_budget`` mean what they mean for :func:`hoad.compile`.
+    ``randomization=("normal" | "rademacher", S)`` draws S new directions at every call (from
+    ``generator``, seeded for a reproducible sequence) for the stochastic estimate, with one
+    program for every draw (:class:`Resampled`).
     """
-    refuse_unknown("hoad.laplacian", unknown, _OPTIONS)
+    refuse_unknown("hoad.laplacian", unknown, _OPTIONS + ["randomization", "generator"])
     if u is None:  # @hoad.laplacian(batch_dim=0)
         return lambda u: laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
                                    directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
-                                   memory_budget=memory_budget)
-    return Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                     backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+                                   memory_budget=memory_budget, randomization=randomization, generator=generator)
+    options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    resampled = _randomized("hoad.laplacian", u, wrt, batch_dim, randomization, generator,
+                            {"weights": weights, "factor": factor, "directions": directions},
+                            lambda V: Laplacian(u, wrt, directions=V, **options))
+    if resampled is not None:
+        return resampled
+    return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, **options)
 
 
 def taylor(u: Callable | None = None, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
@@ -605,7 +700,8 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
 def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None, weights: torch.Tensor | None = None,
                factor: torch.Tensor | None = None, directions: torch.Tensor | None = None, estimator: str | None = None,
                backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
-               memory_budget: float | None = None, **unknown) -> Biharmonic:
+               memory_budget: float | None = None, randomization: tuple | None = None,
+               generator: torch.Generator | None = None, **unknown) -> Biharmonic:
     """The biharmonic Δ²u = Σ_ij ∂⁴u/∂x_i²∂x_j² of ``u`` (``.biharmonic``; ``.laplacian`` is Δu).
 
     ``weights=C`` and ``factor=L`` mean what they mean for :func:`laplacian`, applied twice:
@@ -614,12 +710,22 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
     ``"pairs"`` (default, unbiased for independent directions with E[v vᵀ] = I),
     ``"gaussian"`` (torch-jet's (1/(3S)) Σ_s ∂⁴u[v_s⁴], unbiased for Gaussian directions only) or
     ``"nested"`` (the stochastic Laplacian applied twice, biased by (1 + 2/S) for Gaussian
-    directions); :class:`Biharmonic` gives each one's formula and mean."""
-    refuse_unknown("hoad.biharmonic", unknown, _OPTIONS + ["estimator"])
+    directions); :class:`Biharmonic` gives each one's formula and mean. ``randomization=`` and
+    ``generator=`` draw new directions at every call, as for :func:`laplacian`."""
+    refuse_unknown("hoad.biharmonic", unknown, _OPTIONS + ["estimator", "randomization", "generator"])
     if u is None:  # @hoad.biharmonic(batch_dim=0)
         return lambda u: biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
                                     directions=directions, estimator=estimator, backend=backend, mode=mode,
-                                    chunk_size=chunk_size, memory_budget=memory_budget)
-    return Biharmonic(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                      estimator=estimator, backend=backend, mode=mode, chunk_size=chunk_size,
-                      memory_budget=memory_budget)
+                                    chunk_size=chunk_size, memory_budget=memory_budget, randomization=randomization,
+                                    generator=generator)
+    options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    if randomization is not None and estimator == "pairs" or (estimator is None and randomization is not None):
+        if _randomization(randomization)[1] < 2:
+            raise InvalidArgumentError("estimator='pairs' averages over pairs of distinct directions and needs "
+                                       f"S >= 2, got randomization={randomization!r}")
+    resampled = _randomized("hoad.biharmonic", u, wrt, batch_dim, randomization, generator,
+                            {"weights": weights, "factor": factor, "directions": directions},
+                            lambda V: Biharmonic(u, wrt, directions=V, estimator=estimator, **options))
+    if resampled is not None:
+        return resampled
+    return Biharmonic(u, wrt, weights=weights, factor=factor, directions=directions, estimator=estimator, **options)

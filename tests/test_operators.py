@@ -668,3 +668,52 @@ def test_an_operator_remade_at_every_step_says_so(caplog):
         for n in nets:
             hoad.laplacian((lambda m: lambda X: m(X).squeeze(-1))(n), batch_dim=0)(P)
     assert "separate hoad.compile" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["normal", "rademacher"])
+def test_randomization_draws_new_directions_at_every_call(kind):
+    """torch-jet's randomization=(distribution, S): new directions per call, inside one program
+    (a new operator per step compiled again). Unbiased: the mean over 400 draws is within 5
+    standard errors of the exact Laplacian; a seeded generator repeats the sequence."""
+    torch.manual_seed(46)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    P = rand(6, 3, seed=46)
+    exact = hoad.laplacian(u, batch_dim=0)(P).laplacian
+    op = hoad.laplacian(u, batch_dim=0, randomization=(kind, 4), generator=torch.Generator().manual_seed(7))
+    draws = torch.stack([op(P).laplacian for _ in range(400)])
+    z = (draws.mean(0) - exact) / (draws.std(0) / 20)
+    assert z.abs().max() < 5, z
+    assert len({id(e) for e in op.operator.compiled._cache.values()}) == 1, "one program for every draw"
+    again = hoad.laplacian(u, batch_dim=0, randomization=(kind, 4), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(again(P).laplacian, draws[0]) and torch.equal(again(P).laplacian, draws[1])
+    assert not torch.equal(draws[0], draws[1])
+    if kind == "rademacher":
+        assert set(op.directions.unique().tolist()) <= {-1.0, 1.0}
+
+
+def test_a_randomized_biharmonic_is_unbiased_and_trains():
+    torch.manual_seed(47)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    P = rand(4, 2, seed=47)
+    exact = hoad.biharmonic(u, batch_dim=0)(P).biharmonic
+    op = hoad.biharmonic(u, batch_dim=0, randomization=("normal", 3), generator=torch.Generator().manual_seed(8))
+    draws = torch.stack([op(P).biharmonic.detach() for _ in range(300)])
+    z = (draws.mean(0) - exact.detach()) / (draws.std(0) / 300 ** 0.5)
+    assert z.abs().max() < 5, z
+    op(P).biharmonic.pow(2).sum().backward()  # (the last bias shifts u alone: no gradient reaches it)
+    assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("call,fragment", [
+    (lambda u: hoad.laplacian(u, randomization=("uniform", 4)), "randomization must be"),
+    (lambda u: hoad.laplacian(u, randomization=("normal", 0)), "randomization must be"),
+    (lambda u: hoad.laplacian(u, randomization=("normal", 2), directions=rand(2, 3)), "cannot be combined with"),
+    (lambda u: hoad.laplacian(u, generator=torch.Generator()), "pass randomization too"),
+    (lambda u: hoad.biharmonic(u, randomization=("normal", 1)), "needs S >= 2"),
+    (lambda u: hoad.laplacian(u, randomization=("normal", 2), generator=3), "must be a torch.Generator"),
+])
+def test_bad_randomization_is_refused(call, fragment):
+    with pytest.raises(hoad.InvalidArgumentError, match=fragment):
+        call(lambda x: x.sin().sum())
