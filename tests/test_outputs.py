@@ -37,7 +37,7 @@ def _laplacian(f):
     return lambda p: hessian(f)(p).diagonal().sum()
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow])])
 def test_per_sample_tuple_outputs_against_each_output_alone(backend):
     cf = hoad.compile(uvp, order=2, batch_dim=0, backend=backend)
     for count in (6, 9, 4):  # (then one program for every count: each output's shape follows the call)
