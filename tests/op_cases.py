@@ -207,7 +207,7 @@ CASES: dict = {
     # outer Laplacian or a nested compile differentiates them): linear in the gradient
     aten.avg_pool2d_backward.default: Case(lambda g: aten.avg_pool2d_backward(
         g.sin(), g.new_zeros(2, 2, 3, 3), [2, 2], [1, 1], [1, 1], False, False, None).tanh().sum((1, 2, 3)),
-        (rand(2, 2, 4, 4),)),
+        (rand(2, 2, 4, 4),), order=3),  # (order 3, as its siblings: order 4 took 25 s of the default suite)
     aten.avg_pool3d_backward.default: Case(lambda g: aten.avg_pool3d_backward(
         g.sin(), g.new_zeros(1, 2, 3, 3, 3), [2, 2, 2], [2, 2, 2], [0, 0, 0], True, False, None).tanh().sum(),
         (rand(1, 2, 2, 2, 2),), order=3),
