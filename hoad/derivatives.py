@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 
 import torch
@@ -107,7 +108,7 @@ class Derivatives(Mapping):
         ``wrt=hoad.parameters``, the module's ``named_parameters()`` order): {key: slice}."""
         index, at = {}, 0
         for key, shape in zip(self._wrt, self._slot_shapes):
-            n = _numel(shape)
+            n = math.prod(shape)
             index[key] = slice(at, at + n)
             at += n
         return index
@@ -269,13 +270,6 @@ class Derivatives(Mapping):
             used[i] = True
             perm += range(offsets[i], offsets[i] + ranks[i])
         return perm
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def each_output(results, fn):

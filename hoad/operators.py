@@ -719,7 +719,7 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                     chunk_size=chunk_size, memory_budget=memory_budget, randomization=randomization,
                                     generator=generator)
     options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
-    if randomization is not None and estimator == "pairs" or (estimator is None and randomization is not None):
+    if randomization is not None and estimator in (None, "pairs"):  # (pairs: the default estimator)
         if _randomization(randomization)[1] < 2:
             raise InvalidArgumentError("estimator='pairs' averages over pairs of distinct directions and needs "
                                        f"S >= 2, got randomization={randomization!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 import re
 import traceback
@@ -51,14 +52,7 @@ class OutputTree:
 
     def sizes(self) -> list[int]:
         """Each output's entries along the joined axis."""
-        return [_numel(shape[1:] if self.batched else shape) for shape in self.shapes]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return [math.prod(shape[1:] if self.batched else shape) for shape in self.shapes]
 
 
 def _joined(out, batched: bool, tree: list):
