@@ -676,6 +676,11 @@ def _children(obj) -> Iterator[tuple[Step, object]]:
         # computes: hoad traces the module it wraps and runs DDP's protocol itself (hoad.distributed)
         yield ("module", "module"), obj.module
         return
+    if getattr(obj, "_hoad_quiet", False) or (type(obj).__module__.startswith("torch.distributed.fsdp")
+                                              and not isinstance(obj, torch.nn.Module)):
+        # FSDP2's state and the hooks it hangs on a sharded module are bookkeeping, like DDP's: hoad
+        # reads the gathered parameters from the module and runs FSDP's protocol itself
+        return
     if isinstance(obj, torch.nn.Module):
         for kind, table in (("param", obj._parameters), ("buffer", obj._buffers), ("module", obj._modules)):
             for name, value in table.items():

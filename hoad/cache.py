@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.distributed import Split, record_nested, synchronized
+from hoad.distributed import Split, note_outputs, quiet_hooks, record_nested, synchronized
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, first_line
 from hoad.binding import find_guards, find_sources, untouched
 from hoad.rules import USER_OPS, has_autograd
@@ -189,12 +189,17 @@ class Entry:
         """The program's outputs, run inside the forward protocol of the DDP modules it reads
         (inside another trace, the outer program takes them over)."""
         if not self.ddp:
-            return self._run(tensors)
+            outs = self._run(tensors)
+            if get_proxy_mode() is None:
+                note_outputs(outs)
+            return outs
         if get_proxy_mode() is not None:
             record_nested([d for d, _always in self.ddp])
             return self._run(tensors)
         active = [d for d, always in self.ddp if always or torch.is_grad_enabled()]
-        return synchronized(active, lambda: self._run(tensors))
+        outs = synchronized(active, lambda: self._run(tensors))
+        note_outputs(outs)
+        return outs
 
     def _own_failure(self, tensors) -> Exception | None:
         """What the traced function raises on these inputs (run eagerly, without gradients, its
@@ -203,7 +208,7 @@ class Entry:
         if get_proxy_mode() is not None:
             return None
         try:
-            with torch.no_grad(), untouched(self.roots):
+            with torch.no_grad(), untouched(self.roots), quiet_hooks():
                 self.build.layout.flat(self.build.fn)(*tensors[:self.n_user])
         except HoadError:
             return None

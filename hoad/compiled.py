@@ -20,7 +20,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.derivatives import Derivatives, each_output
-from hoad.distributed import LocalCall, data_parallel_wrappers, has_dtensors
+from hoad.distributed import LocalCall, data_parallel_wrappers, enlist, fully_sharded, gathered, has_dtensors
 from hoad.errors import CaptureError, InvalidArgumentError
 from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names, _reachable
 from hoad.algebra import Target
@@ -89,6 +89,7 @@ class Compiled(Rebuilt):
         self._wrt_leaves: dict[Hashable, list[int]] = {}
         self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: Entry | None = None
+        self._sharded: list | None = None  # FSDP2 states the function reaches (hoad.distributed.gathered)
 
     # ------------------------------------------------------------------------------ binding
     def __get__(self, instance, owner=None):
@@ -148,6 +149,23 @@ class Compiled(Rebuilt):
         if has_dtensors(args, kwargs):  # each rank's program on its local tensors (hoad.distributed)
             local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
             return each_output(self(*local.args, **local.kwargs), lambda r: r.mapped(local.wrap))
+        sharded = self._fully_sharded()
+        if sharded and get_proxy_mode() is None:  # FSDP's forward protocol around the call (hoad.distributed)
+            with gathered(sharded):
+                return self._unsharded_call(args, kwargs)
+        return self._unsharded_call(args, kwargs)
+
+    def _fully_sharded(self) -> list:
+        """The FSDP2 states of the modules the function reaches (found at the first call in a
+        process group; a build finds any sharded later)."""
+        if self._sharded is None:
+            if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+                return []
+            self._sharded = fully_sharded(itertools.chain([self.module] if self.module is not None else [],
+                                                          _reachable(self._roots())))
+        return self._sharded
+
+    def _unsharded_call(self, args: tuple, kwargs: dict) -> Derivatives:
         n = self.config.chunk_size
         if n is not None and get_proxy_mode() is None:
             chunks = split(self, n, args, kwargs)
@@ -432,9 +450,14 @@ class Compiled(Rebuilt):
         log.info("hoad: compiling %s at order %d for a new signature", getattr(self.fn, "__name__", "function"),
                  self.order)
         roots = self._roots()
-        # (ddp_model.module.method(x): DDP's protocol while training; an FSDP2 module is refused)
-        wrappers = data_parallel_wrappers(itertools.chain([self.module] if self.module is not None else [],
-                                                          _reachable(roots)))
+        # (ddp_model.module.method(x): DDP's protocol while training; FSDP2 states gathered before the trace)
+        wrappers, sharded = data_parallel_wrappers(itertools.chain([self.module] if self.module is not None else [],
+                                                                   _reachable(roots)))
+        if sharded and get_proxy_mode() is None:
+            known = self._sharded or []
+            new = [(s, m) for s, m in sharded if all(s is not k for k, _m in known)]
+            enlist(new)
+            self._sharded = known + new
         b = build(target, layout, tensors, wrt_leaves, config, roots=roots)
         entry = Entry(b, wrt, self._aliases(wrt, layout, wrt_leaves), roots)
         entry.ddp += [(w, False) for w in wrappers if all(d is not w for d, _always in entry.ddp)]

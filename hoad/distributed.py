@@ -1,4 +1,4 @@
-"""Data parallelism: a hoad program over a ``DistributedDataParallel`` module keeps DDP's contract.
+"""Data parallelism: a hoad program over a DDP or FSDP2 module keeps the wrapper's contract.
 
 DDP averages gradients across ranks through hooks on its parameters' gradient accumulators, and
 its reducer expects each forward to announce the backward that follows (``_pre_forward`` before
@@ -12,7 +12,13 @@ communication, not maths), records which DDP modules the function called, and ru
 forward protocol around every call of the program (:func:`synchronized`): the reducer sees one
 forward per call and averages the gradients the program's backward produces, exactly as after
 ``ddp_model(x)``. Nothing is home-made: the hooks, buckets, collectives and ``no_sync`` are
-DDP's. A program that reads a module DDP wraps without calling DDP (a decorated method,
+DDP's.
+
+FSDP2 (``fully_shard``) the same way (:func:`gathered`): each sharded module's pre-forward
+before a call (its parameters gathered, read by the program as by the module's forward), its
+post-forward after, on the program's outputs (parameters freed again, FSDP's pre-backward hooks
+on the outputs), and its hooks quiet while hoad traces. The gathers, frees and reduce-scatters
+are FSDP's. A program that reads a module DDP wraps without calling DDP (a decorated method,
 ``ddp_model.module.lap(x)``) is found by its wrapper (:func:`wrappers_of`) and synchronised the
 same way while gradients are on (under ``torch.no_grad()`` it runs no collective, as
 ``ddp_model.module(x)`` runs none).
@@ -76,6 +82,20 @@ def traced_as_module(called: list):
             ddp.forward = original
 
 
+@contextlib.contextmanager
+def quiet_hooks():
+    """FSDP2's forward hooks do nothing on this thread meanwhile: the function itself, run
+    eagerly inside a call whose parameters hoad has gathered (to tell its own errors)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append([])
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def record_nested(ddps: Sequence) -> None:
     """A program called inside another capture: the outer program calls its DDP modules too."""
     stack = getattr(_LOCAL, "stack", None)
@@ -91,13 +111,12 @@ def is_data_parallel(obj) -> bool:
 
 def data_parallel_wrappers(objects: Iterable) -> list:
     """The ``DistributedDataParallel`` modules that wrap a module among ``objects`` (the objects a
-    function reaches), after refusing an FSDP2-sharded one; nothing is looked at unless a process
-    group is initialized (``objects`` is then read once)."""
+    function reaches), and the FSDP2 states among them (:func:`fully_sharded`); nothing is looked
+    at unless a process group is initialized (``objects`` is then read once)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return []
+        return [], []
     objects = list(objects)
-    refuse_fully_sharded(objects)
-    return wrappers_of(objects)
+    return wrappers_of(objects), fully_sharded(objects)
 
 
 def wrappers_of(objects: Sequence) -> list:
@@ -123,22 +142,126 @@ def wrappers_of(objects: Sequence) -> list:
     return found
 
 
-def refuse_fully_sharded(objects: Sequence) -> None:
-    """A module sharded by FSDP2 (``fully_shard``) among ``objects``: refused, naming what works.
-    Its parameters are DTensor shards that FSDP's hooks gather around each module call, and
-    a derivative program runs no module call."""
+# --------------------------------------------------------------- FSDP2 (fully_shard) modules
+def fully_sharded(objects: Iterable) -> list:
+    """The FSDP2 states of the modules sharded by ``fully_shard`` among ``objects`` (the objects a
+    function reaches), each with its module, root first and then in module order, as FSDP's own
+    forward meets them; the modules' hooks are made quiet while hoad traces (:func:`_quieted`).
+    Refused: several modules sharded as one group, and a mixed-precision policy."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return
-    for o in objects:
-        if isinstance(o, FSDPModule):
-            raise DistributedError(
-                f"the function reaches a module sharded by FSDP2 (fully_shard: {type(o).__name__}), whose parameters "
-                "are DTensor shards that FSDP gathers around each call of the module; hoad's program calls no module, "
-                "and FSDP2 is not supported yet. For data-parallel training through hoad wrap the model in "
-                "DistributedDataParallel (find_unused_parameters=True) instead; pass points as DTensors sharded "
-                "along the samples to split one call's work")
+        return []
+    found = [o for o in objects if isinstance(o, FSDPModule)]
+    if not found:
+        return []
+    inner = {id(s) for m in found for s in m.modules() if s is not m}
+    out: list = []
+    for top in (m for m in found if id(m) not in inner):
+        for module in top.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            if any(state is s for s, _m in out):
+                continue
+            name = type(module).__name__
+            if len(state._modules) != 1:
+                raise DistributedError(
+                    f"the function reaches {name}, sharded by fully_shard together with other modules as one group "
+                    "(fully_shard([a, b])); hoad runs FSDP's forward protocol around its program for modules sharded "
+                    "one by one: call fully_shard on each module")
+            policy = state._mp_policy
+            if policy.param_dtype is not None or policy.reduce_dtype is not None or policy.output_dtype is not None:
+                raise DistributedError(
+                    f"the function reaches {name}, sharded by fully_shard with a MixedPrecisionPolicy; hoad traces "
+                    "the module in its parameters' own dtype: cast the module instead (module.to(dtype) before "
+                    "fully_shard) and shard it without mp_policy")
+            _quieted(module, state)
+            out.append((state, module))
+    return out
+
+
+def _quieted(module, state) -> None:
+    """FSDP's forward hooks on ``module`` do nothing while hoad traces on the calling thread:
+    hoad has gathered the parameters already, and what the hooks do around a module call
+    (gather, free, hooks on the outputs) belongs around the program's call, not inside its trace."""
+    for table, handle in ((module._forward_pre_hooks, state._pre_forward_hook_handle),
+                          (module._forward_hooks, state._post_forward_hook_handle)):
+        hook = table.get(handle.id)
+        if hook is None or getattr(hook, "_hoad_quiet", False):
+            continue
+
+        def quiet(*args, _hook=hook, **kwargs):
+            if getattr(_LOCAL, "stack", None):
+                return None
+            return _hook(*args, **kwargs)
+
+        quiet._hoad_quiet = True
+        table[handle.id] = quiet
+
+
+class Gathered:
+    """FSDP's forward protocol around one call of hoad's programs (:func:`gathered`): the
+    programs' outputs, on which FSDP hangs its pre-backward hooks."""
+
+    def __init__(self):
+        self.opened: list = []
+        self.outputs: list = []
+
+    def open(self, states: Sequence) -> None:
+        """Each state's pre-forward (its parameters gathered), once per call."""
+        for state, module in states:
+            if any(state is s for s, _m in self.opened):
+                continue
+            state._pre_forward(module, (), {})
+            self.opened.append((state, module))
+
+    def close(self, outputs: tuple) -> None:
+        for state, module in reversed(self.opened):
+            state._post_forward(module, (), outputs)
+
+
+@contextlib.contextmanager
+def gathered(states: Sequence):
+    """A call on FSDP2-sharded modules: each module's pre-forward runs before the call (the
+    parameters gathered: the program reads them, as the module's forward would), and its
+    post-forward after, on the outputs of every program the call ran (the non-root parameters
+    freed again, and FSDP's pre-backward hooks on the outputs). Their backward then gathers the
+    parameters again and reduce-scatters their gradients, as after ``model(x)``."""
+    stack = getattr(_LOCAL, "gathered", None)
+    if stack is None:
+        stack = _LOCAL.gathered = []
+    call = Gathered()
+    stack.append(call)
+    try:
+        call.open(states)
+        yield call
+    except BaseException:
+        stack.pop()
+        call.close(())
+        raise
+    stack.pop()
+    call.close(tuple(call.outputs))
+
+
+def enlist(states: Sequence) -> None:
+    """States a build found that its call did not gather yet (a module sharded after the first
+    call): gathered now, before the trace reads their parameters."""
+    stack = getattr(_LOCAL, "gathered", None)
+    if states and not stack:
+        raise DistributedError("a function that reaches FSDP2-sharded modules was traced outside hoad's call of it; "
+                               "call the hoad program itself (cf(x), op(x)), not its internals")
+    if states:
+        stack[-1].open(states)
+
+
+def note_outputs(outs: Sequence) -> None:
+    """A program's outputs, for the FSDP post-forward of the call in progress (if any)."""
+    stack = getattr(_LOCAL, "gathered", None)
+    if stack:
+        # (a view's base: FSDP hangs its hooks where no in-place op on a view can drop them)
+        bases = [t if t._base is None else t._base for t in outs if isinstance(t, torch.Tensor)]
+        stack[-1].outputs.extend(t for t in bases if all(t is not o for o in stack[-1].outputs))
 
 
 def synchronized(ddps: Sequence, run: Callable[[], tuple]) -> tuple:

@@ -217,29 +217,123 @@ def split_hessian(rank: int, world: int, backend: str = "eager"):
     return out
 
 
-def fully_sharded(rank: int, world: int, backend: str) -> str:
-    """A PINN sharded by FSDP2 (per layer and at the root): what hoad says."""
+def fsdp_pinn(mp_policy=None) -> nn.Module:
+    """The PINN sharded by FSDP2, per layer and at the root."""
     from torch.distributed.fsdp import fully_shard
 
     model = PINN()
+    options = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in model.net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def whole(model: nn.Module) -> torch.Tensor:
+    """Every parameter entry, gathered from its shards."""
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in model.parameters()])
+
+
+def fsdp_training(rank: int, world: int, form: str, backend: str, accumulate: bool = False):
+    """The parameters after each step of the FSDP2-sharded PINN (gathered), and how many
+    reduce-scatters FSDP ran in all (counted through its own custom-collective hook)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    scattered = [0]
+
+    class Counted(DefaultReduceScatter):  # FSDP's own reduce-scatter, counted
+        def __call__(self, *args, **kwargs):
+            scattered[0] += 1
+            return super().__call__(*args, **kwargs)
+
+    model = fsdp_pinn()
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None:
+            m.set_custom_reduce_scatter(Counted())
+    lap = laplacian_of(form, model, backend)
+    X = points(rank)
+    with torch.no_grad():  # an inference call first: FSDP frees what it gathered, nothing is reduced
+        lap(X)
+    batches = [X[: POINTS // 2], X[POINTS // 2:]] if accumulate else [X]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    after = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for i, B in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP's no_sync
+            (((lap(B) + source(B)) ** 2).mean() / len(batches)).backward()
+        opt.step()
+        after.append(whole(model))
+    return {"parameters": torch.stack(after), "scattered": scattered[0],
+            "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+
+
+def fsdp_forms(rank: int, world: int, backend: str, runs: list[dict]):
+    out = {}
+    for run in runs:
+        options = dict(run)
+        name = options.pop("name")
+        options.pop("find_unused", None)
+        try:
+            out[name] = fsdp_training(rank, world, backend=backend, **options)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    return out
+
+
+def fsdp_hessian(rank: int, world: int, backend: str):
+    """A classifier loss's parameter Hessian and gradient with the parameters sharded by FSDP2,
+    whole and split over the ranks, beside the unsharded model's on this rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    X, y = classifier_data()
+    plain = Classifier()
+    reference = hoad.compile(plain.loss, order=2, wrt=hoad.parameters, backend=backend)(X, y)
+    model = Classifier()
     for layer in model.net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    try:
-        hoad.laplacian(lambda X: model(X).squeeze(-1), batch_dim=0, backend=backend)(points(rank))
-    except hoad.HoadError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    res = hoad.compile(model.loss, order=2, wrt=hoad.parameters, backend=backend)(X, y)
+    split = hoad.compile(model.loss, order=2, wrt=hoad.parameters, split_blocks=True, backend=backend)(X, y)
+    gathered = split.gather()
+    return {"reference": {k: reference[k].detach() for k in reference}, "whole": {k: res[k].detach() for k in res},
+            "split": {k: gathered[k].detach() for k in gathered},
+            "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+
+
+def fsdp_refusals(rank: int, world: int, backend: str) -> dict:
+    """What hoad says of FSDP2 uses it does not support: a mixed-precision policy, modules
+    sharded as one group."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    grouped = PINN()
+    fully_shard([grouped.net[0], grouped.net[2]])
+    fully_shard(grouped)
+    for name, model in (("mixed precision", fsdp_pinn(MixedPrecisionPolicy(param_dtype=torch.float32))),
+                        ("grouped", grouped)):
+        try:
+            hoad.laplacian(lambda X, m=model: m(X).squeeze(-1), batch_dim=0, backend=backend)(points(rank))
+            out[name] = "no error"
+        except hoad.HoadError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def suite(rank: int, world: int, backend: str, runs: list[dict]):
-    """Every pattern in one process group (one start-up for all): DDP training in each form, DTensor
-    arguments, a split parameter Hessian; each part's result or error text."""
-    out = {"ddp": ddp_forms(rank, world, backend, runs)}
+    """Every pattern in one process group (one start-up for all): DDP and FSDP2 training in each
+    form, DTensor arguments, a split parameter Hessian, one over FSDP2 shards; each part's result
+    or error text."""
+    out = {"ddp": ddp_forms(rank, world, backend, runs),
+           "fsdp": fsdp_forms(rank, world, backend, [r for r in runs if r.get("find_unused", True)])}
     for name, part in (("dtensor", lambda: dtensor_programs(rank, world)),
                        ("split", lambda: split_hessian(rank, world, backend)),
-                       ("fsdp", lambda: fully_sharded(rank, world, backend))):
+                       ("fsdp hessian", lambda: fsdp_hessian(rank, world, backend)),
+                       ("fsdp refusals", lambda: fsdp_refusals(rank, world, backend))):
         try:
             out[name] = part()
         except Exception as e:  # noqa: BLE001 - reported to the test

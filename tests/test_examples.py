@@ -48,9 +48,10 @@ def test_laplace_newton_converges_quadratically_and_the_evidence_picks_the_true_
     assert bool(((out["p_laplace"] - 0.5).abs() <= (out["p_map"] - 0.5).abs()).all())
 
 
-def test_pinn_ddp_trains_under_torchrun():
+@pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_pinn_ddp_trains_under_torchrun(sharding):
     """The data-parallel PINN as its docstring launches it: 2 ranks on the CPU (gloo), each on its
-    own points; the ranks end with the same weights and the error falls."""
+    own points; the ranks end with the same weights (DDP: each rank's own copy) and the error falls."""
     import os
     import re
     import subprocess
@@ -58,9 +59,11 @@ def test_pinn_ddp_trains_under_torchrun():
 
     env = dict(os.environ, OMP_NUM_THREADS="1", HOAD_DEFAULT_BACKEND="eager")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(EXAMPLES / "pinn_ddp.py"), "--steps", "150", "--points", "64"],
+                          str(EXAMPLES / "pinn_ddp.py"), "--steps", "150", "--points", "64"]
+                         + (["--fsdp"] if sharding == "fsdp" else []),
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    found = re.search(r"relative L2 error (\S+); ranks 2; weights differ across ranks by (\S+)", run.stdout)
+    found = re.search(r"relative L2 error (\S+); ranks 2 \((\S+)\); weights differ across ranks by (\S+)", run.stdout)
     assert found, run.stdout[-2000:] + run.stderr[-2000:]
-    assert float(found.group(1)) < 0.8 and float(found.group(2)) == 0.0
+    assert found.group(2) == {"ddp": "DDP", "fsdp": "FSDP2"}[sharding]
+    assert float(found.group(1)) < 0.8 and float(found.group(3)) == 0.0
