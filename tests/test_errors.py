@@ -721,7 +721,7 @@ def test_operator_options_they_do_not_take_are_named():
     V = torch.eye(2, dtype=torch.float64)
     for make, what in ((lambda: hoad.laplacian(u, diagonal=True), "hoad.laplacian has no option 'diagonal'"),
                        (lambda: hoad.biharmonic(u, batchdim=0), "did you mean 'batch_dim'"),
-                       (lambda: hoad.taylor(u, 2, V, weights=V), "hoad.taylor has no option 'weights'"),
+                       (lambda: hoad.taylor(u, 2, V, factor=V), "hoad.taylor has no option 'factor'"),
                        (lambda: hoad.taylor(u, order=2), "needs order=K and directions=V")):
         with pytest.raises(hoad.InvalidArgumentError, match=what):
             make()

@@ -127,6 +127,79 @@ def test_taylor_derivatives_match_nested_jvp(mode):
     assert (along - poly).abs().max() < 1e-9, "degree-4 polynomial: error of order t^5"
 
 
+def _along(f, x, v, k):
+    """∂^k f[v, …, v] at x by nested jvp."""
+    for _ in range(k):
+        f = (lambda g: (lambda y: jvp(g, (y,), (v,))[1]))(f)
+    return f(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collapsed_taylor_jet_sums_the_top_order(mode):
+    """collapse=True: orders below K along each direction, order K as Σ_s w_s ∂^K u[v_s^K] (torch-jet's
+    collapsed jet), at K = 1..4, with weights and without, the weights read at every call."""
+    x, V, w = rand(4, seed=611), rand(3, 4, seed=612), rand(3, seed=613)
+    for K in (1, 2, 3, 4):
+        for weights in (None, w):
+            res = hoad.taylor(mlp, order=K, directions=V, collapse=True, weights=weights, mode=mode)(x)
+            along = [torch.stack([_along(mlp, x, V[s], k) for s in range(3)]) for k in range(K + 1)]
+            want = along[K].sum(0) if weights is None else along[K] @ w
+            assert_close(res[K], want, f"collapsed order {K}")
+            assert_close(res.collapsed, want, f"collapsed order {K}")
+            for k in range(1, K):
+                assert_close(res[k], along[k], f"order {k} of {K}")
+            assert res.derivatives.shape == res.coefficients.shape == (K, 3)
+            assert_close(res.coefficients[K - 1], along[K - 1] / math.factorial(K - 1), "coefficients below K")
+    op = hoad.taylor(mlp, order=3, directions=V, collapse=True, weights=w.clone(), mode=mode)
+    first = op(x)[3]
+    op.weights.mul_(-2)  # (written in place: read at the next call, one program)
+    assert_close(op(x)[3], -2 * first, "weights written in place")
+
+
+def test_a_collapsed_taylor_jet_per_sample_and_randomized():
+    X, V = rand(5, 4, seed=614), rand(3, 4, seed=615)
+    res = hoad.taylor(mlp, order=3, directions=V, collapse=True, batch_dim=0)(X)
+    want = torch.stack([sum(_along(mlp, X[b], V[s], 3) for s in range(3)) for b in range(5)])
+    assert res[3].shape == (5,) and res[2].shape == (5, 3) and res.derivatives.shape == (3, 5, 3)
+    assert_close(res[3], want, "per sample")
+    assert repr(res) == "TaylorResult(order=3, collapsed=True, shapes=[(5,), (5, 3), (5, 3), (5,)])"
+    # randomized: new directions at every call, the same sequence from the same seed
+    runs = []
+    for _ in range(2):
+        op = hoad.taylor(mlp, order=3, collapse=True, batch_dim=0, randomization=("rademacher", 4),
+                         generator=torch.Generator().manual_seed(7))
+        runs.append([op(X)[3], op(X)[3]])
+        drawn = op.directions.clone()
+        assert_close(runs[-1][1], torch.stack([sum(_along(mlp, X[b], drawn[s], 3) for s in range(4))
+                                               for b in range(5)]), "the drawn directions' jet")
+    assert not torch.equal(runs[0][0], runs[0][1])
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_collapsed_taylor_jet_is_refused_where_it_means_nothing():
+    V = rand(3, 4, seed=616)
+    with pytest.raises(hoad.InvalidArgumentError, match="pass collapse=True with it"):
+        hoad.taylor(mlp, order=2, directions=V, weights=torch.ones(3, dtype=DT))
+    with pytest.raises(hoad.InvalidArgumentError, match=r"weights must be a floating-point tensor of shape \(S,\)"):
+        hoad.taylor(mlp, order=2, directions=V, collapse=True, weights=torch.ones(4, dtype=DT))
+    with pytest.raises(hoad.InvalidArgumentError, match="keeps every direction"):
+        hoad.taylor(mlp, order=2, directions=V)(rand(4, seed=617)).collapsed
+
+
+def test_the_taylor_jet_is_collapsed():
+    """The top order carries no direction axis through the program: fewer entries move than in
+    the jet that keeps every direction."""
+    X, V = rand(16, 4, seed=618), rand(6, 4, seed=619)
+
+    def entries(op):
+        op(X)
+        return sum(n.meta["val"].numel() for n in op.compiled._last.build.program.gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+
+    collapsed = entries(hoad.taylor(mlp, order=3, directions=V, collapse=True, batch_dim=0))
+    assert collapsed < entries(hoad.taylor(mlp, order=3, directions=V, batch_dim=0))
+
+
 def test_taylor_per_sample_shapes():
     X, V = rand(5, 4, seed=13), rand(3, 4, seed=14)
     res = hoad.taylor(mlp, order=2, directions=V, batch_dim=0)(X)
