@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 import torch._dynamo
 
 from hoad.compiled import Compiled
+from hoad.directions import SHIFT, PerPoint, _point_of, _randomization, _randomized, _signature, per_point
 from hoad.derivatives import Derivatives
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body
 from hoad.options import GRAPH_BREAK, plain_int, refuse_unknown
@@ -118,7 +119,8 @@ class _Method(Rebuilt):
 
         named = dict(zip(("order", "wrt") if isinstance(self, Taylor) else ("wrt",), args[1:]), **kwargs)
         options = [f"{k}={shown(v)}" for k, v in named.items()
-                   if v is not None and (k, v) not in (("mode", "auto"), ("wrt", 0)) and k not in ("nestable", "roots")]
+                   if v is not None and (k, v) not in (("mode", "auto"), ("wrt", 0), ("collapse", False))
+                   and k not in ("nestable", "roots")]
         name = (getattr(args[0], "__qualname__", None) or type(args[0]).__name__).split("<locals>.")[-1]
         return f"<hoad.{type(self).__name__.lower()}({', '.join([name] + options)})>"
 
@@ -171,7 +173,8 @@ class _Operator(_Method):
                 raise InvalidArgumentError(
                     f"directions must have shape (S, {', '.join(map(str, per_point))}) for an input of shape "
                     f"{tuple(x.shape)}{' (per sample: batch_dim=0)' if self.batch_dim is not None else ''}, "
-                    f"got {tuple(directions.shape)}")
+                    f"got {tuple(directions.shape)}; directions that differ from point to point come from a "
+                    "function of the points (directions=lambda X: V, V (B, S, *x))")
             if given != "directions":  # rows of D = the entries of one point
                 d = math.prod(per_point)
                 if directions.shape[1] != d:
@@ -315,30 +318,6 @@ def _check_symmetric(c: torch.Tensor) -> None:
     if not torch.allclose(c, c.mT, rtol=rtol, atol=rtol * 1e-2 * float(c.abs().max().clamp_min(1))):
         raise InvalidArgumentError("weights=C must be symmetric (tr(C ∇²u) only sees its symmetric part: "
                                    "pass (C + C.T) / 2); for C = L Lᵀ pass factor=L")
-
-
-def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The operator's input ``wrt`` in a call of ``u``."""
-    if isinstance(wrt, int):
-        if wrt < len(args):
-            x = args[wrt]
-        else:  # the wrt-th parameter, passed by name
-            sig = _signature(u)
-            names = list(sig.parameters) if sig is not None else []
-            x = kwargs.get(names[wrt]) if wrt < len(names) else None
-            if x is None:
-                raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
-                                           "and not that parameter by name")
-    else:
-        x = kwargs.get(wrt)
-        if x is None:
-            sig = _signature(u)
-            names = list(sig.parameters) if sig is not None else []
-            x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-        raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
-    return x
 
 
 def _directions(v: torch.Tensor) -> torch.Tensor:
@@ -486,14 +465,6 @@ def _unit_weights(v: torch.Tensor) -> torch.Tensor:
     return torch.ones((v.shape[0],), dtype=torch.float64, device=v.device)
 
 
-def _signature(u):
-    """u's signature; a module's is its forward's (calling a module takes ``*args, **kwargs``)."""
-    try:
-        return inspect.signature(u.forward if isinstance(u, torch.nn.Module) else u)
-    except (TypeError, ValueError):
-        return None
-
-
 class Taylor(_Operator):
     """``hoad.taylor(u, order=K, directions=V)``: ``result[k]`` is ∂^k u[v, …, v] for every direction
     v (last axis S), k = 0..K. With ``collapse=True`` the top order is summed over the directions
@@ -615,87 +586,6 @@ class TaylorResult:
         return f"TaylorResult(order={self.order}{collapsed}, shapes={[tuple(self[k].shape) for k in range(len(self))]})"
 
 
-DISTRIBUTIONS = ("normal", "rademacher")  # of randomization=(distribution, S), as torch-jet names them
-
-
-class Resampled:
-    """A randomized operator that draws new directions at every call: ``randomization=(kind, S)``
-    with ``kind`` "normal" or "rademacher" (torch-jet's), from ``generator`` (the points' device's
-    default one when None). The directions V (S, *x) are made at the first call, on the points'
-    device and dtype, and written in place before every call; the operator reads V at every call,
-    so its program is built once. A seeded generator makes the sequence of results reproducible.
-    The same V serves every sample of a call (``batch_dim=0``)."""
-
-    def __init__(self, u: Callable, wrt, batch_dim, randomization, generator, make: Callable):
-        kind, count = _randomization(randomization)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise InvalidArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
-        self.kind, self.count, self.generator, self._make = kind, count, generator, make
-        self.operator = None
-        self.directions: torch.Tensor | None = None
-
-    def resample(self, x: torch.Tensor) -> torch.Tensor:
-        """New directions for a call at points ``x``, written into V."""
-        point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
-        g = self.generator
-        if g is not None and g.device.type != x.device.type:
-            raise InvalidArgumentError(f"generator is on {g.device} and the points on {x.device}: draw on the "
-                                       f"points' device (torch.Generator(device={str(x.device)!r}))")
-        new = self.directions is None or tuple(self.directions.shape[1:]) != point or self.directions.device != x.device
-        if new:  # (a new shape of points: a new operator over new directions)
-            self.directions = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
-        with torch.no_grad():
-            if self.kind == "normal":
-                self.directions.normal_(generator=g)
-            else:
-                self.directions.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
-        if new:
-            self.operator = self._make(self.directions)
-        return self.directions
-
-    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
-    def __call__(self, *args, **kwargs):
-        self.resample(_point_of(self.u, self.wrt, args, kwargs))
-        return self.operator(*args, **kwargs)
-
-    @property
-    def graph(self):
-        if self.operator is None:
-            raise InvalidArgumentError("call the operator once before asking for its graph")
-        return self.operator.graph
-
-    def __repr__(self) -> str:
-        name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
-        return f"<hoad randomized operator of {name}: {self.kind}, S={self.count}>"
-
-
-def _randomization(randomization) -> tuple[str, int]:
-    if (not isinstance(randomization, (tuple, list)) or len(randomization) != 2
-            or randomization[0] not in DISTRIBUTIONS or isinstance(randomization[1], bool)
-            or not isinstance(randomization[1], int) or randomization[1] < 1):
-        raise InvalidArgumentError(f"randomization must be (distribution, S) with a distribution in {DISTRIBUTIONS} "
-                                   f"and S >= 1 directions drawn per call, got {randomization!r}")
-    return randomization[0], randomization[1]
-
-
-def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: dict, make: Callable):
-    """``u``'s operator that draws its directions at every call, or None when not asked to."""
-    if randomization is None:
-        if generator is not None:
-            raise InvalidArgumentError(f"{name}: generator= draws the directions of randomization=(kind, S); "
-                                       "pass randomization too")
-        return None
-    clash = [k for k, v in given.items() if v is not None]
-    if clash:
-        raise InvalidArgumentError(f"{name}: randomization= draws its own directions; it cannot be combined with "
-                                   f"{', '.join(f'{k}=' for k in clash)}")
-    if in_class_body(u):
-        raise InvalidArgumentError(f"{name}(randomization=...) on a method: build the operator over the bound "
-                                   "method instead (self.lap = hoad.laplacian(self.u, randomization=...) in __init__)")
-    return Resampled(u, wrt, batch_dim, randomization, generator, make)
-
-
 # the options of hoad.laplacian and hoad.biharmonic (after u)
 _OPTIONS = ["wrt", "batch_dim", "weights", "factor", "directions", "backend", "mode", "chunk_size", "memory_budget"]
 
@@ -731,7 +621,31 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
                             lambda V: Laplacian(u, wrt, directions=V, **options))
     if resampled is not None:
         return resampled
+    if callable(weights) and not isinstance(weights, torch.Tensor) or \
+            isinstance(weights, torch.Tensor) and batch_dim is not None and weights.ndim == 3:
+        raise InvalidArgumentError("hoad.laplacian: weights per point (C(x)) are taken as a factor: pass factor=L "
+                                   "with C = L Lᵀ per point, (B, D, S) or a function of the points returning it "
+                                   "(torch.linalg.cholesky(C) for a positive definite C)")
+    for given, columns in ((factor, True), (directions, False)):
+        if given is not None and per_point(given, batch_dim, columns):
+            _check_wrt(wrt)
+            return PerPoint("hoad.laplacian", u, wrt, batch_dim, given, columns,
+                            lambda g, count: _laplacian_along_axes(g, count, 1.0 if columns else 1.0 / count,
+                                                                   options))
     return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, **options)
+
+
+def _laplacian_along_axes(g: Callable, count: int, scale: float, options: dict):
+    """The Laplacian of g in its input ``hoad_t`` (directions per point: :class:`PerPoint`), and
+    the result it makes: Σ_s ∂²u[v_s, v_s] times ``scale``; ``.directional`` the first derivatives
+    along each point's directions, no ``.gradient`` (as for a shared factor or directions)."""
+    op = Laplacian(g, SHIFT, **options)
+
+    def finish(res):
+        return leafwise(lambda r: OperatorResult(value=r.value, directional=r.directional, gradient=None,
+                                                 laplacian=r.laplacian * scale if scale != 1.0 else r.laplacian), res)
+
+    return op, finish
 
 
 def taylor(u: Callable | None = None, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
@@ -762,6 +676,16 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
                             lambda V: Taylor(u, order, wrt, directions=V, weights=weights, **options))
     if resampled is not None:
         return resampled
+    if per_point(directions, batch_dim, columns=False):
+        _check_wrt(wrt)
+
+        def along_axes(g: Callable, count: int):  # g's derivatives along its own axes t_s
+            if weights is not None:
+                _direction_weights(weights, torch.empty(count, 0))
+            axes = torch.eye(count, dtype=torch.float64)
+            return Taylor(g, order, SHIFT, directions=axes, weights=weights, **options), lambda res: res
+
+        return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along_axes)
     return Taylor(u, order, wrt, directions=directions, weights=weights, **options)
 
 
@@ -787,6 +711,11 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                     chunk_size=chunk_size, memory_budget=memory_budget, randomization=randomization,
                                     generator=generator)
     options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    if any(callable(g) and not isinstance(g, torch.Tensor) for g in (weights, factor, directions)) or \
+            isinstance(factor, torch.Tensor) and batch_dim is not None and factor.ndim == 3:
+        raise InvalidArgumentError("hoad.biharmonic takes one operator for every point (weights=, factor= or "
+                                   "directions= as tensors shared by the samples); directions or factors per point "
+                                   "work in hoad.laplacian and hoad.taylor")
     if randomization is not None and estimator in (None, "pairs"):  # (pairs: the default estimator)
         if _randomization(randomization)[1] < 2:
             raise InvalidArgumentError("estimator='pairs' averages over pairs of distinct directions and needs "

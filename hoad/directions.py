@@ -1,0 +1,250 @@
+"""Where an operator's directions come from when not from one fixed tensor: drawn anew at every
+call (:class:`Resampled`, ``randomization=``), or given point by point (:class:`PerPoint`: a
+tensor with a direction set per sample, or a function of the points).
+
+Directions per point are a change of variables, exact at every order: with g(t) = u(x + Σ_s t_s v_s)
+for the point's own v_s, ∂^k g/∂t_s^k at t = 0 is ∂^k u[v_s, …, v_s], so the operator over the
+coordinate axes of t is the operator over each point's directions. The program receives t
+(zeros) and the directions as inputs; the directions are read at every call and never
+differentiated by the operator (torch-jet's point-dependent weighting S(x) means the same).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+import torch._dynamo
+
+from hoad.errors import InvalidArgumentError
+from hoad.methods import in_class_body
+from hoad.options import GRAPH_BREAK
+
+
+def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The operator's input ``wrt`` in a call of ``u``."""
+    if isinstance(wrt, int):
+        if wrt < len(args):
+            x = args[wrt]
+        else:  # the wrt-th parameter, passed by name
+            sig = _signature(u)
+            names = list(sig.parameters) if sig is not None else []
+            x = kwargs.get(names[wrt]) if wrt < len(names) else None
+            if x is None:
+                raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
+                                           "and not that parameter by name")
+    else:
+        x = kwargs.get(wrt)
+        if x is None:
+            sig = _signature(u)
+            names = list(sig.parameters) if sig is not None else []
+            x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
+    return x
+
+
+
+def _signature(u):
+    """u's signature; a module's is its forward's (calling a module takes ``*args, **kwargs``)."""
+    try:
+        return inspect.signature(u.forward if isinstance(u, torch.nn.Module) else u)
+    except (TypeError, ValueError):
+        return None
+
+
+
+DISTRIBUTIONS = ("normal", "rademacher")  # of randomization=(distribution, S), as torch-jet names them
+
+
+class Resampled:
+    """A randomized operator that draws new directions at every call: ``randomization=(kind, S)``
+    with ``kind`` "normal" or "rademacher" (torch-jet's), from ``generator`` (the points' device's
+    default one when None). The directions V (S, *x) are made at the first call, on the points'
+    device and dtype, and written in place before every call; the operator reads V at every call,
+    so its program is built once. A seeded generator makes the sequence of results reproducible.
+    The same V serves every sample of a call (``batch_dim=0``)."""
+
+    def __init__(self, u: Callable, wrt, batch_dim, randomization, generator, make: Callable):
+        kind, count = _randomization(randomization)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InvalidArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
+        self.kind, self.count, self.generator, self._make = kind, count, generator, make
+        self.operator = None
+        self.directions: torch.Tensor | None = None
+
+    def resample(self, x: torch.Tensor) -> torch.Tensor:
+        """New directions for a call at points ``x``, written into V."""
+        point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
+        g = self.generator
+        if g is not None and g.device.type != x.device.type:
+            raise InvalidArgumentError(f"generator is on {g.device} and the points on {x.device}: draw on the "
+                                       f"points' device (torch.Generator(device={str(x.device)!r}))")
+        new = self.directions is None or tuple(self.directions.shape[1:]) != point or self.directions.device != x.device
+        if new:  # (a new shape of points: a new operator over new directions)
+            self.directions = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            if self.kind == "normal":
+                self.directions.normal_(generator=g)
+            else:
+                self.directions.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
+        if new:
+            self.operator = self._make(self.directions)
+        return self.directions
+
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
+    def __call__(self, *args, **kwargs):
+        self.resample(_point_of(self.u, self.wrt, args, kwargs))
+        return self.operator(*args, **kwargs)
+
+    @property
+    def graph(self):
+        if self.operator is None:
+            raise InvalidArgumentError("call the operator once before asking for its graph")
+        return self.operator.graph
+
+    def __repr__(self) -> str:
+        name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
+        return f"<hoad randomized operator of {name}: {self.kind}, S={self.count}>"
+
+
+def _randomization(randomization) -> tuple[str, int]:
+    if (not isinstance(randomization, (tuple, list)) or len(randomization) != 2
+            or randomization[0] not in DISTRIBUTIONS or isinstance(randomization[1], bool)
+            or not isinstance(randomization[1], int) or randomization[1] < 1):
+        raise InvalidArgumentError(f"randomization must be (distribution, S) with a distribution in {DISTRIBUTIONS} "
+                                   f"and S >= 1 directions drawn per call, got {randomization!r}")
+    return randomization[0], randomization[1]
+
+
+def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: dict, make: Callable):
+    """``u``'s operator that draws its directions at every call, or None when not asked to."""
+    if randomization is None:
+        if generator is not None:
+            raise InvalidArgumentError(f"{name}: generator= draws the directions of randomization=(kind, S); "
+                                       "pass randomization too")
+        return None
+    clash = [k for k, v in given.items() if v is not None]
+    if clash:
+        raise InvalidArgumentError(f"{name}: randomization= draws its own directions; it cannot be combined with "
+                                   f"{', '.join(f'{k}=' for k in clash)}")
+    if in_class_body(u):
+        raise InvalidArgumentError(f"{name}(randomization=...) on a method: build the operator over the bound "
+                                   "method instead (self.lap = hoad.laplacian(self.u, randomization=...) in __init__)")
+    return Resampled(u, wrt, batch_dim, randomization, generator, make)
+
+
+
+
+# ------------------------------------------------------------------------ directions per point
+SHIFT, SEEDS = "hoad_t", "hoad_seeds"  # the change of variables' inputs: t (zeros) and the directions
+
+
+def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with the operator's input ``wrt`` replaced by ``x``."""
+    if isinstance(wrt, int) and wrt < len(args):
+        return args[:wrt] + (x,) + args[wrt + 1:], kwargs
+    name = wrt
+    if isinstance(wrt, int) or wrt not in kwargs:
+        sig = _signature(u)
+        names = list(sig.parameters) if sig is not None else []
+        if isinstance(wrt, str) and wrt in names and names.index(wrt) < len(args):
+            i = names.index(wrt)
+            return args[:i] + (x,) + args[i + 1:], kwargs
+        name = names[wrt] if isinstance(wrt, int) else wrt
+    return args, {**kwargs, name: x}
+
+
+class PerPoint:
+    """An operator whose directions differ from point to point.
+
+    ``given`` holds them, or is a function of the points returning them, read at every call:
+    rows ``(B, S, *x)`` per sample under ``batch_dim=0`` (``(S, *x)`` without), or, for a factor,
+    columns ``(B, D, S)`` (``(D, S)``) with D the entries of one point. ``make(g, S)`` builds the
+    operator of ``g`` over the coordinate axes of its input ``hoad_t`` (S of them) and returns it
+    with the function that turns its result into this operator's."""
+
+    def __init__(self, name: str, u: Callable, wrt, batch_dim, given, columns: bool, make: Callable):
+        if in_class_body(u):
+            raise InvalidArgumentError(f"{name} with directions per point on a method: build the operator over the "
+                                       f"bound method instead (self.op = {name}(self.u, ...) in __init__)")
+        self.name, self.u, self.wrt, self.batch_dim = name, u, wrt, batch_dim
+        self.given, self.columns, self._make = given, columns, make
+        self.operator, self._finish, self._count = None, None, None
+
+    def seeds(self, x: torch.Tensor) -> torch.Tensor:
+        """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples)."""
+        v = self.given(x) if callable(self.given) else self.given
+        batched = self.batch_dim is not None
+        point = tuple(x.shape[1:]) if batched else tuple(x.shape)
+        d = math.prod(point)
+        lead = (x.shape[0],) if batched else ()
+        what = "factor" if self.columns else "directions"
+        want = f"({', '.join(map(str, lead + (d,)))}, S)" if self.columns else \
+            f"({', '.join(map(str, lead + ('S',) + point))})"
+        if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+            got = f"a {v.dtype} tensor" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+            raise InvalidArgumentError(f"{self.name}: {what} per point must be a floating-point tensor {want}, "
+                                       f"got {got}")
+        if self.columns:
+            if tuple(v.shape[:-1]) != lead + (d,) or v.shape[-1] == 0:
+                raise InvalidArgumentError(f"{self.name}: factor per point must be {want} for points of shape "
+                                           f"{tuple(x.shape)}, got {tuple(v.shape)}")
+            v = v.movedim(-1, len(lead)).reshape(*lead, v.shape[-1], *point)
+        elif tuple(v.shape[:len(lead)]) != lead or tuple(v.shape[len(lead) + 1:]) != point or \
+                v.ndim != len(lead) + 1 + len(point) or v.shape[len(lead)] == 0:
+            raise InvalidArgumentError(f"{self.name}: directions per point must be {want} for points of shape "
+                                       f"{tuple(x.shape)}, got {tuple(v.shape)}")
+        if v.device.type == "meta" or not bool(torch.isfinite(v.detach()).all()):
+            raise InvalidArgumentError(f"{self.name}: the {what} per point have entries that are NaN or infinite")
+        return v.to(dtype=x.dtype, device=x.device)
+
+    def _shifted(self, *args, hoad_t: torch.Tensor, hoad_seeds: torch.Tensor, **kwargs):
+        """u at x + Σ_s t_s v_s."""
+        x = _point_of(self.u, self.wrt, args, kwargs)
+        lead = hoad_t.shape[:-1]
+        rows = hoad_seeds.reshape(*lead, hoad_t.shape[-1], -1)
+        moved = x + (hoad_t.unsqueeze(-1) * rows).sum(-2).reshape(x.shape)
+        args, kwargs = _with_point(self.u, self.wrt, args, kwargs, moved)
+        return self.u(*args, **kwargs)
+
+    @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
+    def __call__(self, *args, **kwargs):
+        x = _point_of(self.u, self.wrt, args, kwargs)
+        v = self.seeds(x)
+        lead = (x.shape[0],) if self.batch_dim is not None else ()
+        count = v.shape[len(lead)]
+        if self.operator is None or count != self._count:
+            self.operator, self._finish = self._make(self._shifted, count)
+            self._count = count
+        t = torch.zeros((*lead, count), dtype=x.dtype, device=x.device)
+        return self._finish(self.operator(*args, **kwargs, **{SHIFT: t, SEEDS: v}))
+
+    @property
+    def graph(self):
+        if self.operator is None:
+            raise InvalidArgumentError("call the operator once before asking for its graph")
+        return self.operator.graph
+
+    def explain(self, *args, **kwargs):
+        if self.operator is None:
+            raise InvalidArgumentError("call the operator once before asking for its explanation")
+        return self.operator.explain()
+
+    def __repr__(self) -> str:
+        name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
+        return f"<{self.name}({name}) with {'a factor' if self.columns else 'directions'} per point>"
+
+
+def per_point(given, batch_dim, columns: bool) -> bool:
+    """Whether ``directions=`` (rows) or ``factor=`` (columns) are given point by point: a function
+    of the points, or under ``batch_dim`` a factor ``(B, D, S)`` (a shared one is ``(D, S)``).
+    Directions per sample come from a function (a shared ``(S, *x)`` and a per-sample
+    ``(B, S, *x)`` cannot be told apart for points of several axes)."""
+    if callable(given) and not isinstance(given, torch.Tensor):
+        return True
+    return columns and isinstance(given, torch.Tensor) and batch_dim is not None and given.ndim == 3

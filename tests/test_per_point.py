@@ -1,0 +1,91 @@
+"""Operators whose directions differ from point to point (hoad.directions.PerPoint): a factor
+L(x) per sample or from a function of the points (torch-jet's point-dependent weighting),
+directions per sample for the Laplacian and for Taylor jets; against torch.func per sample."""
+
+import pytest
+import torch
+from torch.func import hessian, jvp, vmap
+
+import hoad
+from helpers import assert_close, rand
+
+DT = torch.float64
+W1, W2 = rand(3, 7, seed=701), rand(7, seed=702)
+
+
+def u(x):  # (..., 3) -> (...,)
+    return torch.tanh(x @ W1 + 0.3) @ W2 + (x ** 3).sum(-1)
+
+
+def two(y, x):  # the operator's input second, by name; y shifts the output
+    return u(x) * y.sum(-1)
+
+
+def _along(f, x, v, k):
+    for _ in range(k):
+        f = (lambda g: (lambda y: jvp(g, (y,), (v,))[1]))(f)
+    return f(x)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_a_laplacian_with_a_factor_per_point(mode):
+    """tr(L(x)ᵀ ∇²u L(x)) per sample: L as a (B, D, S) tensor and as a function of the points (the
+    function read at every call, never differentiated by the operator), the operator's input
+    passed by name among others; the gradient of a loss on it reaches the weights."""
+    X, L = rand(6, 3, seed=703), rand(6, 3, 2, seed=704)
+    H = vmap(hessian(u))(X)
+    res = hoad.laplacian(u, batch_dim=0, factor=L, mode=mode)(X)
+    assert_close(res.laplacian, torch.einsum("bds,bde,bes->b", L, H, L), "tensor factor")
+    assert_close(res.directional, torch.einsum("bd,bds->bs", vmap(torch.func.grad(u))(X), L), "directional")
+    assert res.gradient is None and res.value.shape == (6,)
+
+    def factor(P):
+        return L * P.sum(-1).cos()[:, None, None]
+
+    op = hoad.laplacian(two, "x", batch_dim=0, factor=factor, mode=mode)
+    Y = rand(6, 2, seed=705)
+    for scale in (1.0, 2.0):  # a new set of points: the function is read again
+        P = X * scale
+        want = torch.einsum("bds,bde,bes->b", factor(P), vmap(hessian(u))(P), factor(P)) * Y.sum(-1)
+        assert_close(op(Y, x=P).laplacian, want, f"factor of the points, scale {scale}")
+    w = W2.clone().requires_grad_()
+
+    def with_w(x):
+        return torch.tanh(x @ W1 + 0.3) @ w
+
+    (got,) = torch.autograd.grad(hoad.laplacian(with_w, batch_dim=0, factor=L, mode=mode)(X).laplacian.sum(), w)
+    ref = torch.func.grad(lambda ww: torch.einsum(
+        "bds,bde,bes->b", L, vmap(hessian(lambda x: torch.tanh(x @ W1 + 0.3) @ ww))(X), L).sum())(W2)
+    assert_close(got, ref, "gradient in the weights")
+
+
+def test_directions_per_point_for_the_laplacian_and_taylor_jets():
+    X, V = rand(5, 3, seed=706), rand(5, 4, 3, seed=707)
+    H = vmap(hessian(u))(X)
+    lap = hoad.laplacian(u, batch_dim=0, directions=lambda P: V)(X)
+    assert_close(lap.laplacian, torch.einsum("bsd,bde,bse->b", V, H, V) / 4, "(1/S) Σ v_sᵀ H v_s per point")
+    jets = hoad.taylor(u, order=3, batch_dim=0, directions=lambda P: V)(X)
+    want = [torch.stack([torch.stack([_along(u, X[b], V[b, s], k) for s in range(4)]) for b in range(5)])
+            for k in range(4)]
+    for k in (1, 2, 3):
+        assert_close(jets[k], want[k], f"order {k} along each point's directions")
+    w = rand(4, seed=708)
+    top = hoad.taylor(u, order=3, batch_dim=0, directions=lambda P: V, collapse=True, weights=w)(X)
+    assert_close(top.collapsed, want[3] @ w, "collapsed, weighted")
+    assert_close(top[2], want[2], "below the top")
+    one = hoad.taylor(u, order=2, directions=lambda x: V[0])(X[0])  # one point, its directions from a function
+    assert_close(one[2], want[2][0], "one point")
+
+
+def test_per_point_operators_refuse_what_they_cannot_mean():
+    X = rand(5, 3, seed=709)
+    with pytest.raises(hoad.InvalidArgumentError, match="factor per point must be \\(5, 3, S\\)"):
+        hoad.laplacian(u, batch_dim=0, factor=lambda P: torch.ones(5, 2, 2, dtype=DT))(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="directions per point must be \\(5, S, 3\\)"):
+        hoad.taylor(u, order=2, batch_dim=0, directions=lambda P: torch.ones(4, 3, dtype=DT))(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="weights per point \\(C\\(x\\)\\) are taken as a factor"):
+        hoad.laplacian(u, batch_dim=0, weights=torch.eye(3, dtype=DT).expand(5, 3, 3))
+    with pytest.raises(hoad.InvalidArgumentError, match="come from a function of the points"):
+        hoad.laplacian(u, batch_dim=0, directions=rand(5, 4, 3, seed=710))(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="work in hoad.laplacian and hoad.taylor"):
+        hoad.biharmonic(u, batch_dim=0, factor=lambda P: None)
