@@ -1,12 +1,14 @@
 """Where an operator's directions come from when not from one fixed tensor: drawn anew at every
 call (:class:`Resampled`, ``randomization=``), or given point by point (:class:`PerPoint`: a
-tensor with a direction set per sample, or a function of the points).
+tensor with a direction set per sample, or a function of the points), and curves instead of
+lines (a Taylor jet of arbitrary coefficients).
 
 Directions per point are a change of variables, exact at every order: with g(t) = u(x + Σ_s t_s v_s)
 for the point's own v_s, ∂^k g/∂t_s^k at t = 0 is ∂^k u[v_s, …, v_s], so the operator over the
 coordinate axes of t is the operator over each point's directions. The program receives t
 (zeros) and the directions as inputs; the directions are read at every call and never
 differentiated by the operator (torch-jet's point-dependent weighting S(x) means the same).
+A curve x + t v + Σ_k tᵏ/k! V_k is the same change of variables with powers of t_s.
 """
 
 from __future__ import annotations
@@ -160,55 +162,75 @@ def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) ->
 
 
 class PerPoint:
-    """An operator whose directions differ from point to point.
+    """An operator whose directions differ from point to point, or whose curves bend.
 
-    ``given`` holds them, or is a function of the points returning them, read at every call:
-    rows ``(B, S, *x)`` per sample under ``batch_dim=0`` (``(S, *x)`` without), or, for a factor,
-    columns ``(B, D, S)`` (``(D, S)``) with D the entries of one point. ``make(g, S)`` builds the
-    operator of ``g`` over the coordinate axes of its input ``hoad_t`` (S of them) and returns it
-    with the function that turns its result into this operator's."""
+    ``given`` holds the directions, or is a function of the points returning them, read at every
+    call: rows ``(B, S, *x)`` per sample under ``batch_dim=0`` (``(S, *x)`` without, or shared by
+    every sample), or, for a factor, columns ``(B, D, S)`` (``(D, S)``) with D the entries of one
+    point. ``higher`` (V₂, …, V_K), in the form of the rows, bends each direction's line into the
+    curve x + t v + Σ_k tᵏ/k! V_k (torch-jet's jet of arbitrary coefficients). ``make(g, S)``
+    builds the operator of ``g`` over the coordinate axes of its input ``hoad_t`` (S of them) and
+    returns it with the function that turns its result into this operator's."""
 
-    def __init__(self, name: str, u: Callable, wrt, batch_dim, given, columns: bool, make: Callable):
+    def __init__(self, name: str, u: Callable, wrt, batch_dim, given, columns: bool, make: Callable,
+                 higher: tuple = ()):
         if in_class_body(u):
             raise InvalidArgumentError(f"{name} with directions per point on a method: build the operator over the "
                                        f"bound method instead (self.op = {name}(self.u, ...) in __init__)")
         self.name, self.u, self.wrt, self.batch_dim = name, u, wrt, batch_dim
-        self.given, self.columns, self._make = given, columns, make
+        self.given, self.columns, self._make, self.higher = given, columns, make, tuple(higher)
         self.operator, self._finish, self._count = None, None, None
 
     def seeds(self, x: torch.Tensor) -> torch.Tensor:
-        """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples)."""
-        v = self.given(x) if callable(self.given) else self.given
+        """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples), and the
+        curves' higher coefficients after them along a new first axis (``(K, B, S, *x)``)."""
+        rows = self._rows(self.given, x, "directions" if not self.columns else "factor", self.columns)
+        if not self.higher:
+            return rows
+        more = [self._rows(h, x, f"higher[{k}] (V_{k + 2})", False) for k, h in enumerate(self.higher)]
+        for k, h in enumerate(more):
+            if h.shape != rows.shape:
+                raise InvalidArgumentError(f"{self.name}: higher[{k}] (V_{k + 2}) has shape {tuple(h.shape)}, and "
+                                           f"the directions {tuple(rows.shape)}: one coefficient per direction")
+        return torch.stack([rows, *more])
+
+    def _rows(self, given, x: torch.Tensor, what: str, columns: bool) -> torch.Tensor:
+        v = given(x) if callable(given) and not isinstance(given, torch.Tensor) else given
         batched = self.batch_dim is not None
         point = tuple(x.shape[1:]) if batched else tuple(x.shape)
         d = math.prod(point)
         lead = (x.shape[0],) if batched else ()
-        what = "factor" if self.columns else "directions"
-        want = f"({', '.join(map(str, lead + (d,)))}, S)" if self.columns else \
+        want = f"({', '.join(map(str, lead + (d,)))}, S)" if columns else \
             f"({', '.join(map(str, lead + ('S',) + point))})"
         if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
             got = f"a {v.dtype} tensor" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
-            raise InvalidArgumentError(f"{self.name}: {what} per point must be a floating-point tensor {want}, "
-                                       f"got {got}")
-        if self.columns:
+            raise InvalidArgumentError(f"{self.name}: {what} must be a floating-point tensor {want}, got {got}")
+        if columns:
             if tuple(v.shape[:-1]) != lead + (d,) or v.shape[-1] == 0:
-                raise InvalidArgumentError(f"{self.name}: factor per point must be {want} for points of shape "
+                raise InvalidArgumentError(f"{self.name}: {what} per point must be {want} for points of shape "
                                            f"{tuple(x.shape)}, got {tuple(v.shape)}")
             v = v.movedim(-1, len(lead)).reshape(*lead, v.shape[-1], *point)
-        elif tuple(v.shape[:len(lead)]) != lead or tuple(v.shape[len(lead) + 1:]) != point or \
-                v.ndim != len(lead) + 1 + len(point) or v.shape[len(lead)] == 0:
-            raise InvalidArgumentError(f"{self.name}: directions per point must be {want} for points of shape "
-                                       f"{tuple(x.shape)}, got {tuple(v.shape)}")
+        else:
+            if lead and v.ndim == 1 + len(point) and tuple(v.shape[1:]) == point:  # shared by every sample
+                v = v.expand(*lead, *v.shape)
+            if tuple(v.shape[:len(lead)]) != lead or tuple(v.shape[len(lead) + 1:]) != point or \
+                    v.ndim != len(lead) + 1 + len(point) or v.shape[len(lead)] == 0:
+                raise InvalidArgumentError(f"{self.name}: {what} must be {want} for points of shape "
+                                           f"{tuple(x.shape)}, got {tuple(v.shape)}")
         if v.device.type == "meta" or not bool(torch.isfinite(v.detach()).all()):
-            raise InvalidArgumentError(f"{self.name}: the {what} per point have entries that are NaN or infinite")
+            raise InvalidArgumentError(f"{self.name}: the {what} have entries that are NaN or infinite")
         return v.to(dtype=x.dtype, device=x.device)
 
     def _shifted(self, *args, hoad_t: torch.Tensor, hoad_seeds: torch.Tensor, **kwargs):
-        """u at x + Σ_s t_s v_s."""
+        """u at x + Σ_s t_s v_s (curves: + Σ_s Σ_k t_sᵏ/k! V_k,s)."""
         x = _point_of(self.u, self.wrt, args, kwargs)
-        lead = hoad_t.shape[:-1]
-        rows = hoad_seeds.reshape(*lead, hoad_t.shape[-1], -1)
-        moved = x + (hoad_t.unsqueeze(-1) * rows).sum(-2).reshape(x.shape)
+        lead, count = hoad_t.shape[:-1], hoad_t.shape[-1]
+        rows = hoad_seeds.reshape(-1, *lead, count, math.prod(x.shape[len(lead):]))
+        power, step = hoad_t, 0
+        for k in range(rows.shape[0]):  # t, t²/2, t³/6, ...
+            step = step + (power.unsqueeze(-1) * rows[k]).sum(-2)
+            power = power * hoad_t / (k + 2)
+        moved = x + step.reshape(x.shape)
         args, kwargs = _with_point(self.u, self.wrt, args, kwargs, moved)
         return self.u(*args, **kwargs)
 
@@ -217,7 +239,7 @@ class PerPoint:
         x = _point_of(self.u, self.wrt, args, kwargs)
         v = self.seeds(x)
         lead = (x.shape[0],) if self.batch_dim is not None else ()
-        count = v.shape[len(lead)]
+        count = v.shape[len(lead) + (1 if self.higher else 0)]
         if self.operator is None or count != self._count:
             self.operator, self._finish = self._make(self._shifted, count)
             self._count = count
@@ -237,7 +259,8 @@ class PerPoint:
 
     def __repr__(self) -> str:
         name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
-        return f"<{self.name}({name}) with {'a factor' if self.columns else 'directions'} per point>"
+        what = "curves" if self.higher else "a factor per point" if self.columns else "directions per point"
+        return f"<{self.name}({name}) along {what}>" if self.higher else f"<{self.name}({name}) with {what}>"
 
 
 def per_point(given, batch_dim, columns: bool) -> bool:

@@ -649,9 +649,9 @@ def _laplacian_along_axes(g: Callable, count: int, scale: float, options: dict):
 
 
 def taylor(u: Callable | None = None, order: int | None = None, directions: torch.Tensor | None = None, wrt=0, *,
-           batch_dim: int | None = None, collapse: bool = False, weights: torch.Tensor | None = None,
-           backend: str | None = None, mode: str = "auto", chunk_size: int | None = None,
-           memory_budget: float | None = None, randomization: tuple | None = None,
+           batch_dim: int | None = None, higher: tuple | None = None, collapse: bool = False,
+           weights: torch.Tensor | None = None, backend: str | None = None, mode: str = "auto",
+           chunk_size: int | None = None, memory_budget: float | None = None, randomization: tuple | None = None,
            generator: torch.Generator | None = None, **unknown) -> Taylor:
     """Directional derivatives: ``taylor(u, order=K, directions=V)(x)[k]`` is ∂^k u[v, …, v] =
     d^k/dt^k u(x + t v) at t = 0 for each of the S directions (last axis); ``.derivatives`` stacks
@@ -660,23 +660,37 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
     ``collapse=True`` sums the top order over the directions as the program forms it,
     Σ_s w_s ∂^K u[v_s, …, v_s] with ``weights`` w (S,) (ones by default): the collapsed K-jet, whose
     cost grows with one top coefficient instead of S. ``randomization=("normal" | "rademacher", S)``
-    draws S new directions at every call (from ``generator``), with one program for every draw."""
-    refuse_unknown("hoad.taylor", unknown, ["order", "directions", "wrt", "batch_dim", "collapse", "weights",
-                                            "backend", "mode", "chunk_size", "memory_budget", "randomization",
-                                            "generator"])
+    draws S new directions at every call (from ``generator``), with one program for every draw.
+
+    ``higher=(V_2, …, V_K)`` follows curves instead of lines, x(t) = x + t V + Σ_k tᵏ/k! V_k per
+    direction (torch-jet's jet of arbitrary coefficients): ``result[k]`` is dᵏ/dtᵏ u(x(t)) at 0.
+    ``directions`` (and each V_k) may be a function of the points, returning ``(B, S, *x)`` under
+    ``batch_dim`` (one set of directions per sample)."""
+    refuse_unknown("hoad.taylor", unknown, ["order", "directions", "wrt", "batch_dim", "higher", "collapse",
+                                            "weights", "backend", "mode", "chunk_size", "memory_budget",
+                                            "randomization", "generator"])
     if order is None or (directions is None and randomization is None):
         raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x) (or randomization=(kind, S)): "
                                    "the derivatives d^k/dt^k u(x + t v) for k = 1..K along each direction v")
     options = dict(batch_dim=batch_dim, collapse=collapse, backend=backend, mode=mode, chunk_size=chunk_size,
                    memory_budget=memory_budget)
     if u is None:  # @hoad.taylor(order=K, directions=V)
-        return lambda u: taylor(u, order, directions, wrt, weights=weights, randomization=randomization,
-                                generator=generator, **options)
+        return lambda u: taylor(u, order, directions, wrt, higher=higher, weights=weights,
+                                randomization=randomization, generator=generator, **options)
     resampled = _randomized("hoad.taylor", u, wrt, batch_dim, randomization, generator, {"directions": directions},
                             lambda V: Taylor(u, order, wrt, directions=V, weights=weights, **options))
     if resampled is not None:
         return resampled
-    if per_point(directions, batch_dim, columns=False):
+    if higher is not None:
+        if not isinstance(higher, (tuple, list)) or not 1 <= len(higher) <= plain_int(order) - 1:
+            raise InvalidArgumentError(
+                f"hoad.taylor: higher= gives the curve's coefficients (V_2, ..., V_K) after the directions V = V_1, "
+                f"x(t) = x + t V + Σ_k tᵏ/k! V_k: a tuple of 1 to K - 1 = {plain_int(order) - 1} of them, got "
+                f"{type(higher).__name__ if not isinstance(higher, (tuple, list)) else len(higher)}")
+        if randomization is not None:
+            raise InvalidArgumentError("hoad.taylor: higher= bends given directions into curves; it cannot be "
+                                       "combined with randomization=")
+    if higher is not None or per_point(directions, batch_dim, columns=False):
         _check_wrt(wrt)
 
         def along_axes(g: Callable, count: int):  # g's derivatives along its own axes t_s
@@ -685,7 +699,7 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
             axes = torch.eye(count, dtype=torch.float64)
             return Taylor(g, order, SHIFT, directions=axes, weights=weights, **options), lambda res: res
 
-        return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along_axes)
+        return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along_axes, higher=higher or ())
     return Taylor(u, order, wrt, directions=directions, weights=weights, **options)
 
 

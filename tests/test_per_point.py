@@ -1,10 +1,13 @@
 """Operators whose directions differ from point to point (hoad.directions.PerPoint): a factor
 L(x) per sample or from a function of the points (torch-jet's point-dependent weighting),
-directions per sample for the Laplacian and for Taylor jets; against torch.func per sample."""
+directions per sample for the Laplacian and for Taylor jets, and Taylor jets along curves
+(arbitrary higher coefficients); against torch.func per sample."""
+
+import math
 
 import pytest
 import torch
-from torch.func import hessian, jvp, vmap
+from torch.func import hessian, jacfwd, jvp, vmap
 
 import hoad
 from helpers import assert_close, rand
@@ -77,15 +80,51 @@ def test_directions_per_point_for_the_laplacian_and_taylor_jets():
     assert_close(one[2], want[2][0], "one point")
 
 
+def _curve_derivatives(f, x, coefficients, K):
+    """dᵏ/dtᵏ f(x + Σ_j tʲ/j! c_j) at t = 0, k = 1..K, by nested jacfwd in t."""
+    g = lambda t: f(x + sum(t ** (j + 1) / math.factorial(j + 1) * c for j, c in enumerate(coefficients)))  # noqa: E731
+    out = []
+    for _ in range(K):
+        g = jacfwd(g)
+        out.append(g(torch.zeros((), dtype=DT)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["forward", pytest.param("reverse", marks=pytest.mark.slow)])
+def test_taylor_jets_along_curves(mode):
+    """higher=(V_2, V_3): each direction's line bent into x + t v + t²/2 V_2 + t³/6 V_3 (torch-jet's
+    jet with arbitrary coefficients), at one point and per sample (the coefficients shared or from
+    a function of the points), collapsed too."""
+    x, V, V2, V3 = rand(3, seed=711), rand(2, 3, seed=712), rand(2, 3, seed=713), rand(2, 3, seed=714)
+    jets = hoad.taylor(u, order=4, directions=V, higher=(V2, V3), mode=mode)(x)
+    want = [torch.stack(d) for d in zip(*[_curve_derivatives(u, x, (V[s], V2[s], V3[s]), 4) for s in range(2)])]
+    for k in range(1, 5):
+        assert_close(jets[k], want[k - 1], f"order {k} along the curves")
+    top = hoad.taylor(u, order=4, directions=V, higher=(V2, V3), collapse=True, mode=mode)(x)
+    assert_close(top.collapsed, want[3].sum(0), "collapsed along the curves")
+    X = rand(4, 3, seed=715)
+    per = hoad.taylor(u, order=3, batch_dim=0, directions=V, higher=(lambda P: V2 * P[:, None, :],), mode=mode)(X)
+    for b in range(4):
+        got = [per[k][b] for k in (1, 2, 3)]
+        ref = zip(*[_curve_derivatives(u, X[b], (V[s], V2[s] * X[b]), 3) for s in range(2)])
+        for k, (g, w) in enumerate(zip(got, ref), start=1):
+            assert_close(g, torch.stack(w), f"sample {b}, order {k}")
+
+
 def test_per_point_operators_refuse_what_they_cannot_mean():
     X = rand(5, 3, seed=709)
     with pytest.raises(hoad.InvalidArgumentError, match="factor per point must be \\(5, 3, S\\)"):
         hoad.laplacian(u, batch_dim=0, factor=lambda P: torch.ones(5, 2, 2, dtype=DT))(X)
-    with pytest.raises(hoad.InvalidArgumentError, match="directions per point must be \\(5, S, 3\\)"):
-        hoad.taylor(u, order=2, batch_dim=0, directions=lambda P: torch.ones(4, 3, dtype=DT))(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="directions must be \\(5, S, 3\\)"):
+        hoad.taylor(u, order=2, batch_dim=0, directions=lambda P: torch.ones(5, 4, 2, dtype=DT))(X)
     with pytest.raises(hoad.InvalidArgumentError, match="weights per point \\(C\\(x\\)\\) are taken as a factor"):
         hoad.laplacian(u, batch_dim=0, weights=torch.eye(3, dtype=DT).expand(5, 3, 3))
     with pytest.raises(hoad.InvalidArgumentError, match="come from a function of the points"):
         hoad.laplacian(u, batch_dim=0, directions=rand(5, 4, 3, seed=710))(X)
     with pytest.raises(hoad.InvalidArgumentError, match="work in hoad.laplacian and hoad.taylor"):
         hoad.biharmonic(u, batch_dim=0, factor=lambda P: None)
+    V = rand(2, 3, seed=716)
+    with pytest.raises(hoad.InvalidArgumentError, match="a tuple of 1 to K - 1 = 2 of them, got 3"):
+        hoad.taylor(u, order=3, directions=V, higher=(V, V, V))
+    with pytest.raises(hoad.InvalidArgumentError, match="one coefficient per direction"):
+        hoad.taylor(u, order=3, directions=V, higher=(rand(3, 3, seed=717),))(X[0])
