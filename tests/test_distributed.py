@@ -41,16 +41,22 @@ def union() -> torch.Tensor:
     return cases.train(model, cases.laplacian_of("operator", model, "eager"), [X])
 
 
-def check_forms(results: list, names, union) -> None:
+def check_forms(results: list, names, union, wrapper: str = "DDP") -> None:
     for name in names:
         for rank, by_name in enumerate(results):
             got = by_name[name]
-            assert not isinstance(got, str), f"{name}, rank {rank}: {got}"
+            assert not isinstance(got, str), f"{wrapper} {name}, rank {rank}: {got}"
             torch.testing.assert_close(got["parameters"], union, rtol=1e-12, atol=1e-14,
-                                       msg=lambda m: f"{name}, rank {rank}: {m}")
-            # one gradient bucket averaged per step: DDP's hooks fired once per step, and not at all
-            # for a micro-batch under no_sync
-            assert got["averaged"] == cases.STEPS, f"{name}, rank {rank}: {got['averaged']} averagings"
+                                       msg=lambda m: f"{wrapper} {name}, rank {rank}: {m}")
+            if wrapper == "DDP":
+                # one gradient bucket averaged per step: DDP's hooks fired once per step, and not at all
+                # for a micro-batch under no_sync
+                assert got["averaged"] == cases.STEPS, f"{name}, rank {rank}: {got['averaged']} averagings"
+                continue
+            # FSDP's hooks fired once per step: one reduce-scatter per sharded layer (3) a step, none for
+            # the inference call nor for a micro-batch under set_requires_gradient_sync(False)
+            assert got["scattered"] == 3 * cases.STEPS, f"FSDP2 {name}, rank {rank}: {got['scattered']} reduce-scatters"
+            assert got["sharded"], f"FSDP2 {name}, rank {rank}: parameters left gathered"
 
 
 RUNS = [dict(name=name, **options) for name, options in FORMS.items()]
@@ -162,30 +168,17 @@ def test_a_parameter_hessian_split_over_ranks_compiled(inductor_suite):
     _check_split(part(inductor_suite, "split"))
 
 
-def check_sharded_forms(results: list, names, union) -> None:
-    for name in names:
-        for rank, by_name in enumerate(results):
-            got = by_name[name]
-            assert not isinstance(got, str), f"{name}, rank {rank}: {got}"
-            torch.testing.assert_close(got["parameters"], union, rtol=1e-12, atol=1e-14,
-                                       msg=lambda m: f"FSDP2 {name}, rank {rank}: {m}")
-            # FSDP's hooks fired once per step: one reduce-scatter per sharded layer (3) a step, none for
-            # the inference call nor for a micro-batch under set_requires_gradient_sync(False)
-            assert got["scattered"] == 3 * cases.STEPS, f"FSDP2 {name}, rank {rank}: {got['scattered']} reduce-scatters"
-            assert got["sharded"], f"FSDP2 {name}, rank {rank}: parameters left gathered"
-
-
 def test_fsdp2_training_through_hoad_equals_one_process(eager_suite, union):
     """A PINN sharded by fully_shard (per layer and at the root): hoad runs FSDP's forward protocol
     around its program (gather before, free and hooks after), so every form trains as one process
     on the union of the points, and FSDP's set_requires_gradient_sync accumulates."""
-    check_sharded_forms(part(eager_suite, "fsdp"), FORMS, union)
+    check_forms(part(eager_suite, "fsdp"), FORMS, union, "FSDP2")
 
 
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_fsdp2_training_through_compiled_programs_equals_one_process(inductor_suite, union):
-    check_sharded_forms(part(inductor_suite, "fsdp"), FORMS, union)
+    check_forms(part(inductor_suite, "fsdp"), FORMS, union, "FSDP2")
 
 
 def _check_fsdp_hessian(results: list) -> None:
