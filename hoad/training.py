@@ -218,7 +218,7 @@ class _Guard(torch.autograd.Function):
             with _compile_errors(ctx.program):
                 direct = _compiled_backward(outs, primals, zeros)
             if direct is not None:
-                return (None, *[g if i in needs else None for i, g in enumerate(direct)])
+                return (None, *_laid_out_like([g if i in needs else None for i, g in enumerate(direct)], inputs))
         pairs = [(o, c) for o, c in zip(outs, cotangents) if c is not None and o.requires_grad]
         if pairs and needs:
             with _compile_errors(ctx.program):
@@ -226,7 +226,20 @@ class _Guard(torch.autograd.Function):
                                           [c for _, c in pairs], create_graph=create, allow_unused=True)
             for i, g in zip(needs, got):
                 grads[i] = g
-        return (None, *grads)
+        return (None, *_laid_out_like(grads, inputs))
+
+
+def _laid_out_like(grads: list, inputs: Sequence[torch.Tensor]) -> list:
+    """Each gradient with its input's strides where both are dense and differ only along axes of
+    size 1 (a (1, 64) gradient with strides (1, 1) for a (64, 1)-strided weight): the same memory,
+    seen as torch lays out the parameter, so DDP's gradient buckets take it without a copy (it
+    warned "Grad strides do not match bucket view strides" at every first step)."""
+    out = list(grads)
+    for i, (g, t) in enumerate(zip(grads, inputs)):
+        if (g is not None and g.shape == t.shape and g.stride() != t.stride() and g.is_contiguous()
+                and t.is_contiguous()):
+            out[i] = g.as_strided(t.shape, t.stride(), g.storage_offset())
+    return out
 
 
 @contextlib.contextmanager

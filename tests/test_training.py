@@ -567,3 +567,19 @@ def test_a_torch_compiled_training_step_calls_hoad_through_a_graph_break():
     for g, w in zip(got, want):
         assert (g is None and w is None) or torch.allclose(g, w, rtol=1e-12, atol=1e-12)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_a_compiled_backward_lays_gradients_out_as_their_parameters():
+    """A (1, 8) weight's gradient came back with strides (1, 1) for the weight's (8, 1): the same
+    memory, but DDP's buckets compare strides and warned "Grad strides do not match bucket view
+    strides" (and copied) at every step. The compiled backward now returns the parameter's layout."""
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).to(DT)
+    lap = hoad.laplacian(lambda X: net(X).squeeze(-1), batch_dim=0, backend="inductor")
+    X = rand(16, 2, seed=731)
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        (lap(X).laplacian ** 2).mean().backward()
+    assert [p.grad.stride() for p in net.parameters() if p.grad is not None] == \
+        [p.stride() for p in net.parameters() if p.grad is not None]
