@@ -31,8 +31,9 @@ from hoad.distributed import traced_as_module
 from hoad.errors import (CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError,
                          first_line)
 from hoad.passes.clean import cse, traced_call, written_inputs
-from hoad.passes.decompositions import (DETACHED_FROM, INPUT_STORAGES, STRIDED_READS, VALUE_READS, FunctionOverrides,
-                                        decomposition_table, safe_branches, squares_of_norms)
+from hoad.passes.branches import safe_branches, squares_of_norms
+from hoad.passes.decompositions import DETACHED_FROM, VALUE_READS, FunctionOverrides, decomposition_table
+from hoad.passes.indexing import INPUT_STORAGES, STRIDED_READS
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 

@@ -1,4 +1,4 @@
-"""Ops hoad covers by decomposing them into ops with rules (issue 17, passes/decompositions.py),
+"""Ops hoad covers by decomposing them into ops with rules (issue 17, passes/decompositions.py and passes/indexing.py),
 checked where the OpInfo sweep cannot: derivatives in every argument, orders torch cannot
 differentiate (its backward of cdist, pdist, segment_reduce, embedding_bag has no derivative),
 and the edges where a convention decides (zero distance, zeros in a product, ties).
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import hoad
 from helpers import assert_close, check, rand
-from hoad.passes.decompositions import _grid_sampler
+from hoad.passes.indexing import _grid_sampler
 
 aten = torch.ops.aten
 
