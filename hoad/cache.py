@@ -4,6 +4,7 @@ differ only in their number of samples, and the call keys."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Hashable
 
@@ -345,3 +346,46 @@ def leaf_key(leaf) -> Hashable:
     if isinstance(leaf, float) and leaf != leaf:  # (NaN equals no NaN: each call built a new program)
         return ("S", float, "nan")
     return ("S", type(leaf), leaf)
+
+
+# first builds by distinct compiled objects of one function, with the same options and call
+# signature: a hoad.compile or an operator made anew at every step traces and compiles anew at
+# every step (0.4-0.6 s a step, against 0.9 ms for the operator built once)
+REMADE_AFTER = 3
+_FIRST_BUILDS: dict[tuple, int] = {}
+_REMADE_SAID: set = set()
+
+
+def note_a_new_object(cf, key, entry: Entry) -> None:
+    """Count the first build of a new compiled object ``cf`` (a :class:`hoad.compiled.Compiled`);
+    warn once where the same function was built so by REMADE_AFTER objects."""
+    user = inspect.unwrap(cf.fn)
+    code = getattr(user, "__code__", None)
+    if code is None or cf.module is not None:  # (a module's method: each instance is its own)
+        return
+    # the objects the function reaches decide which function it is: an ensemble's lambdas over
+    # different nets are different functions, a lambda remade each step over the same net is not
+    owner = id(getattr(user, "__self__", None))
+    cells = tuple(id(c.cell_contents) for c in (getattr(user, "__closure__", None) or ()) if _filled(c))
+    try:
+        ident = (code, owner, cells, cf.order, repr(cf.wrt), repr(sorted(cf._options.items())), key)
+        hash(ident)
+    except Exception:  # noqa: BLE001 - an unhashable key: nothing to count
+        return
+    count = _FIRST_BUILDS[ident] = _FIRST_BUILDS.get(ident, 0) + 1
+    if count >= REMADE_AFTER and ident not in _REMADE_SAID:
+        _REMADE_SAID.add(ident)
+        seconds = sum(v["seconds"] for v in entry.build.stats.values() if isinstance(v, dict) and "seconds" in v)
+        log.warning("hoad: %s was traced and compiled by %d separate hoad.compile or operator objects with the same "
+                    "options and arguments (this build: %.2f s); each new object builds its program anew. Build it "
+                    "once, outside the loop, and call it: an operator reads directions=, weights= and factor= at "
+                    "every call, so resample by writing into them (V.copy_(torch.randn_like(V)))",
+                    name_of(cf.fn), count, seconds)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return False
+    return True

@@ -27,7 +27,8 @@ from hoad.algebra import Target
 from hoad.rules import EDITS
 from hoad.pipeline import BUILDS, Config, OperatorSpec, Sized, build, name_of
 from hoad.printing import ProgramView
-from hoad.cache import Entry, Family, ambient, is_nested, leaf_key, same_key, shown_leaf, stand_in, what_changed
+from hoad.cache import (Entry, Family, ambient, is_nested, leaf_key, note_a_new_object, same_key, shown_leaf,
+                        stand_in, what_changed)
 from hoad.chunking import joined, split
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body, tied_names, var_positional
 from hoad.options import GRAPH_BREAK, MAX_PROGRAMS, check_options, default_backend, parameters, plain_ints, wrt_entries
@@ -323,7 +324,7 @@ class Compiled(Rebuilt):
         else:
             entry = self._compile(args, kwargs, config)
         if not self._cache and not nested:
-            _note_a_new_object(self, key, entry)
+            note_a_new_object(self, key, entry)
         self._keep(key, entry)
         return entry
 
@@ -620,46 +621,3 @@ class Compiled(Rebuilt):
 
     def __repr__(self) -> str:
         return f"<hoad.compile({getattr(self.fn, '__name__', self.fn)!s}, order={self.order}, wrt={self.wrt!r})>"
-
-
-# first builds by distinct compiled objects of one function, with the same options and call
-# signature: a hoad.compile or an operator made anew at every step traces and compiles anew at
-# every step (0.4-0.6 s a step, against 0.9 ms for the operator built once)
-REMADE_AFTER = 3
-_FIRST_BUILDS: dict[tuple, int] = {}
-_REMADE_SAID: set = set()
-
-
-def _note_a_new_object(cf: Compiled, key, entry: Entry) -> None:
-    """Count the first build of a new compiled object; warn once where the same function was
-    built so by REMADE_AFTER objects."""
-    user = inspect.unwrap(cf.fn)
-    code = getattr(user, "__code__", None)
-    if code is None or cf.module is not None:  # (a module's method: each instance is its own)
-        return
-    # the objects the function reaches decide which function it is: an ensemble's lambdas over
-    # different nets are different functions, a lambda remade each step over the same net is not
-    owner = id(getattr(user, "__self__", None))
-    cells = tuple(id(c.cell_contents) for c in (getattr(user, "__closure__", None) or ()) if _filled(c))
-    try:
-        ident = (code, owner, cells, cf.order, repr(cf.wrt), repr(sorted(cf._options.items())), key)
-        hash(ident)
-    except Exception:  # noqa: BLE001 - an unhashable key: nothing to count
-        return
-    count = _FIRST_BUILDS[ident] = _FIRST_BUILDS.get(ident, 0) + 1
-    if count >= REMADE_AFTER and ident not in _REMADE_SAID:
-        _REMADE_SAID.add(ident)
-        seconds = sum(v["seconds"] for v in entry.build.stats.values() if isinstance(v, dict) and "seconds" in v)
-        log.warning("hoad: %s was traced and compiled by %d separate hoad.compile or operator objects with the same "
-                    "options and arguments (this build: %.2f s); each new object builds its program anew. Build it "
-                    "once, outside the loop, and call it: an operator reads directions=, weights= and factor= at "
-                    "every call, so resample by writing into them (V.copy_(torch.randn_like(V)))",
-                    name_of(cf.fn), count, seconds)
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # (an empty cell)
-        return False
-    return True
