@@ -10,7 +10,8 @@ from hoad.compiled import Compiled
 from hoad.options import parameters
 from hoad.derivatives import Derivatives
 from hoad.extend import register_elementwise, register_linear, register_rule, unregister_rule
-from hoad.operators import OperatorResult, biharmonic, laplacian, taylor
+from hoad.operators import OperatorResult, biharmonic, laplacian
+from hoad.jets import taylor
 from hoad.lowering.inductor import cache_dir
 from hoad.errors import (
     BatchCouplingError,
