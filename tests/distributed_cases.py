@@ -236,9 +236,20 @@ def whole(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def fsdp_training(rank: int, world: int, form: str, backend: str, accumulate: bool = False):
+def boundary_points(rank: int) -> torch.Tensor:
+    """Points where a boundary term calls the model itself (they require grad, as a user's may)."""
+    return points(10 + rank).requires_grad_()
+
+
+def with_boundary(model: nn.Module, lap, X: torch.Tensor, Xb: torch.Tensor) -> torch.Tensor:
+    """The PINN loss with a boundary term from a plain forward of the model in the same step."""
+    return ((lap(X) + source(X)) ** 2).mean() + (model(Xb).squeeze(-1) ** 2).mean()
+
+
+def fsdp_training(rank: int, world: int, form: str, backend: str, accumulate: bool = False, boundary: bool = False):
     """The parameters after each step of the FSDP2-sharded PINN (gathered), and how many
-    reduce-scatters FSDP ran in all (counted through its own custom-collective hook)."""
+    reduce-scatters FSDP ran in all (counted through its own custom-collective hook). With
+    ``boundary`` the loss adds a term from a plain forward of the sharded model (:func:`with_boundary`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
@@ -264,7 +275,9 @@ def fsdp_training(rank: int, world: int, form: str, backend: str, accumulate: bo
         opt.zero_grad()
         for i, B in enumerate(batches):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # FSDP's no_sync
-            (((lap(B) + source(B)) ** 2).mean() / len(batches)).backward()
+            loss = with_boundary(model, lap, B, boundary_points(rank)) if boundary else \
+                ((lap(B) + source(B)) ** 2).mean()
+            (loss / len(batches)).backward()
         opt.step()
         after.append(whole(model))
     return {"parameters": torch.stack(after), "scattered": scattered[0],
@@ -329,7 +342,8 @@ def suite(rank: int, world: int, backend: str, runs: list[dict]):
     form, DTensor arguments, a split parameter Hessian, one over FSDP2 shards; each part's result
     or error text."""
     out = {"ddp": ddp_forms(rank, world, backend, runs),
-           "fsdp": fsdp_forms(rank, world, backend, [r for r in runs if r.get("find_unused", True)])}
+           "fsdp": fsdp_forms(rank, world, backend, [r for r in runs if r.get("find_unused", True)]
+                              + [dict(name="with a plain forward", form="operator", boundary=True)])}
     for name, part in (("dtensor", lambda: dtensor_programs(rank, world)),
                        ("split", lambda: split_hessian(rank, world, backend)),
                        ("fsdp hessian", lambda: fsdp_hessian(rank, world, backend)),
