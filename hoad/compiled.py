@@ -151,7 +151,9 @@ class Compiled(Rebuilt):
             local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
             return each_output(self(*local.args, **local.kwargs), lambda r: r.mapped(local.wrap))
         sharded = self._fully_sharded()
-        if sharded and get_proxy_mode() is None:  # FSDP's forward protocol around the call (hoad.distributed)
+        if self._sharded is not None and get_proxy_mode() is None:
+            # in a process group: FSDP's forward protocol around the call (hoad.distributed), for the
+            # sharded modules known, and for any a build finds (a model sharded after the first call)
             with gathered(sharded):
                 return self._unsharded_call(args, kwargs)
         return self._unsharded_call(args, kwargs)

@@ -318,6 +318,25 @@ def fsdp_hessian(rank: int, world: int, backend: str):
             "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters())}
 
 
+def sharded_later(rank: int, world: int, backend: str) -> dict:
+    """An operator called on a plain model, the model then sharded by FSDP2 and the operator called
+    again: the Laplacian before and after, and where the gradients of a loss on it land."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = PINN()
+    lap = hoad.laplacian(lambda X: model(X).squeeze(-1), batch_dim=0, backend=backend)
+    X = points(rank)
+    before = lap(X).laplacian.detach()
+    for layer in model.net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    after = lap(X).laplacian
+    ((after + source(X)) ** 2).mean().backward()
+    return {"before": before, "after": after.detach(),
+            "gradients": [type(p.grad).__name__ for p in model.parameters() if p.grad is not None]}
+
+
 def fsdp_refusals(rank: int, world: int, backend: str) -> dict:
     """What hoad says of FSDP2 uses it does not support: a mixed-precision policy, modules
     sharded as one group."""
@@ -347,7 +366,8 @@ def suite(rank: int, world: int, backend: str, runs: list[dict]):
     for name, part in (("dtensor", lambda: dtensor_programs(rank, world)),
                        ("split", lambda: split_hessian(rank, world, backend)),
                        ("fsdp hessian", lambda: fsdp_hessian(rank, world, backend)),
-                       ("fsdp refusals", lambda: fsdp_refusals(rank, world, backend))):
+                       ("fsdp refusals", lambda: fsdp_refusals(rank, world, backend)),
+                       ("sharded later", lambda: sharded_later(rank, world, backend))):
         try:
             out[name] = part()
         except Exception as e:  # noqa: BLE001 - reported to the test

@@ -236,3 +236,12 @@ def test_fsdp2_uses_hoad_cannot_follow_are_refused_naming_what_works(eager_suite
         assert "module.to(dtype) before fully_shard" in said["mixed precision"]
         assert said["grouped"].startswith("DistributedError: the function reaches"), f"rank {rank}: {said['grouped']}"
         assert "call fully_shard on each module" in said["grouped"]
+
+
+def test_a_model_sharded_after_the_first_call(eager_suite):
+    """fully_shard applied after the operator's first call: the next call finds the sharded modules
+    while it builds, runs FSDP's protocol around itself, gives the same Laplacian, and the loss's
+    gradients land on the DTensor shards (it was a DistributedError naming a trace outside a call)."""
+    for rank, r in enumerate(part(eager_suite, "sharded later")):
+        torch.testing.assert_close(r["after"], r["before"], rtol=1e-13, atol=1e-13, msg=lambda m: f"rank {rank}: {m}")
+        assert r["gradients"] and set(r["gradients"]) == {"DTensor"}, f"rank {rank}: {r['gradients']}"
