@@ -188,18 +188,14 @@ class Entry:
 
     def _synchronized(self, tensors) -> tuple:
         """The program's outputs, run inside the forward protocol of the DDP modules it reads
-        (inside another trace, the outer program takes them over)."""
-        if not self.ddp:
-            outs = self._run(tensors)
-            if get_proxy_mode() is None:
-                note_outputs(outs)
-            return outs
+        (inside another trace, the outer program takes them over), noted for FSDP's."""
         if get_proxy_mode() is not None:
-            record_nested([d for d, _always in self.ddp])
+            if self.ddp:
+                record_nested([d for d, _always in self.ddp])
             return self._run(tensors)
         active = [d for d, always in self.ddp if always or torch.is_grad_enabled()]
-        outs = synchronized(active, lambda: self._run(tensors))
-        note_outputs(outs)
+        outs = synchronized(active, lambda: self._run(tensors)) if active else self._run(tensors)
+        note_outputs(outs)  # (for FSDP's post-forward, when the call runs its protocol)
         return outs
 
     def _own_failure(self, tensors) -> Exception | None:

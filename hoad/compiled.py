@@ -151,19 +151,17 @@ class Compiled(Rebuilt):
             local = LocalCall(args, kwargs, self.config.batch_dim, self._positional)
             return each_output(self(*local.args, **local.kwargs), lambda r: r.mapped(local.wrap))
         sharded = self._fully_sharded()
-        if self._sharded is not None and get_proxy_mode() is None:
+        if sharded is not None and get_proxy_mode() is None:
             # in a process group: FSDP's forward protocol around the call (hoad.distributed), for the
             # sharded modules known, and for any a build finds (a model sharded after the first call)
             with gathered(sharded):
                 return self._unsharded_call(args, kwargs)
         return self._unsharded_call(args, kwargs)
 
-    def _fully_sharded(self) -> list:
+    def _fully_sharded(self) -> list | None:
         """The FSDP2 states of the modules the function reaches (found at the first call in a
-        process group; a build finds any sharded later)."""
-        if self._sharded is None:
-            if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-                return []
+        process group; a build finds any sharded later), or None outside a process group."""
+        if self._sharded is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._sharded = fully_sharded(itertools.chain([self.module] if self.module is not None else [],
                                                           _reachable(self._roots())))
         return self._sharded

@@ -51,12 +51,9 @@ def _ddp_class():
 @contextlib.contextmanager
 def traced_as_module(called: list):
     """While a capture traces on this thread, a ``DistributedDataParallel`` module runs the module
-    it wraps, and is appended to ``called``; other threads' DDP calls are untouched."""
+    it wraps, and is appended to ``called``; other threads' DDP calls are untouched (and FSDP2's
+    hooks are quiet: :func:`quiet_hooks`)."""
     ddp = _ddp_class()
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    stack.append(called)
     patched = ddp is not None and not getattr(ddp.forward, "_hoad_traced", False)
     if patched:
         original = ddp.forward
@@ -75,21 +72,22 @@ def traced_as_module(called: list):
         forward._hoad_traced = True
         ddp.forward = forward
     try:
-        yield called
+        with quiet_hooks(called):
+            yield called
     finally:
-        stack.pop()
         if patched:
             ddp.forward = original
 
 
 @contextlib.contextmanager
-def quiet_hooks():
-    """FSDP2's forward hooks do nothing on this thread meanwhile: the function itself, run
-    eagerly inside a call whose parameters hoad has gathered (to tell its own errors)."""
+def quiet_hooks(called: list | None = None):
+    """FSDP2's forward hooks do nothing on this thread meanwhile, and the DDP modules a capture
+    calls go to ``called``: a trace, or the function itself run eagerly inside a call whose
+    parameters hoad has gathered (to tell its own errors)."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
-    stack.append([])
+    stack.append([] if called is None else called)
     try:
         yield
     finally:

@@ -501,8 +501,7 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
                             lambda V: Laplacian(u, wrt, directions=V, **options))
     if resampled is not None:
         return resampled
-    if callable(weights) and not isinstance(weights, torch.Tensor) or \
-            isinstance(weights, torch.Tensor) and batch_dim is not None and weights.ndim == 3:
+    if per_point(weights, batch_dim, columns=True):  # (C per point is (B, D, D), as a factor (B, D, S))
         raise InvalidArgumentError("hoad.laplacian: weights per point (C(x)) are taken as a factor: pass factor=L "
                                    "with C = L Lᵀ per point, (B, D, S) or a function of the points returning it "
                                    "(torch.linalg.cholesky(C) for a positive definite C)")
@@ -550,8 +549,7 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                     chunk_size=chunk_size, memory_budget=memory_budget, randomization=randomization,
                                     generator=generator)
     options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
-    if any(callable(g) and not isinstance(g, torch.Tensor) for g in (weights, factor, directions)) or \
-            isinstance(factor, torch.Tensor) and batch_dim is not None and factor.ndim == 3:
+    if per_point(factor, batch_dim, columns=True) or any(per_point(g, None, False) for g in (weights, directions)):
         raise InvalidArgumentError("hoad.biharmonic takes one operator for every point (weights=, factor= or "
                                    "directions= as tensors shared by the samples); directions or factors per point "
                                    "work in hoad.laplacian and hoad.taylor")
