@@ -205,7 +205,9 @@ class Way:
 
 
 def ways(p: OperatorProblem | TrainProblem) -> list[Way]:
-    """Every column of ``p``, in table order."""
+    """Every column of ``p``, in table order (a problem with its own columns lists them)."""
+    if hasattr(p, "ways"):
+        return p.ways()
     return train_ways(p) if isinstance(p, TrainProblem) else operator_ways(p)
 
 

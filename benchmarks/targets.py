@@ -441,6 +441,7 @@ class FromWorkloads:
 
 OPERATOR_IDS = tuple(w.id for w in workloads.OPERATOR_WORKLOADS)
 TRAIN_IDS = tuple(w.id for w in workloads.TRAIN_WORKLOADS)
+SHARED_PARAM_IDS = tuple(w.id for w in workloads.WORKLOADS if w.id.startswith("per-sample-params/"))
 
 
 def _train_lines(records: dict[str, dict | None], ids: tuple[str, ...]) -> list[Measured]:
@@ -499,6 +500,10 @@ TARGETS: list[Target] = [
                          "(256 after 100 and 128)", "—", Goal(1, "s", strict=True)),
                     Line("the same program's steady state at 256 samples", "a program compiled for 256 alone",
                          Goal(1.1))), new_sample_counts),
+    Target(17, 47, tuple(Line(f"{workloads.get(i).label} (inductor, batch_dim=0, wrt=parameters)",
+                              "faster of vmap(grad|hessian) and torch.compile of it",
+                              Goal(1 if i.endswith("/grad") else 0.5)) for i in SHARED_PARAM_IDS),
+           FromWorkloads(baselines=("torch.func", "torch.compile")), workloads=SHARED_PARAM_IDS),
 ]
 
 

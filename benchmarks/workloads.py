@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks import operators
+from benchmarks import operators, shared_params
 
 DT = torch.float64
 
@@ -324,6 +324,7 @@ WORKLOADS: list[Workload] = [
              shared_subexpressions(), quick=True),
     *(OPERATOR_WORKLOADS := _operator_workloads()),
     *(TRAIN_WORKLOADS := _train_workloads()),
+    *shared_params.workloads(Workload),
 ]
 
 

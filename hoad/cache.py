@@ -30,14 +30,14 @@ log = logging.getLogger(__name__)
 class Family:
     """Calls of one function that differ only in their number of samples (under batch_dim)."""
 
-    def __init__(self, wrt: list[int]):
-        self.wrt = wrt
+    def __init__(self, rows: list[int]):
+        self.rows = rows   # the call's leaves that hold the samples in dim 0
         self.first: Sized | None = None   # the first build's program
         self.tried: str | None = None     # how a second build showed the structure depends on the count
         self.entry: Entry | None = None  # the program for every number of samples
 
     def samples(self, leaves: list) -> int:
-        return leaves[self.wrt[0]].shape[0]
+        return leaves[self.rows[0]].shape[0]
 
 
 class Entry:

@@ -28,6 +28,11 @@ def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
         elif isinstance(w, str) and w in cf._positional and cf._positional.index(w) < len(args):
             places.append(Positional(cf._positional.index(w)))
     values = [args[p.index] if isinstance(p, Positional) else kwargs[p.name] for p in places]
+    if not places and any(isinstance(w, str) for w in cf._expanded_wrt()):
+        raise InvalidArgumentError(
+            f"chunk_size={n} splits the wrt inputs that hold the samples, and wrt={cf.wrt!r} names none of this "
+            "call's arguments (module parameters are shared by every sample, so they are not split). Add the input "
+            "that holds the samples to wrt, or drop chunk_size")
     if not values or not all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in values):
         return None  # the unchunked call names what is wrong
     samples = values[0].shape[0]

@@ -87,7 +87,7 @@ class Compiled(Rebuilt):
         # programs by key and the Python values they were traced with (Guard), kept when those
         # values change so that changing them back (net.eval(), then net.train()) traces nothing
         self._twins: dict[tuple, Entry] = {}
-        self._wrt_leaves: dict[Hashable, list[int]] = {}
+        self._sample_leaves: dict[Hashable, list[int]] = {}
         self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: Entry | None = None
         self._sharded: list | None = None  # FSDP2 states the function reaches (hoad.distributed.gathered)
@@ -397,21 +397,22 @@ class Compiled(Rebuilt):
 
     # ----------------------------------------------------------------- every number of samples
     def _family(self, treedef, leaves: list, extra) -> Family | None:
-        """The calls that differ from this one only in the number of samples (dim 0 of every wrt
-        input, all equal), or None when this call has none or fewer than 2 samples."""
-        wrt = self._wrt_leaves.get((treedef, extra))
-        if wrt is None:
+        """The calls that differ from this one only in the number of samples (dim 0 of every input
+        that holds them, all equal: see ``Build.sample_leaves``), or None when this call has none or
+        fewer than 2 samples."""
+        rows = self._sample_leaves.get((treedef, extra))
+        if rows is None:
             return None
-        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None for i in wrt}
+        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None for i in rows}
         if len(counts) != 1 or None in counts or next(iter(counts)) < 2:
             return None
-        fkey = (treedef, tuple((None,) + tuple(leaf.shape[1:]) + (leaf.dtype, leaf.device) if i in wrt
+        fkey = (treedef, tuple((None,) + tuple(leaf.shape[1:]) + (leaf.dtype, leaf.device) if i in rows
                                else leaf_key(leaf) for i, leaf in enumerate(leaves)), extra)
-        return self._families.setdefault(fkey, Family(wrt))
+        return self._families.setdefault(fkey, Family(rows))
 
     def _remember(self, treedef, leaves: list, extra, entry: Entry, tried: bool) -> None:
         """After a build: the wrt leaves of this call structure, and the family's program."""
-        self._wrt_leaves.setdefault((treedef, extra), list(entry.build.wrt_leaves))
+        self._sample_leaves.setdefault((treedef, extra), list(entry.build.sample_leaves))
         family = self._family(treedef, leaves, extra)
         if family is None:
             return

@@ -137,6 +137,10 @@ class Build:
     main: Callable | None = None         # the compiled program (after the prefix)
     run: Callable | None = None          # prefix and main together: run(*tensors) -> outputs
     samples: list[int] = field(default_factory=list)   # inputs whose dim 0 is a symbol in the compiled main
+    shared: frozenset = frozenset()      # under batch_dim, the wrt positions every sample shares (parameters)
+    # under batch_dim, the inputs that hold the samples in dim 0: the wrt inputs other than
+    # parameters, or where wrt names parameters only, the call's tensors with a row per sample
+    sample_leaves: list[int] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 
     @property
@@ -171,20 +175,21 @@ def _capture(b: Build) -> Build:
         if not out:
             raise InvalidArgumentError("batch_dim=0 needs an output whose dim 0 indexes the samples, but the function "
                                        "returns a scalar; return one value per sample (e.g. drop the final .sum())")
-        for leaf in b.wrt_leaves:
+        shared = []
+        for k, leaf in enumerate(b.wrt_leaves):
             shape = tuple(b.tensors[leaf].shape)
-            if not shape or shape[0] != out[0]:
-                place = b.layout.places[leaf]
-                if isinstance(place, StateEntry):  # a parameter is shared by every sample
-                    raise InvalidArgumentError(
-                        f"batch_dim=0 differentiates per sample with respect to inputs that hold the samples in dim "
-                        f"0, and wrt names the module's {place.name!r} (shape {shape}), which every sample shares. For "
-                        "per-sample derivatives with respect to parameters, drop batch_dim and return one value per "
-                        "sample: a non-scalar output gets one block per output entry, so res[...] has the samples "
-                        "first (per-sample gradients (B, *p), per-sample Hessians (B, *p, *p))")
+            if isinstance(b.layout.places[leaf], StateEntry):  # a parameter: every sample shares it
+                shared.append(k)
+            elif not shape or shape[0] != out[0]:
                 raise InvalidArgumentError(
                     f"batch_dim=0: wrt input {b.layout.names[leaf]!r} has shape {shape}, but the output has {out[0]} "
-                    "samples along dim 0; every wrt input must have the same number of samples in dim 0")
+                    "samples along dim 0; every wrt input must have the same number of samples in dim 0 (a tensor "
+                    "that every sample shares is a module's parameter or buffer: hold it in a torch.nn.Module and "
+                    "name it in wrt by its name, as in wrt=['layer.weight'])")
+        b.shared = frozenset(shared)
+        b.sample_leaves = [leaf for k, leaf in enumerate(b.wrt_leaves) if k not in b.shared] or [
+            i for i, t in enumerate(b.tensors[:b.n_user]) if t.ndim and t.shape[0] == out[0]
+            and not isinstance(b.layout.places[i], StateEntry)]
     _settle(b.captured, b.config)
     return b
 
@@ -240,7 +245,7 @@ def _differentiate(b: Build) -> Build:
         lowering = b.lowerings[d] = Recorded(b.target.lowering, replay)
         b.candidates[d] = differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
                                         target=dataclasses.replace(b.target, lowering=lowering),
-                                        diagonal=b.config.diagonal, operator=op, share=share)
+                                        diagonal=b.config.diagonal, operator=op, share=share, shared=b.shared)
     return b
 
 
@@ -402,8 +407,10 @@ def _compile(b: Build) -> Build:
         if why is None:
             why = _in_words(b, difference(first.prefix, 1, p.prefix, 1),
                             "the part hoad computes from the parameters alone")
+        if why is None and not b.sample_leaves:
+            why = "no input of the call holds the samples"
         if why is None:
-            general = generalize(first.gm, count, p.gm, here, b.wrt_leaves[0])
+            general = generalize(first.gm, count, p.gm, here, b.sample_leaves[0])
             why = _in_words(b, difference(first.gm, count, p.gm, here), "hoad's program") if general is None else None
         # a third count: two can agree by chance on a number computed from the count
         # (X.shape[0] % 7 at 100 and 128), which the one program for every count would keep
@@ -413,10 +420,10 @@ def _compile(b: Build) -> Build:
         b.stats["samples_differ"] = why
         if general is not None:
             p.gm = general
-            samples += b.wrt_leaves
+            samples += b.sample_leaves
         b.stats["any_samples"] = general is not None
         if general is not None:  # (the sizes its nodes were traced with)
-            shown = [n for n in general.graph.nodes if n.op == "placeholder"][b.wrt_leaves[0]].meta.get("val")
+            shown = [n for n in general.graph.nodes if n.op == "placeholder"][b.sample_leaves[0]].meta.get("val")
             b.stats["samples_shown"] = shown.shape[0] if isinstance(shown, torch.Tensor) else None
     own_outputs(p.gm)
     _name_outputs(p)
@@ -525,7 +532,8 @@ def count_dependence(b: Build, count: int) -> str | None:
     value (``/ X.shape[0]``)."""
     here = b.captured.out_shape[0]
     n_user = b.n_user
-    tensors = [t.new_empty((count, *t.shape[1:])) if i in b.wrt_leaves else t for i, t in enumerate(b.tensors[:n_user])]
+    tensors = [t.new_empty((count, *t.shape[1:])) if i in b.sample_leaves else t
+               for i, t in enumerate(b.tensors[:n_user])]
     try:
         with untouched(b.roots):
             captured = capture(b.fn, b.layout, tensors, b.wrt_leaves, batched=b.config.batch_dim is not None)

@@ -57,6 +57,7 @@ class Program:
     slot_shapes: list[tuple[int, ...]]
     stored: dict[MultiIndex, int] = field(default_factory=dict)   # compact entries of each block
     batch_dim: int | None = None           # blocks are per sample along this axis (slot_shapes per sample)
+    shared: frozenset = frozenset()        # under batch_dim, wrt positions every sample shares (parameters)
     diagonal: bool = False                 # blocks hold pure derivatives only (one axis copy per wrt input)
     stats: dict = field(default_factory=dict)
     # the part computed from free tensors alone (hoad.passes.hoist): its outputs are gm's last inputs
@@ -87,7 +88,8 @@ class OperatorInputs:
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
                   target: Target = EAGER_TARGET, diagonal: bool = False,
-                  operator: OperatorInputs | None = None, share: tuple[int, int] | None = None) -> Program:
+                  operator: OperatorInputs | None = None, share: tuple[int, int] | None = None,
+                  shared: frozenset = frozenset()) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
@@ -111,7 +113,7 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         n = leaves[operator.directions].shape[0]
         slot_shapes[0] = (slot_shapes[0][0], n) if batch_dim is not None else (n,)
     interp = _Interpreter(primal, captured.wrt_leaves, slot_shapes, wrt_names, order, where, batch_dim, diagonal,
-                          operator, target, share)
+                          operator, target, share, frozenset(shared))
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     try:
         with fx_traceback.preserve_node_meta():
@@ -125,9 +127,11 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         raise HoadInternalError(f"building the {direction} derivative program failed{at}: "
                                 f"{type(e).__name__}: {e}") from e
     _apply_names(gm, interp.names, captured.leaf_names)
-    slot_shapes = interp.slot_shapes if batch_dim is None else [s[1:] for s in interp.slot_shapes]
+    slot_shapes = interp.slot_shapes if batch_dim is None else \
+        [s if k in shared else s[1:] for k, s in enumerate(interp.slot_shapes)]
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
-                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, diagonal=diagonal,
+                   captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, shared=frozenset(shared),
+                   diagonal=diagonal,
                    operator=operator, owners=interp.owners, rank=share[0] if share else 0)
 
 
@@ -147,8 +151,9 @@ class _Interpreter:
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
                  batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None,
-                 target: Target = EAGER_TARGET, share: tuple[int, int] | None = None):
+                 target: Target = EAGER_TARGET, share: tuple[int, int] | None = None, shared: frozenset = frozenset()):
         self.primal = primal
+        self.shared = shared
         self.share = share
         self.owners: dict[MultiIndex, int] = {}
         self.nodes = list(primal.graph.nodes)
@@ -298,7 +303,7 @@ class _Interpreter:
             return _flat(_constant(out, varies), node, args, kwargs)
         rule = self._rule(RULES, node)
         ctx = Ctx(keys, tuple(self.slot_shapes), out, adjoint, self.diagonal, self.collapse, self.target,
-                  self.batch_dim is not None)
+                  self.batch_dim is not None, self.shared)
         blocks = self._call(rule, node, ctx, args, kwargs)
         with fx_traceback.annotate({"rule": rule.__name__}):  # (the lazy blocks forced here are the rule's)
             return self._finish(node, ctx, out, args, kwargs, blocks, varies, adjoint)
@@ -499,7 +504,7 @@ class _Interpreter:
                 ps = [p for p in range(len(K)) if K[p] == k]
                 groups += [[offsets[p] + t for p in ps] for t in range(ranks[ps[0]])] if len(ps) > 1 else []
         if self.batch_dim is not None:
-            sample = [0] + offsets
+            sample = [0] + [at for at, k in zip(offsets, K) if k not in self.shared]
             groups = [g for g in groups if not set(g) & set(sample)] + [sorted(set(sample).union(
                 *[g for g in groups if set(g) & set(sample)]))]
         return groups
@@ -520,7 +525,8 @@ class _Interpreter:
             v = env.get(node)
             if not isinstance(v, Jet) or not v.blocks:
                 continue
-            tied = all(b.dims[v.ndim] is not None and b.dims[v.ndim] in b.dims[:v.ndim] for b in v.blocks.values())
+            tied = all(b.dims[v.ndim] is not None and b.dims[v.ndim] in b.dims[:v.ndim]
+                       for K, b in v.blocks.items() if K[0] not in self.shared)
             parents_ok = all(ok.get(a, True) for a in node.all_input_nodes)
             ok[node] = tied and parents_ok
             if parents_ok and not tied and node.op == "call_function":

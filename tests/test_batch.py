@@ -165,20 +165,6 @@ def test_batch_dim_argument_checks():
         hoad.compile(lambda X, w: (X @ w).sum(1), order=2, wrt=(0, 1), batch_dim=0)(rand(3, 4), rand(4, 2))
 
 
-def test_batch_dim_with_parameters_names_the_per_sample_way():
-    """wrt a module's parameter under batch_dim: the error says what works (no batch_dim, one
-    value per sample: the blocks have the samples first), and that way gives vmap(jacrev)'s
-    per-sample gradients."""
-    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-    X = rand(5, 3)
-    with pytest.raises(hoad.InvalidArgumentError, match=r"'0\.weight'.*drop batch_dim.*per-sample gradients"):
-        hoad.compile(net, order=2, wrt=["0.weight"], batch_dim=0)(X)
-    res = hoad.compile(net, order=1, wrt=["0.weight"], backend="eager")(X)
-    params = dict(net.named_parameters())
-    one = lambda w, x: torch.func.functional_call(net, {**params, "0.weight": w}, (x[None],))[0]  # noqa: E731
-    assert_close(res["0.weight"], vmap(jacrev(one), in_dims=(None, 0))(params["0.weight"], X), "per-sample gradients")
-
-
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_compact_order_three_program_does_not_grow_with_b_squared(mode):
     """Every tensor in the per-sample order-3 program is O(B): no B x B intermediate."""

@@ -76,6 +76,7 @@ class Ctx:
     # how products become ops on the machine that runs the program (hoad.algebra.target)
     target: Target = EAGER_TARGET
     batched: bool = False           # slot axis 0 of every input is the sample axis (batch_dim)
+    shared: frozenset = frozenset()  # ... but of these wrt positions, which every sample shares
 
     @property
     def max_order(self) -> int:
@@ -106,7 +107,7 @@ class Ctx:
         """The sample labels among ``K``'s slots, when the target keeps sample axes apart."""
         if not (self.batched and self.target.sample_axes):
             return frozenset()
-        return frozenset(("s", K[p] if self.diagonal else p, 0) for p in range(len(K)))
+        return frozenset(("s", K[p] if self.diagonal else p, 0) for p in range(len(K)) if K[p] not in self.shared)
 
     def slot_ranks(self, K: MultiIndex) -> list[int]:
         """Axes of each slot group of ``K``'s block (collapsed axes excluded at the top order)."""

@@ -78,7 +78,7 @@ def _by_derivatives(ctx: Ctx, n: int) -> bool:
     about n^k products per output entry at order k) than as a tree of pairwise products (about
     n·S^k for slots of S entries, 2^k Leibniz terms each): the tensors win unless the slots are
     much smaller than the line (a product over a wide hidden layer of a few inputs)."""
-    sizes = [math.prod(s[1:] if ctx.batched else s) for s in ctx.slot_shapes]
+    sizes = [math.prod(s[1:] if ctx.batched and k not in ctx.shared else s) for k, s in enumerate(ctx.slot_shapes)]
     return n >= 1 and (ctx.max_order <= 1 or n <= 2 * max(sizes, default=1))
 
 
