@@ -22,7 +22,7 @@ def default_backend() -> str:
 
 # Programs kept per compiled function (one per call signature); the oldest goes first.
 MAX_PROGRAMS = 16
-MODES = ("auto", "forward", "reverse")
+MODES = ("auto", "forward", "reverse", "forward-over-reverse")
 
 
 def refuse_unknown(api: str, unknown: dict, known: list[str]) -> None:
@@ -85,6 +85,11 @@ def check_options(order, wrt, backend, mode, batch_dim=None, diagonal=False, chu
                                    f"{' (the environment variable HOAD_DEFAULT_BACKEND)' if from_env else ''}")
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "forward-over-reverse" and (order != 2 or diagonal):
+        raise InvalidArgumentError(
+            "mode='forward-over-reverse' builds hoad.compile's order 2 with every block (forward mode over the "
+            f"gradient program), not order={order}{', diagonal=True' if diagonal else ''} or an operator's program: "
+            "use mode='auto', 'forward' or 'reverse'")
     if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim != 0):
         raise InvalidArgumentError(f"batch_dim must be None or 0 (samples along the first dim), got {batch_dim!r}")
     if not isinstance(diagonal, bool):

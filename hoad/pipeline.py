@@ -36,6 +36,7 @@ from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import difference, generalize
+from hoad.passes import over_reverse
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
@@ -54,7 +55,7 @@ BUILDS = threading.RLock()
 class Config:
     order: int
     backend: str = "inductor"
-    mode: str = "auto"          # "forward", "reverse", or "auto": build both, keep the cheaper
+    mode: str = "auto"          # "forward", "reverse", "forward-over-reverse", or "auto": the cheapest
     batch_dim: int | None = None  # 0: dim 0 of the output and of every wrt input indexes samples
     diagonal: bool = False        # pure derivatives only (∂²/∂x_i², the diagonal of each block)
     operator: OperatorSpec | None = None   # a differential operator (hoad.operators)
@@ -243,9 +244,21 @@ def _differentiate(b: Build) -> Build:
     replay = b.config.sized.choices if b.config.sized is not None else ()
     for d in b.config.directions:
         lowering = b.lowerings[d] = Recorded(b.target.lowering, replay)
+        target = dataclasses.replace(b.target, lowering=lowering)
+        if d == over_reverse.NAME:
+            b.candidates[d] = over_reverse.forward_over_reverse(b.captured, where, b.config.batch_dim, target,
+                                                                b.shared, op, share)
+            continue
         b.candidates[d] = differentiate(b.captured, b.config.order, d, where=where, batch_dim=b.config.batch_dim,
-                                        target=dataclasses.replace(b.target, lowering=lowering),
-                                        diagonal=b.config.diagonal, operator=op, share=share, shared=b.shared)
+                                        target=target, diagonal=b.config.diagonal, operator=op, share=share,
+                                        shared=b.shared)
+    if b.config.mode == "auto" and b.config.sized is None and over_reverse.worth_building(
+            b.captured, b.config.order, b.config.diagonal, op, share, b.config.batch_dim, b.shared):
+        lowering = b.lowerings[over_reverse.NAME] = Recorded(b.target.lowering, ())
+        nested = over_reverse.candidate(b.captured, where, b.config.batch_dim,
+                                        dataclasses.replace(b.target, lowering=lowering), b.shared)
+        if nested is not None:
+            b.candidates[over_reverse.NAME] = nested
     return b
 
 
@@ -273,8 +286,9 @@ def _lower(b: Build) -> Build:
 
 def _hoist(b: Build) -> Build:
     """Split off what the free tensors alone determine; it is reused while they do not change."""
+    samples = b.captured.out_shape[0] if b.config.batch_dim is not None and b.captured.out_shape else None
     for p in b.candidates.values():
-        p.prefix, p.gm, p.prefix_reads = hoist(p.gm, len(b.captured.free))
+        p.prefix, p.gm, p.prefix_reads = hoist(p.gm, len(b.captured.free), samples if samples != 1 else None)
         p.stats["hoisted"] = 0 if p.prefix is None else len(p.prefix.graph.output_node().args[0])
     return b
 
@@ -302,7 +316,7 @@ def _weigh_the_other_direction(b: Build) -> None:
     """Warn, with both estimates, where the direction the user forced is estimated to cost more
     than OTHER_COSTS_MORE times the other one."""
     forced = b.program.direction
-    other = "reverse" if forced == "forward" else "forward"
+    other = "forward" if forced == "reverse" else "reverse"
     twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves, dataclasses.replace(b.config, mode=other), roots=b.roots)
     twin.captured = b.captured
     try:
@@ -314,7 +328,7 @@ def _weigh_the_other_direction(b: Build) -> None:
     b.stats["costs"][other] = theirs
     if mine["score"] > OTHER_COSTS_MORE * theirs["score"]:
         log.warning("hoad: %s's order-%d program in mode=%r is estimated at %.3g GFLOP and %s per call, mode=%r at "
-                    "%.3g GFLOP and %s (%.0fx less); mode='auto' (the default) builds both and keeps the cheaper",
+                    "%.3g GFLOP and %s (%.0fx less); mode='auto' (the default) keeps the cheapest candidate",
                     name_of(b.fn), b.config.order, forced, mine["flops"] / 1e9, human(mine["bytes"]), other,
                     theirs["flops"] / 1e9, human(theirs["bytes"]), mine["score"] / max(theirs["score"], 1))
 
@@ -397,6 +411,7 @@ def _compile(b: Build) -> Build:
         b.prefix = Prefix(eager_program(p.prefix), p.prefix_reads, n_user)
         with torch.no_grad():
             hoisted = b.prefix(dense[n_user:])
+    own_outputs(p.gm)  # (before a comparison with the first count's program, which has its copies)
     samples = b.samples = []
     if b.config.sized is not None:
         first = b.config.sized
@@ -425,7 +440,6 @@ def _compile(b: Build) -> Build:
         if general is not None:  # (the sizes its nodes were traced with)
             shown = [n for n in general.graph.nodes if n.op == "placeholder"][b.sample_leaves[0]].meta.get("val")
             b.stats["samples_shown"] = shown.shape[0] if isinstance(shown, torch.Tensor) else None
-    own_outputs(p.gm)
     _name_outputs(p)
     examples = dense + list(hoisted)
     if b.config.backend == "inductor" and in_background() and cpu_codegen_problem(examples) is None:

@@ -26,16 +26,23 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node]) -> set[fx.Node]:
+def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node], samples: int | None = None) -> set[fx.Node]:
     """Nodes computed from ``free`` placeholders and constants alone, worth keeping between calls:
     layout-only ops (views) are left to the main program unless hoisted work reads them, and
-    values over HOIST_LIMIT_BYTES stay computed there with everything that reads them."""
+    values over HOIST_LIMIT_BYTES stay computed there with everything that reads them. Under
+    batch_dim a value made from constants alone with an axis of ``samples`` entries stays too (a
+    seed spread over the samples): the one program for every count computes it at each count."""
     inside: set[fx.Node] = set()
     sources = set(free)
+    reads_free = set(free)  # (a value of the weights may have as many rows as there are samples)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             sources.add(node)
         elif pure(node) and all(a in sources or a in inside for a in node.all_input_nodes):
+            if any(a in reads_free for a in node.all_input_nodes):
+                reads_free.add(node)
+            elif samples is not None and samples in getattr(node.meta.get("val"), "shape", ()):
+                continue
             if any(a in sources or a in inside for a in node.all_input_nodes):
                 inside.add(node)
     changed = True
@@ -53,13 +60,15 @@ def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node]) -> set[fx.Node]:
     return inside
 
 
-def hoist(gm: fx.GraphModule, n_free: int) -> tuple[fx.GraphModule | None, fx.GraphModule, list[int]]:
+def hoist(gm: fx.GraphModule, n_free: int, samples: int | None = None
+          ) -> tuple[fx.GraphModule | None, fx.GraphModule, list[int]]:
     """Split ``gm`` (whose last ``n_free`` placeholders are free tensors) into ``(prefix, main,
     reads)``: ``prefix(*free[reads])`` returns the hoisted values, ``main(*inputs, *hoisted)`` the
-    program's outputs. ``prefix`` is None (and ``main`` is ``gm``) when nothing is worth hoisting."""
+    program's outputs. ``prefix`` is None (and ``main`` is ``gm``) when nothing is worth hoisting.
+    ``samples``: the number under batch_dim (see :func:`hoistable`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     free = placeholders[len(placeholders) - n_free:] if n_free else []
-    inside = hoistable(gm, free)
+    inside = hoistable(gm, free, samples)
     boundary = [n for n in gm.graph.nodes if n in inside and any(u not in inside for u in n.users)]
     if not boundary:
         return None, gm, []
