@@ -112,6 +112,17 @@ def test_attention_within_each_sample_with_its_input_and_its_projection():
     _check(res, ["X"] + names, _reference(model, names, (X,), 2, sample_wrt=(0,)))
 
 
+@pytest.mark.parametrize("kind", ["cnn", "attention"])
+def test_order_three_of_a_cnn_and_of_attention(kind):
+    if kind == "cnn":
+        model, args, names = _cnn(), (rand(3, 1, 5, 5, seed=10), torch.tensor([2, 0, 1])), ["net.0.weight"]
+    else:
+        model, args, names = Attention(), (rand(3, 3, 4, seed=11),), ["attn.in_proj_bias"]
+    with torch.no_grad():
+        res = hoad.compile(model, order=3, wrt=names, batch_dim=0, backend="eager")(*args)
+    _check(res, names, _reference(model, names, args, 3))
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_mixed_input_parameter_blocks_at_order_three(mode):
     model = _mlp()
