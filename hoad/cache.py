@@ -16,7 +16,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.distributed import Split, note_outputs, quiet_hooks, record_nested, synchronized
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, first_line
-from hoad.binding import find_guards, find_sources, untouched
+from hoad.binding import find_sources, untouched
+from hoad.guards import find_guards
 from hoad.rules import USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
