@@ -411,7 +411,8 @@ class Compiled(Rebuilt):
         return self._families.setdefault(fkey, Family(rows))
 
     def _remember(self, treedef, leaves: list, extra, entry: Entry, tried: bool) -> None:
-        """After a build: the wrt leaves of this call structure, and the family's program."""
+        """After a build: the leaves that hold the samples in this call structure, and the family's
+        program."""
         self._sample_leaves.setdefault((treedef, extra), list(entry.build.sample_leaves))
         family = self._family(treedef, leaves, extra)
         if family is None:

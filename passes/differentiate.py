@@ -95,8 +95,10 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     ``where(node)`` describes the user's source line of a primal node, for error messages.
     With ``batch_dim=0`` the blocks come back per sample: the output's first axis must stay
     tied (diagonal) to the first axis of every slot, else :class:`BatchCouplingError` names the
-    op that coupled the samples. With ``diagonal`` only pure derivatives are computed: the slots of
-    one wrt input share their labels, and each block comes back with one copy of its axes.
+    op that coupled the samples; the slots at the wrt positions in ``shared`` (parameters every
+    sample shares) have no sample axis, and their blocks carry the output's. With ``diagonal``
+    only pure derivatives are computed: the slots of one wrt input share their labels, and each
+    block comes back with one copy of its axes.
     ``target``: how products become ops on the machine that runs the program (its lowering),
     and the layout switches tests and nested programs use (see :class:`hoad.algebra.Target`).
     ``share=(rank, world)``: the top order's canonical blocks are dealt to ``world`` ranks,
