@@ -30,8 +30,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     gets order N from one first-order adjoint sweep (the adjoint form); "forward-over-reverse" (order 2,
     every block) pushes one tangent per wrt entry through the gradient program, as torch.func's
     hessian does; "auto" builds the candidates and keeps the one with the lowest estimated cost
-    (FLOPs, bytes and calls of the generated program; the third is built for order 2 with 128 or
-    more wrt entries per sample).
+    (FLOPs, bytes and calls of the generated program; the third is built under Inductor for order 2
+    with 128 or more wrt entries per sample).
     ``batch_dim=0`` promises that dim 0 of the output and of every wrt input indexes independent
     samples: blocks come back per sample, ``res[0, 0].shape == (B, *out[1:], *x[1:], *x[1:])``
     (``torch.func.vmap(hessian(f_single))(X)``), and an op that mixes samples raises
