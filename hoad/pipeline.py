@@ -273,9 +273,8 @@ def _prune(b: Build) -> Build:
 
 
 def _clean(b: Build) -> Build:
-    samples = b.captured.out_shape[0] if b.config.batch_dim is not None and b.captured.out_shape else None
     for p in b.candidates.values():
-        p.gm = clean(p.gm, samples if samples is not None and samples > 1 else None)
+        p.gm = clean(p.gm, b.captured.samples(b.config.batch_dim))
     return b
 
 
@@ -290,9 +289,8 @@ def _lower(b: Build) -> Build:
 
 def _hoist(b: Build) -> Build:
     """Split off what the free tensors alone determine; it is reused while they do not change."""
-    samples = b.captured.out_shape[0] if b.config.batch_dim is not None and b.captured.out_shape else None
     for p in b.candidates.values():
-        p.prefix, p.gm, p.prefix_reads = hoist(p.gm, len(b.captured.free), samples if samples != 1 else None)
+        p.prefix, p.gm, p.prefix_reads = hoist(p.gm, len(b.captured.free), b.captured.samples(b.config.batch_dim))
         p.stats["hoisted"] = 0 if p.prefix is None else len(p.prefix.graph.output_node().args[0])
     return b
 

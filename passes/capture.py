@@ -97,6 +97,12 @@ class Captured:
     # a function returning several tensors: the program returns them joined (OutputTree)
     out_tree: OutputTree | None = None
 
+    def samples(self, batch_dim: int | None) -> int | None:
+        """The number of samples under ``batch_dim`` where there are several (the count the
+        cleaning and hoisting passes keep sizes of apart), else None."""
+        count = self.out_shape[0] if batch_dim is not None and self.out_shape else None
+        return count if count is not None and count > 1 else None
+
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
             name_free: Callable[[list[torch.Tensor]], list[str]] | None = None, batched: bool = False) -> Captured:

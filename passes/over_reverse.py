@@ -63,8 +63,7 @@ def forward_over_reverse(captured: Captured, where: Callable, batch_dim: int | N
     if inner.zeros:
         raise InvalidArgumentError(f"mode={NAME!r}: the output does not depend on every wrt input "
                                    f"({', '.join(inner.wrt_names[K[0]] for K in inner.zeros)}); use mode='auto'")
-    samples = captured.out_shape[0] if batch_dim is not None and captured.out_shape else None
-    inner.gm = clean(prune(inner.gm), samples if samples is not None and samples > 1 else None)
+    inner.gm = clean(prune(inner.gm), captured.samples(batch_dim))
     joined = _joined_gradients(captured, inner)
     try:
         outer = differentiate(joined, 1, "forward", where=lambda node: "", batch_dim=batch_dim, target=target,
