@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.func import jacfwd, jacrev, vmap
+from torch.func import functional_call, jacfwd, jacrev, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hoad
 from hoad.algebra import Target
@@ -102,3 +103,21 @@ def rand(*shape, positive=False, seed=None):
     g = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 1000)
     t = torch.randn(*shape, dtype=DT, generator=g)
     return t.abs() + 0.5 if positive else t
+
+
+def shared_parameter_reference(model, names: list[str], args: tuple, order: int, sample_wrt: tuple[int, ...] = ()):
+    """{wrt positions: block} of one sample, vmapped over the samples with the parameters unmapped.
+    The wrt list is the sample inputs at ``sample_wrt`` (positions in ``args``), then ``names``."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    n = len(args)
+
+    def one(*a):
+        inputs, ps = a[:n], dict(zip(names, a[n:]))
+        return functional_call(model, {**params, **ps}, tuple(x[None] for x in inputs))[0]
+
+    wrt = tuple(sample_wrt) + tuple(range(n, n + len(names)))
+    blocks = lambda *a: reference(one, a, wrt, order)  # noqa: E731
+
+    in_dims = (0,) * n + (None,) * len(names)
+    with sdpa_kernel(SDPBackend.MATH):  # (torch's fused attention kernels have no forward-mode rule)
+        return vmap(blocks, in_dims=in_dims)(*args, *[params[k] for k in names])

@@ -8,11 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hoad
-from helpers import assert_close, check, rand, reference
+from helpers import assert_close, check, rand, shared_parameter_reference
 
 MODE = "forward-over-reverse"
 
@@ -49,16 +47,6 @@ class Attention(nn.Module):
 NAMES = ["attn.in_proj_weight", "attn.in_proj_bias"]
 
 
-def _attention_reference(model, X):
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def one(w, b, x):
-        return functional_call(model, {**params, NAMES[0]: w, NAMES[1]: b}, (x[None],))[0]
-
-    with sdpa_kernel(SDPBackend.MATH):  # (torch's fused attention kernels have no forward-mode rule)
-        return vmap(lambda x: reference(lambda w, b: one(w, b, x), (params[NAMES[0]], params[NAMES[1]]), (0, 1), 2))(X)
-
-
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_auto_chooses_it_for_attentions_input_projection_and_is_exact(backend):
     """Per-sample Hessians w.r.t. the packed input projection (216 entries): the head split makes
@@ -80,7 +68,7 @@ def test_auto_chooses_it_for_attentions_input_projection_and_is_exact(backend):
         with torch.no_grad():
             eager(X)
         assert eager.graph.program.direction != MODE and MODE not in eager.explain().build.stats["costs"]
-    ref = _attention_reference(model, X)
+    ref = shared_parameter_reference(model, NAMES, (X,), 2)
     for K, expected in ref.items():
         assert_close(res[tuple(NAMES[k] for k in K)], expected, f"block {K}")
 
@@ -92,7 +80,8 @@ def test_one_program_serves_every_number_of_samples():
         X = rand(count, 3, 8, seed=10 + count)
         with torch.no_grad():
             res = cf(X)
-        assert_close(res[NAMES[0], NAMES[1]], _attention_reference(model, X)[(0, 1)], f"{count} samples")
+        expected = shared_parameter_reference(model, NAMES, (X,), 2)[(0, 1)]
+        assert_close(res[NAMES[0], NAMES[1]], expected, f"{count} samples")
     assert cf.graph.program.direction == MODE
     assert len({id(e) for e in cf._cache.values()}) == 2, "one program for 5 samples, one for every number"
 

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, hessian, jacfwd, jacrev, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hoad
-from helpers import assert_close, compiled, inductor_layout, rand, reference
+from helpers import assert_close, compiled, inductor_layout, rand, shared_parameter_reference
 
 DT = torch.float64
 
@@ -51,24 +50,6 @@ class Attention(nn.Module):
         return self.attn(X, X, X, need_weights=False)[0].pow(2).sum((1, 2))
 
 
-def _reference(model, names: list[str], args: tuple, order: int, sample_wrt: tuple[int, ...] = ()):
-    """{wrt positions: block} of one sample, vmapped over the samples with the parameters unmapped.
-    The wrt list is the sample inputs at ``sample_wrt`` (positions in ``args``), then ``names``."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    n = len(args)
-
-    def one(*a):
-        inputs, ps = a[:n], dict(zip(names, a[n:]))
-        return functional_call(model, {**params, **ps}, tuple(x[None] for x in inputs))[0]
-
-    wrt = tuple(sample_wrt) + tuple(range(n, n + len(names)))
-    blocks = lambda *a: reference(one, a, wrt, order)  # noqa: E731
-
-    in_dims = (0,) * n + (None,) * len(names)
-    with sdpa_kernel(SDPBackend.MATH):  # (torch's fused attention kernels have no forward-mode rule)
-        return vmap(blocks, in_dims=in_dims)(*args, *[params[k] for k in names])
-
-
 def _check(res, keys: list, ref: dict):
     for K, expected in ref.items():
         key = tuple(keys[p] for p in K)
@@ -86,9 +67,9 @@ def test_an_mlp_classifiers_per_sample_blocks_equal_vmap_up_to_order_three(mode,
         res = compiled(model, 3, names, target=target, batch_dim=0, mode=mode, backend="eager")(X, y)
     assert res["net.0.weight", "net.2.bias"].shape == (5, 4, 3, 3)
     assert res["net.0.weight", "net.0.weight", "net.2.bias"].shape == (5, 4, 3, 4, 3, 3)
-    _check(res, names, _reference(model, names, (X, y), 3))
-    assert_close(res["net.2.bias", "net.0.weight"], _reference(model, names, (X, y), 2)[(0, 1)].permute(0, 3, 1, 2),
-                 "a permuted key")
+    _check(res, names, shared_parameter_reference(model, names, (X, y), 3))
+    mixed = shared_parameter_reference(model, names, (X, y), 2)[(0, 1)]
+    assert_close(res["net.2.bias", "net.0.weight"], mixed.permute(0, 3, 1, 2), "a permuted key")
 
 
 def test_every_parameter_of_a_cnn_at_order_two():
@@ -98,7 +79,7 @@ def test_every_parameter_of_a_cnn_at_order_two():
     with torch.no_grad():
         res = hoad.compile(model, order=2, wrt=hoad.parameters, batch_dim=0, backend="eager")(X, y)
     assert res.wrt == names
-    _check(res, names, _reference(model, names, (X, y), 2))
+    _check(res, names, shared_parameter_reference(model, names, (X, y), 2))
 
 
 def test_attention_within_each_sample_with_its_input_and_its_projection():
@@ -109,7 +90,7 @@ def test_attention_within_each_sample_with_its_input_and_its_projection():
     with torch.no_grad():
         res = hoad.compile(model, order=2, wrt=["X"] + names, batch_dim=0, backend="eager")(X)
     assert res["X", "attn.in_proj_weight"].shape == (3, 3, 4, 12, 4)
-    _check(res, ["X"] + names, _reference(model, names, (X,), 2, sample_wrt=(0,)))
+    _check(res, ["X"] + names, shared_parameter_reference(model, names, (X,), 2, sample_wrt=(0,)))
 
 
 @pytest.mark.parametrize("kind", ["cnn", "attention"])
@@ -120,7 +101,7 @@ def test_order_three_of_a_cnn_and_of_attention(kind):
         model, args, names = Attention(), (rand(3, 3, 4, seed=11),), ["attn.in_proj_bias"]
     with torch.no_grad():
         res = hoad.compile(model, order=3, wrt=names, batch_dim=0, backend="eager")(*args)
-    _check(res, names, _reference(model, names, args, 3))
+    _check(res, names, shared_parameter_reference(model, names, args, 3))
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
@@ -129,7 +110,7 @@ def test_mixed_input_parameter_blocks_at_order_three(mode):
     X, y = rand(4, 3, seed=4), torch.tensor([1, 0, 2, 2])
     with torch.no_grad():
         res = hoad.compile(model, order=3, wrt=["X", "net.2.weight"], batch_dim=0, mode=mode, backend="eager")(X, y)
-    _check(res, ["X", "net.2.weight"], _reference(model, ["net.2.weight"], (X, y), 3, sample_wrt=(0,)))
+    _check(res, ["X", "net.2.weight"], shared_parameter_reference(model, ["net.2.weight"], (X, y), 3, sample_wrt=(0,)))
 
 
 def test_the_pure_derivatives_under_diagonal():
@@ -137,7 +118,7 @@ def test_the_pure_derivatives_under_diagonal():
     X, y = rand(4, 3, seed=5), torch.tensor([1, 0, 2, 2])
     with torch.no_grad():
         res = hoad.compile(model, order=2, wrt=["net.0.weight"], batch_dim=0, diagonal=True, backend="eager")(X, y)
-    full = _reference(model, ["net.0.weight"], (X, y), 2)[(0, 0)].reshape(4, 12, 12)
+    full = shared_parameter_reference(model, ["net.0.weight"], (X, y), 2)[(0, 0)].reshape(4, 12, 12)
     assert_close(res["net.0.weight", "net.0.weight"], full.diagonal(dim1=1, dim2=2).reshape(4, 4, 3), "pure")
 
 
@@ -176,7 +157,7 @@ def test_one_program_serves_every_number_of_samples(backend):
         with torch.no_grad():
             res = cf(X, y)
         assert res["net.0.weight", "net.0.weight"].shape == (count, 6, 3, 6, 3)
-        _check(res, names, _reference(model, names, (X, y), 2))
+        _check(res, names, shared_parameter_reference(model, names, (X, y), 2))
     assert len({id(e) for e in cf._cache.values()}) == 2, "one program for 5 samples, one for every number"
 
 
