@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hoad.algebra import Target
@@ -127,7 +126,6 @@ def _split_rows(captured: Captured, inner: Program, outer: Program, batch_dim, s
 
     gm = make_fx(program, decomposition_table=decomposition_table(), tracing_mode="fake",
                  _allow_non_fake_inputs=True)(*leaves)
-    gm = fx.GraphModule(gm, gm.graph)
     keys = [(k,) for k in range(n)] + keys2
     stored = {K: math.prod(lead) * math.prod(sizes[k] for k in K) for K in keys}
     return Program(gm, keys, [], 2, NAME, inner.wrt_names, inner.leaf_names, captured.out_shape,
