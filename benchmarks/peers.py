@@ -114,6 +114,8 @@ class InProcess:
 # ----------------------------------------------------------------------------------- hoad
 @dataclass(frozen=True)
 class HoadOption:
+    """How hoad is run in one column: the backend, how samples are handled, diagonal or full."""
+
     backend: str
     samples: str  # "dense" (not per-sample) | "batch_dim" | "summed" (Σ_b f(X_b), diagonal blocks read off)
     diagonal: bool = False  # pure derivatives only (a Laplacian needs no mixed ∂²/∂x_i∂x_j)

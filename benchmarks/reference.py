@@ -102,6 +102,8 @@ def reference(p: Problem) -> dict[MultiIndex, torch.Tensor]:
 
 @dataclass
 class Check:
+    """The outcome of comparing a contender's blocks with the float64 reference."""
+
     ok: bool
     error: float  # the largest scaled difference over the blocks compared
     note: str = ""

@@ -20,6 +20,8 @@ from benchmarks.workloads import Problem, Workload
 
 @dataclass(frozen=True)
 class Settings:
+    """One benchmark run's settings: budget, peers, dtype and compile limits."""
+
     quick: bool
     budget: Budget
     compile_peers: bool = True

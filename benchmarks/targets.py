@@ -30,6 +30,7 @@ from torch import nn
 
 import hoad
 from benchmarks import workloads
+from benchmarks.fresh import run_fresh
 from benchmarks.peers import (
     HoadOption,
     InProcess,
@@ -40,7 +41,6 @@ from benchmarks.peers import (
     jax_jit,
     torch_func,
 )
-from benchmarks.fresh import run_fresh
 from benchmarks.reference import answer_fn, canonical, reference
 from benchmarks.runner import Settings, measure, run_workload
 from benchmarks.timing import Budget, median
@@ -86,6 +86,8 @@ class Measured:
 
 @dataclass(frozen=True)
 class Target:
+    """One row of the targets table: the issue it serves, its lines, and how they are measured."""
+
     row: int
     issue: int
     lines: tuple[Line, ...]

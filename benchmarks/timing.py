@@ -19,11 +19,15 @@ from typing import Protocol
 
 
 class Runnable(Protocol):
+    """Something the timer can call ``calls`` times and report the seconds it took."""
+
     def run(self, calls: int) -> float: ...
 
 
 @dataclass(frozen=True)
 class Budget:
+    """How long to time each contender: total seconds, block length and round counts."""
+
     seconds: float  # time per contender per workload, spread over the rounds
     block: float  # target length of one timed block (calls are repeated to reach it)
     min_rounds: int

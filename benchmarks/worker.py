@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 from benchmarks.env import configure
 
-
 PREFIX = "@@bench "  # marks a protocol line on stdout
 
 

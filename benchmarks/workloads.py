@@ -31,6 +31,8 @@ DT = torch.float64
 
 @dataclass
 class Problem:
+    """A derivative problem: the function, its arguments, the order and what to differentiate."""
+
     fn: Callable[..., torch.Tensor]
     args: tuple
     order: int
@@ -50,6 +52,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class Workload:
+    """A named benchmark row: how to build its problem and which peers run in --quick."""
+
     id: str  # unique, stable: the name --only matches and the worker rebuilds by
     group: str
     label: str

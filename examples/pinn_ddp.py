@@ -30,9 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from pinn_poisson import boundary_points, exact, source  # the same problem (this file's folder is on the path)
 
 import hoad
-from pinn_poisson import boundary_points, exact, source  # the same problem (this file's folder is on the path)
 
 log = logging.getLogger("pinn_ddp")
 DT = torch.float64

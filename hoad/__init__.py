@@ -7,12 +7,7 @@ by Schwarz symmetry), and runs it.
 
 from hoad.api import compile
 from hoad.compiled import Compiled
-from hoad.options import parameters
 from hoad.derivatives import Derivatives
-from hoad.extend import register_elementwise, register_linear, register_rule, unregister_rule
-from hoad.operators import OperatorResult, biharmonic, laplacian
-from hoad.jets import taylor
-from hoad.lowering.inductor import cache_dir
 from hoad.errors import (
     BatchCouplingError,
     CaptureError,
@@ -28,6 +23,11 @@ from hoad.errors import (
     RandomnessError,
     UnsupportedOperatorError,
 )
+from hoad.extend import register_elementwise, register_linear, register_rule, unregister_rule
+from hoad.jets import taylor
+from hoad.lowering.inductor import cache_dir
+from hoad.operators import OperatorResult, biharmonic, laplacian
+from hoad.options import parameters
 
 
 def explain(compiled: Compiled, *args, **kwargs):

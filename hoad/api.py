@@ -6,9 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-
-from hoad.errors import InvalidArgumentError, OutputError
 from hoad.compiled import Compiled
+from hoad.errors import InvalidArgumentError, OutputError
 from hoad.options import check_options, plain_ints, refuse_unknown
 
 

@@ -13,17 +13,16 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from hoad.binding import find_sources, untouched
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.distributed import Split, note_outputs, quiet_hooks, record_nested, synchronized
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, first_line
-from hoad.binding import find_sources, untouched
 from hoad.guards import find_guards
-from hoad.rules import USER_OPS, has_autograd
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import Build, Sized, name_of, smaller_programs
+from hoad.rules import USER_OPS, has_autograd
 from hoad.training import Trainable
-
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +381,7 @@ def note_a_new_object(cf, key, entry: Entry) -> None:
 
 def _filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # (an empty cell)
         return False
     return True

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from hoad.binding import Keyword, Positional
+from hoad.cache import Entry
 from hoad.derivatives import Derivatives
 from hoad.errors import InvalidArgumentError, MemoryBudgetError
-from hoad.binding import Keyword, Positional
 from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import count_dependence, smaller_programs
-from hoad.cache import Entry
 
 
 def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:

@@ -14,25 +14,34 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.utils._pytree as pytree
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.utils._python_dispatch import _disable_current_modes
 
+from hoad.algebra import Target
+from hoad.binding import CallLayout, Keyword, Positional, StateEntry, _reachable, bind_layout, positional_names
+from hoad.cache import (
+    Entry,
+    Family,
+    ambient,
+    is_nested,
+    leaf_key,
+    note_a_new_object,
+    same_key,
+    shown_leaf,
+    stand_in,
+    what_changed,
+)
+from hoad.chunking import joined, split
 from hoad.derivatives import Derivatives, each_output
 from hoad.distributed import LocalCall, data_parallel_wrappers, enlist, fully_sharded, gathered, has_dtensors
 from hoad.errors import CaptureError, InvalidArgumentError
-from hoad.binding import CallLayout, Keyword, Positional, StateEntry, bind_layout, positional_names, _reachable
-from hoad.algebra import Target
-from hoad.rules import EDITS
-from hoad.pipeline import BUILDS, Config, OperatorSpec, Sized, build, name_of
-from hoad.printing import ProgramView
-from hoad.cache import (Entry, Family, ambient, is_nested, leaf_key, note_a_new_object, same_key, shown_leaf,
-                        stand_in, what_changed)
-from hoad.chunking import joined, split
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body, tied_names, var_positional
 from hoad.options import GRAPH_BREAK, MAX_PROGRAMS, check_options, default_backend, parameters, plain_ints, wrt_entries
-
+from hoad.pipeline import BUILDS, Config, OperatorSpec, Sized, build, name_of
+from hoad.printing import ProgramView
+from hoad.rules import EDITS
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from hoad.algebra.multiindex import MultiIndex
 from hoad.distributed import Split
 from hoad.errors import InvalidArgumentError
-from hoad.algebra.multiindex import MultiIndex
 
 
 class ResultSpec:

@@ -16,6 +16,8 @@ from hoad.passes.memory import human
 
 
 class Explanation:
+    """What :func:`hoad.explain` shows: a build's direction, stages, costs and memory plan."""
+
     def __init__(self, build):
         self.build = build
         self.program = build.program

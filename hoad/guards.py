@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hoad.binding import MAX_DEPTH, SCALARS, _STEP, Source, Step, _children, _hooks, _loads, _reachable
+from hoad.binding import _STEP, MAX_DEPTH, SCALARS, Source, Step, _children, _hooks, _loads, _reachable
 from hoad.distributed import is_data_parallel
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,8 @@ def _attributes_read(objects: list) -> set[str]:
               for f in [getattr(type(o), "forward", None)] if isinstance(f, types.FunctionType)]
     # a callable object of the user's (not a module): what its __call__ reads
     codes += [f.__code__ for o in objects if not isinstance(o, (torch.nn.Module, types.FunctionType, type))
-              for f in [getattr(type(o), "__call__", None)] if isinstance(f, types.FunctionType)]
+              for f in [getattr(type(o), "__call__", None)]  # noqa: B004 (its code, not whether it is callable)
+              if isinstance(f, types.FunctionType)]
     names: set[str] = set()
     done: set = set()
     classes = {type(o) for o in objects if not isinstance(o, (types.FunctionType, types.MethodType))}

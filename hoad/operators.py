@@ -24,15 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 import torch._dynamo
+import torch.utils._pytree as pytree
 
 from hoad.compiled import Compiled
-from hoad.directions import SHIFT, PerPoint, _point_of, _randomization, _randomized, _signature, per_point
 from hoad.derivatives import Derivatives
+from hoad.directions import SHIFT, PerPoint, _point_of, _randomization, _randomized, _signature, per_point
+from hoad.errors import InvalidArgumentError
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body
 from hoad.options import GRAPH_BREAK, refuse_unknown
-from hoad.errors import InvalidArgumentError
 from hoad.pipeline import OperatorSpec
 
 DIRECTIONS, WEIGHTS = "hoad_directions", "hoad_weights"
@@ -509,8 +509,8 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
         if given is not None and per_point(given, batch_dim, columns):
             _check_wrt(wrt)
             return PerPoint("hoad.laplacian", u, wrt, batch_dim, given, columns,
-                            lambda g, count: _laplacian_along_axes(g, count, 1.0 if columns else 1.0 / count,
-                                                                   options))
+                            lambda g, count, columns=columns: _laplacian_along_axes(
+                                g, count, 1.0 if columns else 1.0 / count, options))
     return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, **options)
 
 

@@ -10,7 +10,6 @@ import os
 from hoad.distributed import check_split
 from hoad.errors import InvalidArgumentError
 
-
 BACKENDS = ("inductor", "eager")
 
 

@@ -21,28 +21,28 @@ import torch
 import torch.fx as fx
 
 from hoad.algebra import EAGER, Target
-from hoad.algebra.target import Recorded
 from hoad.algebra.multiindex import key_name
+from hoad.algebra.target import Recorded
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
 from hoad.distributed import share_of
+from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError, first_line
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
-from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError, first_line
+from hoad.passes import over_reverse
 from hoad.passes.capture import Captured, capture
-from hoad.source import locate
 from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import difference, generalize
-from hoad.passes import over_reverse
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
 from hoad.passes.prune import prune
 from hoad.passes.samples import keep_samples_apart
 from hoad.progress import COMPILE_THREAD, Progress
+from hoad.source import locate
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ BUILDS = threading.RLock()
 
 @dataclass
 class Config:
+    """The options a program is built with: order, backend, mode, samples, diagonal, operator."""
+
     order: int
     backend: str = "inductor"
     mode: str = "auto"          # "forward", "reverse", "forward-over-reverse", or "auto": the cheapest

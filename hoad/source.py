@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-
 # hoad's own code: the package, and passes/ beside it where the checkout is installed in place
 # (installed from a wheel, hoad.passes lies inside the package)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

@@ -28,10 +28,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import CallLayout, _identifier, _unique
 from hoad.distributed import traced_as_module
-from hoad.errors import (CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError,
-                         first_line)
-from hoad.passes.clean import cse, traced_call, written_inputs
+from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError, first_line
 from hoad.passes.branches import safe_branches, squares_of_norms
+from hoad.passes.clean import cse, traced_call, written_inputs
 from hoad.passes.decompositions import DETACHED_FROM, VALUE_READS, FunctionOverrides, decomposition_table
 from hoad.passes.indexing import INPUT_STORAGES, STRIDED_READS
 from hoad.rules import is_random
@@ -203,7 +202,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node.target = name
     gm.recompile()
     written = {id(free[i - len(fresh)]) for i in written_inputs(gm) if i >= len(fresh)}
-    for t, value in VALUE_READS:
+    for t, _value in VALUE_READS:
         if id(t) in written:  # read after the function's own update: no value before a call tells it
             raise CaptureError(
                 f"the function reads the value of a tensor it also updates (float() or .item() of a "

@@ -7,7 +7,6 @@ only remove or merge nodes that compute the same values).
 from __future__ import annotations
 
 import functools
-
 import math
 
 import torch

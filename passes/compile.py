@@ -27,9 +27,9 @@ import torch.fx as fx
 from hoad.errors import CompileError, HoadError
 from hoad.lowering.inductor import INDUCTOR_OPTIONS, cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
-from hoad.progress import COMPILE_THREAD
 from hoad.passes.clean import written_inputs
 from hoad.passes.memory import human, memory_plan
+from hoad.progress import COMPILE_THREAD
 
 aten = torch.ops.aten
 log = logging.getLogger("hoad")

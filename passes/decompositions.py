@@ -13,9 +13,21 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from hoad.errors import DataDependentControlFlowError, HoadInternalError, InvalidArgumentError
-from hoad.passes.indexing import (_AS_ITSELF, _as_strided, _as_strided_scatter, _copy, _embedding_bag,
-                                  _grid_sampler, _index_put, _index_reduce, _masked_scatter, _op_itself, _put,
-                                  _scatter_reduce, _segment_reduce)
+from hoad.passes.indexing import (
+    _AS_ITSELF,
+    _as_strided,
+    _as_strided_scatter,
+    _copy,
+    _embedding_bag,
+    _grid_sampler,
+    _index_put,
+    _index_reduce,
+    _masked_scatter,
+    _op_itself,
+    _put,
+    _scatter_reduce,
+    _segment_reduce,
+)
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 

@@ -31,13 +31,13 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, m
 from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
 from hoad.algebra.block import _canonical
 from hoad.algebra.maps import select_out
-from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, InvalidArgumentError, UnsupportedOperatorError
 from hoad.algebra.multiindex import MultiIndex, all_multi_indices, key_name, multi_indices
+from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, InvalidArgumentError, UnsupportedOperatorError
+from hoad.passes.capture import Captured
+from hoad.passes.decompositions import decomposition_table
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
 from hoad.rules.base import Collapse, Contracted, NodeInfo, VjpCtx, adjoint_labels, out_labels
 from hoad.rules.flat import PRODUCTS, flat_of
-from hoad.passes.capture import Captured
-from hoad.passes.decompositions import decomposition_table
 
 DIRECTIONS = ("forward", "reverse")
 

@@ -24,6 +24,8 @@ from hoad.passes.cost import is_view
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """A program's estimated memory: its inputs, its results and the peak while it runs."""
+
     inputs: int    # bytes of the program's inputs (the caller's tensors, free tensors)
     results: int   # bytes of the program's outputs (the value and every stored block)
     peak: int      # estimated peak bytes while the program runs, inputs included

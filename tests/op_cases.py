@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from helpers import rand
 
 aten = torch.ops.aten

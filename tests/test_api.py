@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 import torch.fx as fx
+from helpers import assert_close, check, rand, reference
 from torch.func import hessian, jacfwd, jacrev
 
 import hoad
 from hoad.lowering import malloc
-from helpers import assert_close, check, rand, reference
 
 DT = torch.float64
 

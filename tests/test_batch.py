@@ -3,12 +3,12 @@ vmap(hessian), coupling ops are named, and compact programs do not grow with B²
 
 import pytest
 import torch
+from helpers import assert_close, compiled, inductor_layout, rand
+from op_cases import CASES
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
 from hoad.algebra import Target
-from helpers import assert_close, compiled, inductor_layout, rand
-from op_cases import CASES
 
 W1 = rand(4, 8, seed=21) / 2
 W2 = rand(8, 8, seed=22) / 3

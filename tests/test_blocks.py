@@ -6,8 +6,18 @@ import random
 import pytest
 import torch
 
-from hoad.algebra import (Block, add, contract, expand_out, map_out, permute_out, reshape_out, squeeze_out, sum_out,
-                          unsqueeze_out)
+from hoad.algebra import (
+    Block,
+    add,
+    contract,
+    expand_out,
+    map_out,
+    permute_out,
+    reshape_out,
+    squeeze_out,
+    sum_out,
+    unsqueeze_out,
+)
 
 
 def dense_of(blk: Block) -> torch.Tensor:

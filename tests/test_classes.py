@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close, check, rand, reference
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hoad
-from helpers import assert_close, check, rand, reference
 
 W23 = rand(2, 3, seed=101)
 W3 = rand(3, seed=102)

@@ -5,13 +5,13 @@ float32 is checked against the float64 reference with a tolerance scaled to the 
 (derivative blocks of order 4 amplify rounding; 1e-3 relative is float32's honest reach here).
 """
 
+import op_cases
 import pytest
 import torch
+from op_cases import CASES
 
 import hoad
-import op_cases
 from hoad.rules import FAMILIES
-from op_cases import CASES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

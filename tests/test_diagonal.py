@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 W = rand(4, 6, seed=41) / 2
 V = rand(6, 3, seed=42) / 2
@@ -27,7 +27,7 @@ def test_pure_derivatives_equal_diagonals_of_full_blocks(mode, order):
     x = rand(4, seed=1)
     res = hoad.compile(f, order=order, diagonal=True, mode=mode)(x)
     g = jacrev(f)
-    for k in range(2, order + 1):
+    for _ in range(2, order + 1):
         g = jacfwd(g)
     full = g(x)
     got = res[(0,) * order]

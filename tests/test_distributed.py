@@ -4,12 +4,11 @@ of one process trained on the union of the points (tests/distributed_cases.py ru
 
 from __future__ import annotations
 
+import distributed_cases as cases
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import distributed_cases as cases
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

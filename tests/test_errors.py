@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import rand
 
 import hoad
-from helpers import rand
 
 THIS_FILE = os.path.basename(__file__)
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close, check, rand
 from torch.func import hessian, jacrev
 
 import hoad
-from helpers import assert_close, check, rand
 
 aten = torch.ops.aten
 

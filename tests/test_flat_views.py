@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch import nn
 from torch.func import functional_call, hessian, jacrev, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 DT = torch.float64
 

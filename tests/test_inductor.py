@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-
-import hoad
 from helpers import rand
 from op_cases import CASES
+
+import hoad
 
 W = rand(3, 4, seed=31)
 

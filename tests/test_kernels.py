@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from helpers import assert_close, compiled, inductor_layout, rand
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 import hoad
 from hoad.lowering import kernels
 from hoad.lowering.inductor import gram
 from hoad.passes.cost import node_cost
-from helpers import assert_close, compiled, inductor_layout, rand
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 or no C++ compiler here")
 needs_jets = pytest.mark.skipif(not kernels.avx2_available(), reason="no AVX2 or no C++ compiler here")

@@ -5,10 +5,10 @@ scatter and scatter_reduce flavour; per-sample and diagonal programs through a c
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close, check, rand
 from torch.func import jacfwd, jacrev, vmap
 
 import hoad
-from helpers import assert_close, check, rand
 
 
 def _idx(*v):

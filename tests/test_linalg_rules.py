@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from helpers import check, rand
 
 import hoad
-from helpers import check, rand
 
 aten = torch.ops.aten
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import check, rand
 
 import hoad
-from helpers import check, rand
 
 W3 = rand(64, 3, seed=11)
 V64 = rand(64, 64, seed=12) / 8

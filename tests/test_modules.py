@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_close, rand
 from torch.func import functional_call, jacfwd, jacrev
 
 import hoad
-from helpers import assert_close, rand
 
 DT = torch.float64
 

@@ -11,9 +11,9 @@ derivative (the op's convention) where torch has one.
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close, check, rand
 
 import hoad
-from helpers import assert_close, check, rand
 from hoad.passes.indexing import _grid_sampler
 
 aten = torch.ops.aten

@@ -3,10 +3,10 @@ structural zeros stay zeros (docs/guide.md, on NaN and infinity)."""
 
 import pytest
 import torch
+from helpers import rand
 from torch.func import hessian, jacfwd, jacrev
 
 import hoad
-from helpers import rand
 
 DT = torch.float64
 X = torch.tensor([-1.5, 0.5, -0.3, 2.0], dtype=DT)

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch.func import hessian, jacrev, jvp, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 DT = torch.float64
 MODES = ["forward", "reverse"]
@@ -183,7 +183,7 @@ def test_a_collapsed_taylor_jet_is_refused_where_it_means_nothing():
     with pytest.raises(hoad.InvalidArgumentError, match=r"weights must be a floating-point tensor of shape \(S,\)"):
         hoad.taylor(mlp, order=2, directions=V, collapse=True, weights=torch.ones(4, dtype=DT))
     with pytest.raises(hoad.InvalidArgumentError, match="keeps every direction"):
-        hoad.taylor(mlp, order=2, directions=V)(rand(4, seed=617)).collapsed
+        _ = hoad.taylor(mlp, order=2, directions=V)(rand(4, seed=617)).collapsed
 
 
 def test_the_taylor_jet_is_collapsed():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close, check, rand, shared_parameter_reference
 from torch import nn
 
 import hoad
-from helpers import assert_close, check, rand, shared_parameter_reference
 
 MODE = "forward-over-reverse"
 

@@ -3,19 +3,18 @@
 import pytest
 import torch
 import torch.fx as fx
+from helpers import compiled, rand
+from op_cases import CASES
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hoad.passes.clean import clean
-from hoad.passes.hoist import Prefix, hoist
-from hoad.passes.prune import prune
-from helpers import compiled, rand
-from hoad.algebra import Target
-from op_cases import CASES
-
 import hoad
+from hoad.algebra import Target
 from hoad.binding import bind_layout
 from hoad.passes.capture import capture
+from hoad.passes.clean import clean
 from hoad.passes.differentiate import differentiate
+from hoad.passes.hoist import Prefix, hoist
+from hoad.passes.prune import prune
 
 aten = torch.ops.aten
 
@@ -31,7 +30,7 @@ def calls(gm: fx.GraphModule) -> list:
 def test_prune_removes_trivial_arithmetic():
     def f(x):
         a = x * 1.0 + 0.0
-        b = -(-a)
+        b = -(-a)  # noqa: B002 (a double negation for prune to remove)
         c = (b * 2.0) * 3.0
         return c, torch.neg(x) * 4.0
 

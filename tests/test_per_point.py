@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch.func import hessian, jacfwd, jvp, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 DT = torch.float64
 W1, W2 = rand(3, 7, seed=701), rand(7, seed=702)

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
+from helpers import rand
 
 import hoad
 from hoad import progress
-from helpers import rand
 
 
 def energy(x):

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
+from helpers import assert_close, rand, reference
 
 import hoad
-from helpers import assert_close, rand, reference
 
 W23 = rand(2, 3, seed=201)
 W32 = rand(3, 2, seed=202)

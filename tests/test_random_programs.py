@@ -19,12 +19,12 @@ import string
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DT, assert_close, rand, reference, reference_block
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch.func import vmap
 
 import hoad
-from helpers import DT, assert_close, rand, reference, reference_block
 
 MAX_INPUT_ENTRIES = 12  # per input (per sample)
 MAX_NODE_ENTRIES = 24  # intermediates may grow a little (broadcasting, expand, cat, stack)

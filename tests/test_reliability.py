@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch.func import hessian, jacrev, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 W = rand(3, 4, seed=301)
 V = rand(4, seed=302)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from hoad.rules import RULES, VJPS
 from helpers import check
 from op_cases import CASES
+
+from hoad.rules import RULES, VJPS
 
 aten = torch.ops.aten
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close, compiled, inductor_layout, rand, shared_parameter_reference
 from torch import nn
 from torch.func import functional_call, hessian, jacfwd, jacrev, vmap
 
 import hoad
-from helpers import assert_close, compiled, inductor_layout, rand, shared_parameter_reference
 
 DT = torch.float64
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_close, check, rand
 from torch.func import jacfwd, jacrev, vmap
 
 import hoad
 from hoad.binding import bind_layout
 from hoad.passes.capture import _mutates, capture
-from helpers import assert_close, check, rand
 
 aten = torch.ops.aten
 MODES = ["forward", "reverse"]

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
+from helpers import assert_close, rand
 from torch.func import hessian, vmap
 
 import hoad
 from hoad.pipeline import Tiered
-from helpers import assert_close, rand
 
 pytestmark = pytest.mark.inductor
 

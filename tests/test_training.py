@@ -10,10 +10,10 @@ import collections
 import pytest
 import torch
 import torch.nn as nn
+from helpers import assert_close, rand
 from torch.func import hessian, vmap
 
 import hoad
-from helpers import assert_close, rand
 
 DT = torch.float64
 # Inductor compiles cost seconds each: one program per backend and form

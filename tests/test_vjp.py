@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.fx as fx
+from helpers import assert_close
+from op_cases import CASES
 from torch.func import vjp as torch_vjp
 
 from hoad.algebra import Block
@@ -11,9 +13,6 @@ from hoad.passes.capture import capture
 from hoad.passes.samples import keep_samples_apart
 from hoad.rules import RULES, VJPS, Jet
 from hoad.rules.base import VjpCtx
-from helpers import assert_close
-from op_cases import CASES
-
 
 # ops torch.func cannot differentiate out of place, with an equivalent reference
 REFERENCE = {

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hoad.rules import elementwise, linear, multilinear, reduction
-from hoad.rules import conv, indexing, pooling
-from hoad.rules import factorizations, linalg
+from hoad.rules import conv, elementwise, factorizations, indexing, linalg, linear, multilinear, pooling, reduction
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM, is_random
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from hoad.algebra import EAGER_TARGET, Block, Target
-from hoad.errors import HoadInternalError
 from hoad.algebra.multiindex import MultiIndex, closure
+from hoad.errors import HoadInternalError
 
 
 class Jet:

@@ -13,10 +13,19 @@ from dataclasses import replace
 
 import torch
 
-from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.algebra import Block
-from hoad.rules.combinators import (Scaled, broadcast, chain, leibniz, off_flat, scale_out, scaled, sum_blocks,
-                                    unbroadcast)
+from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
+from hoad.rules.combinators import (
+    Scaled,
+    broadcast,
+    chain,
+    leibniz,
+    off_flat,
+    scale_out,
+    scaled,
+    sum_blocks,
+    unbroadcast,
+)
 from hoad.rules.flat import FLAT, unary
 from hoad.rules.linear import _select, _select_vjp, _spread
 

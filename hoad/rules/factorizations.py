@@ -788,7 +788,7 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
         sizes = [math.prod(d) for d in kept]
         grid = batch + tuple(sizes)
 
-        def entry(S: int, T: int):
+        def entry(S: int, T: int, K=K, o=o, grid=grid, sizes=sizes):  # (called in this iteration only)
             if S == T:
                 return A.primal.reshape(batch + (1,) * o + (n, n)).expand(grid + (n, n))
             if S & ~T:

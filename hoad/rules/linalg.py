@@ -34,9 +34,9 @@ from dataclasses import replace
 
 import torch
 
-from hoad.errors import UnsupportedOperatorError
 from hoad.algebra import Block, add, contract, force
 from hoad.algebra.multiindex import closure
+from hoad.errors import UnsupportedOperatorError
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import broadcast, leibniz, scaled, unbroadcast
 

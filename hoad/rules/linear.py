@@ -337,7 +337,7 @@ def cat_rule(ctx: Ctx, tensors, dim: int = 0):
             spec = [0, 0] * (t.ndim - d - 1) + [before, after]
             return aten.constant_pad_nd(t, spec, 0.0)
 
-        parts.append(linear(ctx, x, lambda b, pad=pad: map_out(b, r, pad, new, along(r, [d]))))
+        parts.append(linear(ctx, x, lambda b, pad=pad, new=new: map_out(b, r, pad, new, along(r, [d]))))
     return sum_blocks(*parts)
 
 
