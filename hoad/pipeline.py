@@ -1,8 +1,8 @@
 """The pipeline, declared once: capture → differentiate → prune → clean → lower → hoist → choose → plan → compile.
 
 Each stage takes the :class:`Build` so far and returns it with its own product filled in; the
-list :data:`PIPELINE` is the architecture. Per-stage node counts and times land in
-``build.stats`` for :func:`hoad.explain`.
+list :data:`PIPELINE` is the architecture, every rewrite named. Node counts and times of each
+stage and rewrite land in ``build.stats`` for :func:`hoad.explain`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgum
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
 from hoad.passes import over_reverse
-from hoad.passes.capture import Captured, capture
+from hoad.passes.capture import REWRITES, Captured, capture
 from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
@@ -40,6 +40,7 @@ from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
 from hoad.passes.prune import prune
+from hoad.passes.rewrite import calls, rewrite
 from hoad.passes.samples import keep_samples_apart
 from hoad.progress import COMPILE_THREAD, Progress
 from hoad.source import locate
@@ -168,9 +169,11 @@ def _capture(b: Build) -> Build:
         b.sources = find_sources(b.roots, free)
         return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
 
+    rewrites: dict = {}
+    b.stats["capture"] = {"rewrites": rewrites}
     with untouched(b.roots) as rebound:
         b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free,
-                             batched=b.config.batch_dim is not None)
+                             batched=b.config.batch_dim is not None, stats=rewrites)
     b.tensors = list(b.tensors) + b.captured.free
     _check_stores(b, rebound)
     if b.config.batch_dim is not None:
@@ -193,15 +196,23 @@ def _capture(b: Build) -> Build:
         b.sample_leaves = [leaf for k, leaf in enumerate(b.wrt_leaves) if k not in b.shared] or [
             i for i, t in enumerate(b.tensors[:b.n_user]) if t.ndim and t.shape[0] == out[0]
             and not isinstance(b.layout.places[i], StateEntry)]
-    _settle(b.captured, b.config)
+    _settle(b.captured, b.config, rewrites)
     return b
 
 
-def _settle(captured: Captured, config: Config) -> None:
-    """The rewrites every captured program gets: samples kept apart (batch_dim), broadcasts folded."""
-    if config.batch_dim is not None:
-        keep_samples_apart(captured.gm, captured.wrt_leaves)
-    fold_broadcasts(captured.gm, captured.wrt_leaves)
+def _settle(captured: Captured, config: Config, stats: dict | None = None) -> None:
+    """The rewrites every captured program gets after capture's own: samples kept apart
+    (batch_dim), broadcasts folded."""
+    wrt = captured.wrt_leaves
+    rewrite(captured.gm, [(name, lambda gm, step=step: step(gm, wrt)) for name, (step, wanted) in SETTLE.items()
+                          if wanted(config)], stats)
+
+
+# the rewrites of a captured graph after capture's own, by name: (the rewrite, which builds want it)
+SETTLE: dict[str, tuple[Callable, Callable[[Config], bool]]] = {
+    "keep_samples_apart": (keep_samples_apart, lambda config: config.batch_dim is not None),
+    "fold_broadcasts": (fold_broadcasts, lambda config: True),
+}
 
 
 def _check_stores(b: Build, rebound: list) -> None:
@@ -587,16 +598,18 @@ class _WithPrefix:
         return self.main(*tensors, *self.prefix(tensors[self.n_user:]))
 
 
-PIPELINE: tuple[tuple[str, Callable[[Build], Build]], ...] = (
-    ("capture", _capture),
-    ("differentiate", _differentiate),
-    ("prune", _prune),
-    ("clean", _clean),
-    ("lower", _lower),
-    ("hoist", _hoist),
-    ("choose", _choose),
-    ("plan", _plan),
-    ("compile", _compile),
+# every stage in order, with the rewrites a stage runs by name (capture: the trace, then each
+# rewrite of the traced graph); explain() shows each one's time and node count
+PIPELINE: tuple[tuple[str, Callable[[Build], Build], tuple[str, ...]], ...] = (
+    ("capture", _capture, ("trace", *(name for name, _ in REWRITES), *SETTLE)),
+    ("differentiate", _differentiate, ()),
+    ("prune", _prune, ()),
+    ("clean", _clean, ()),
+    ("lower", _lower, ()),
+    ("hoist", _hoist, ()),
+    ("choose", _choose, ()),
+    ("plan", _plan, ()),
+    ("compile", _compile, ()),
 )
 
 
@@ -604,7 +617,7 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
           roots: dict | None = None) -> Build:
     b = Build(fn, layout, tensors, wrt_leaves, config, roots=dict(roots or {"fn": fn}))
     with Progress(f"{name_of(fn)}'s order-{config.order} program") as progress:
-        for name, stage in PIPELINE:
+        for name, stage, _rewrites in PIPELINE:
             progress.stage(name)
             start = time.perf_counter()
             try:
@@ -614,7 +627,7 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
             except Exception as e:  # noqa: BLE001 - every failure leaves hoad as a HoadError
                 raise HoadInternalError(f"the {name} stage failed: {type(e).__name__}: {e}") from e
             gms = [p.gm for p in b.candidates.values()] or ([b.captured.gm] if b.captured is not None else [])
-            b.stats[name] = {"seconds": time.perf_counter() - start,
+            b.stats[name] = {**b.stats.get(name, {}), "seconds": time.perf_counter() - start,
                              "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
                              if b.candidates else _count(gms[0]) if gms else None}
             log.debug("%s: %.3fs, %s nodes", name, b.stats[name]["seconds"], b.stats[name]["nodes"])
@@ -622,6 +635,4 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
 
 
 def _count(gm: fx.GraphModule | None) -> int | None:
-    if gm is None:
-        return None
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    return None if gm is None else calls(gm)

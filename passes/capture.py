@@ -16,6 +16,7 @@ import logging
 import math
 import operator
 import re
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from hoad.passes.branches import safe_branches, squares_of_norms
 from hoad.passes.clean import cse, traced_call, written_inputs
 from hoad.passes.decompositions import DETACHED_FROM, VALUE_READS, FunctionOverrides, decomposition_table
 from hoad.passes.indexing import INPUT_STORAGES, STRIDED_READS
+from hoad.passes.rewrite import Rewrite, calls, rewrite
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
@@ -104,13 +106,15 @@ class Captured:
 
 
 def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
-            name_free: Callable[[list[torch.Tensor]], list[str]] | None = None, batched: bool = False) -> Captured:
+            name_free: Callable[[list[torch.Tensor]], list[str]] | None = None, batched: bool = False,
+            stats: dict | None = None) -> Captured:
     """Trace ``fn`` called with ``tensors`` placed into ``layout`` to an ATen GraphModule.
 
     Tensors the function reaches without receiving them become placeholders after the call's own
     (``Captured.free``, named by ``name_free``), so the program reads them at every call. Several
     tensors returned (a tuple, list or dict) are joined into one output (:class:`OutputTree`; per
-    sample when ``batched``).
+    sample when ``batched``). The traced graph then gets :data:`REWRITES`, each timed into
+    ``stats`` by name (with ``"trace"``, the tracing itself).
     """
 
     call = layout.flat(fn)
@@ -133,6 +137,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )
+    start = time.perf_counter()
     strided_before = STRIDED_READS[0]
     VALUE_READS.clear()
     INPUT_STORAGES.append(set())
@@ -156,12 +161,9 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         if not INPUT_STORAGES:  # (the outermost capture: no trace's aliases are live)
             DETACHED_FROM.clear()
 
-    _replace_view_mutations(gm)
-    _renorm_in_place(gm)
-    cse(gm)  # one node per repeated call (x.norm() * x.norm() is then a square)
-    squares_of_norms(gm)
-    safe_branches(gm)
-    _detach_writes(gm)
+    if stats is not None:
+        stats["trace"] = {"seconds": time.perf_counter() - start, "nodes": calls(gm), "changed": True}
+    rewrite(gm, REWRITES, stats)
     out = _output_node(gm)
     val = out.meta.get("val") if isinstance(out, fx.Node) else None
     if not isinstance(val, torch.Tensor):
@@ -409,6 +411,17 @@ def _replace_view_mutations(gm: fx.GraphModule) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+# the rewrites of every traced graph, in order (hoad.pipeline's PIPELINE lists them under capture)
+REWRITES: tuple[Rewrite, ...] = (
+    ("view_mutations", _replace_view_mutations),  # y = x.squeeze_(): x's later uses read y
+    ("renorm", _renorm_in_place),  # embedding max_norm's in-place renorm, kept a function of W
+    ("cse", cse),  # one node per repeated call (x.norm() * x.norm() is then a square)
+    ("squares_of_norms", squares_of_norms),  # ‖x‖² as Σx², smooth where ‖x‖ is not
+    ("safe_branches", safe_branches),  # a where's untaken singular entries read a safe value
+    ("detach_writes", _detach_writes),  # a write-back (a running statistic) carries no derivative
+)
 
 
 def _output_node(gm: fx.GraphModule):

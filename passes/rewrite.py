@@ -1,0 +1,31 @@
+"""The driver every in-place graph rewrite runs under: each step by name, timed, with the node
+count after it (its ATen calls) and whether it changed the graph, for :func:`hoad.explain`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch.fx as fx
+
+# a rewrite changes the graph it is given, in place (what it returns is not read)
+Rewrite = tuple[str, Callable[[fx.GraphModule], object]]
+
+
+def rewrite(gm: fx.GraphModule, steps: Sequence[Rewrite], stats: dict | None = None) -> fx.GraphModule:
+    """Run ``steps`` on ``gm`` in order; with ``stats``, record each one's seconds, node count
+    after it and whether it changed the graph (its printed form differs), by name."""
+    for name, step in steps:
+        before = str(gm.graph) if stats is not None else None
+        start = time.perf_counter()
+        step(gm)
+        if stats is not None:
+            after = str(gm.graph)
+            stats[name] = {"seconds": time.perf_counter() - start, "nodes": calls(gm),
+                           "changed": after != before}
+    return gm
+
+
+def calls(gm: fx.GraphModule) -> int:
+    """The graph's ATen calls (its call_function nodes)."""
+    return sum(n.op == "call_function" for n in gm.graph.nodes)
