@@ -16,12 +16,10 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from hoad.binding import find_sources, untouched
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.distributed import Split, note_outputs, quiet_hooks, record_nested, synchronized
-from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, MemoryBudgetError, first_line
+from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, first_line
 from hoad.guards import find_guards
-from hoad.passes.clean import written_inputs
-from hoad.passes.memory import human, samples_that_fit
 from hoad.pipeline import Build, Sized, name_of, smaller_programs
-from hoad.rules import USER_OPS, has_autograd
+from hoad.rules import has_autograd
 from hoad.training import Trainable
 
 log = logging.getLogger(__name__)
@@ -52,9 +50,9 @@ class Entry:
                                b.captured.out_tree)
         # an Inductor program records no autograd graph: calls that need one go through Trainable
         self.n_user = b.n_user
-        self.written = written_inputs(b.captured.gm)  # inputs the program writes into (in place)
+        self.written = b.written  # inputs the program writes into (in place)
         # user ops: results through one autograd cannot see through do not train (hoad.extend._give_autograd)
-        self.user_ops = list(dict.fromkeys(n.target for n in b.captured.gm.graph.nodes if n.target in USER_OPS))
+        self.user_ops = b.user_ops
         # (its hoisted part folded back in: under autograd it runs at every call anyway)
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
@@ -88,19 +86,8 @@ class Entry:
     def check_samples(self, count: int) -> None:
         """A program for every number of samples: refuse a count whose estimated peak (the plan
         scaled from the count it was built for) exceeds the budget."""
-        memory = self.build.stats.get("memory")
-        if not memory or memory["budget"] is None:
-            return
-        built, plan = self.build.captured.out_shape[0], memory["plan"]
-        shared = self.build.shared_bytes
-        peak = shared + (plan.peak - shared) * count / built
-        if peak > memory["budget"]:
-            fit = max(1, samples_that_fit(count, plan.results / built, (plan.peak - shared) / built, memory["budget"],
-                                          shared))
-            raise MemoryBudgetError(
-                f"{count} samples need an estimated peak of {human(peak)}, over the memory budget of "
-                f"{human(memory['budget'])}. Ways out: "
-                + "; ".join([f"chunk_size={fit} to run {fit} samples at a time"] + smaller_programs(self.build.config)))
+        if self.build.budget is not None:
+            self.build.budget.check_count(count, smaller_programs(self.build.config))
 
     def values_now(self) -> tuple | None:
         """The Python values :attr:`guards` watch, as they are now (None if one is gone)."""

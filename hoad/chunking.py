@@ -8,8 +8,7 @@ import torch
 from hoad.binding import Keyword, Positional
 from hoad.cache import Entry
 from hoad.derivatives import Derivatives
-from hoad.errors import InvalidArgumentError, MemoryBudgetError
-from hoad.passes.memory import human, samples_that_fit
+from hoad.errors import InvalidArgumentError
 from hoad.pipeline import count_dependence, smaller_programs
 
 
@@ -105,17 +104,5 @@ def _check_count_free(cf, entry: Entry) -> None:
 
 def _check_joined_size(cf, entry: Entry, chunks: int, samples: int) -> None:
     """The joined results must fit, whatever the size of one chunk's program."""
-    memory = entry.build.stats.get("memory")
-    if not memory or memory["budget"] is None:
-        return
-    plan, budget = memory["plan"], memory["budget"]
-    results = plan.results * chunks
-    total = results + plan.peak  # (the joined results, and one chunk's program)
-    if total > budget:
-        n, shared = cf.config.chunk_size, entry.build.shared_bytes
-        fit = samples_that_fit(samples, plan.results / n, (plan.peak - shared) / n, budget, shared)
-        ways = ([f"chunk_size={fit}"] if 1 <= fit < n else []) + smaller_programs(cf.config)
-        raise MemoryBudgetError(
-            f"the joined results of all {chunks} chunks and one chunk's program take {human(total)}, over the "
-            f"memory budget of {human(budget)}: chunking bounds the program's working memory, not its results. "
-            f"Ways out: {'; '.join(ways + ['fewer samples per call', 'a larger memory_budget'])}")
+    if entry.build.budget is not None:
+        entry.build.budget.check_joined(chunks, cf.config.chunk_size, samples, smaller_programs(cf.config))

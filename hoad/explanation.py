@@ -12,7 +12,7 @@ import math
 from tabulate import tabulate
 
 from hoad.algebra.multiindex import all_multi_indices
-from hoad.passes.memory import human
+from hoad.budget import human
 
 
 class Explanation:

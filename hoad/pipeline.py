@@ -24,8 +24,9 @@ from hoad.algebra import EAGER, Target
 from hoad.algebra.multiindex import key_name
 from hoad.algebra.target import Recorded
 from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
+from hoad.budget import Budget, default_budget, human
 from hoad.distributed import share_of
-from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, MemoryBudgetError, first_line
+from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, first_line
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
 from hoad.passes import over_reverse
@@ -38,11 +39,12 @@ from hoad.passes.differentiate import OperatorInputs, Program, differentiate
 from hoad.passes.dynamic import difference, generalize
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
-from hoad.passes.memory import BUDGET_SHARE, MemoryPlan, default_budget, human, memory_plan, samples_that_fit
+from hoad.passes.memory import memory_plan
 from hoad.passes.prune import prune
 from hoad.passes.rewrite import calls, rewrite
 from hoad.passes.samples import keep_samples_apart
 from hoad.progress import COMPILE_THREAD, Progress
+from hoad.rules import USER_OPS
 from hoad.source import locate
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,11 @@ class Build:
     # under batch_dim, the inputs that hold the samples in dim 0: the wrt inputs other than
     # parameters, or where wrt names parameters only, the call's tensors with a row per sample
     sample_leaves: list[int] = field(default_factory=list)
+    # what the API reads at call time, so that it walks no graph: the inputs the program writes
+    # into (in place), user ops of hoad.extend in it, the plan against the memory budget
+    written: list[int] = field(default_factory=list)
+    user_ops: list = field(default_factory=list)
+    budget: Budget | None = None
     stats: dict = field(default_factory=dict)
 
     @property
@@ -175,6 +182,8 @@ def _capture(b: Build) -> Build:
         b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free,
                              batched=b.config.batch_dim is not None, stats=rewrites)
     b.tensors = list(b.tensors) + b.captured.free
+    b.written = written_inputs(b.captured.gm)
+    b.user_ops = list(dict.fromkeys(n.target for n in b.captured.gm.graph.nodes if n.target in USER_OPS))
     _check_stores(b, rebound)
     if b.config.batch_dim is not None:
         out = b.captured.out_shape
@@ -223,7 +232,7 @@ def _check_stores(b: Build, rebound: list) -> None:
     drop: refused. Any other store (a hook's features, a cached
     activation) is a value of the trace's Python, which calls do not run: a warning."""
     n = b.n_user
-    written = {id(b.tensors[i]) for i in written_inputs(b.captured.gm) if i >= n}
+    written = {id(b.tensors[i]) for i in b.written if i >= n}
     left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
     if any(isinstance(place, StateEntry) for place in b.layout.places):
         # a compiled module: its state is the program's input, assignments were written back
@@ -351,11 +360,12 @@ def _weigh_the_other_direction(b: Build) -> None:
 def _plan(b: Build) -> Build:
     """The memory plan of the chosen program, refused before anything runs when over budget."""
     plan = memory_plan(b.program.gm)
-    device = b.tensors[b.wrt_leaves[0]].device
-    budget = b.config.memory_budget if b.config.memory_budget is not None else default_budget(device)
-    b.stats["memory"] = {"plan": plan, "budget": budget}
-    if budget is not None and plan.peak > budget:
-        raise MemoryBudgetError(_over_budget(b, plan, budget))
+    c = b.config
+    limit = c.memory_budget if c.memory_budget is not None else default_budget(b.tensors[b.wrt_leaves[0]].device)
+    b.stats["memory"] = {"plan": plan, "budget": limit}
+    count = b.program.out_shape[0] if c.batch_dim is not None else None
+    b.budget = Budget(plan, limit, c.memory_budget is not None, count, b.shared_bytes if count else 0.0)
+    b.budget.check_program(b.program.order, smaller_programs(c))
     return b
 
 
@@ -371,30 +381,6 @@ def smaller_programs(c: Config) -> list[str]:
                     "what you need")
         ways.append("a lower order or fewer wrt inputs")
     return ways
-
-
-def _over_budget(b: Build, plan: MemoryPlan, budget: float) -> str:
-    p, c = b.program, b.config
-    given = ("memory_budget=" if c.memory_budget is not None
-             else f"{BUDGET_SHARE:.0%} of the memory free now; memory_budget= sets it")
-    ways = []
-    if c.batch_dim is None:
-        ways.append("batch_dim=0 when dim 0 indexes independent samples (per-sample blocks, not the cross-sample ones)")
-    else:
-        n, shared = p.out_shape[0], b.shared_bytes
-        fit = samples_that_fit(n, plan.results / n, (plan.peak - shared) / n, budget, shared)
-        if fit >= 1:  # chunks bound the working memory, not the results
-            ways.append(f"chunk_size={fit} to run {fit} samples at a time")
-        elif plan.results + shared >= budget:
-            ways.append(f"fewer samples per call (their results, {human(plan.results)}, and the parameters and "
-                        f"shared inputs, {human(shared)}, leave no room)")
-        else:
-            one = shared + (plan.peak - shared) / n + plan.results / n
-            ways.append(f"none by chunking (one sample at a time still needs about {human(one)}, the parameters "
-                        f"and shared inputs {human(shared)} of it)")
-    ways += smaller_programs(c) + ["a larger memory_budget"]
-    return (f"the order-{p.order} program needs an estimated peak of {human(plan.peak)} ({plan}), over the memory "
-            f"budget of {human(budget)} ({given}). Ways out: " + "; ".join(ways) + ".")
 
 
 def _name_outputs(p: Program) -> None:

@@ -24,11 +24,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from hoad.budget import human
 from hoad.errors import CompileError, HoadError
 from hoad.lowering.inductor import INDUCTOR_OPTIONS, cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
 from hoad.passes.clean import written_inputs
-from hoad.passes.memory import human, memory_plan
+from hoad.passes.memory import memory_plan
 from hoad.progress import COMPILE_THREAD
 
 aten = torch.ops.aten

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -487,8 +488,8 @@ def test_samples_over_budget_with_the_general_program_are_refused():
     cf = hoad.compile(mlp, order=2, batch_dim=0)
     cf(rand(4, 3, seed=380))
     cf(rand(5, 3, seed=381))
-    plan = [e for e in cf._cache.values() if e.build.stats.get("any_samples")][0].build.stats["memory"]
-    plan["budget"] = plan["plan"].peak * 2  # as if little memory were free
+    b = [e for e in cf._cache.values() if e.build.stats.get("any_samples")][0].build
+    b.budget = dataclasses.replace(b.budget, limit=b.budget.plan.peak * 2)  # as if little memory were free
     with pytest.raises(hoad.MemoryBudgetError, match="chunk_size="):
         cf(rand(50, 3, seed=382))
 
