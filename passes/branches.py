@@ -71,9 +71,9 @@ _POINTWISE = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
 def safe_branches(gm) -> None:
     """Rewrite, in place, each singular op in a branch of a ``where`` (a region of pointwise ops
     of the where's shape that only the where reads) to read ``where(taken, u, safe)``."""
-    from hoad.rules import elementwise
+    from hoad.rules import elementwise, special
 
-    pointwise = set(_POINTWISE) | set(elementwise.RULES)
+    pointwise = set(_POINTWISE) | set(elementwise.RULES) | set(special.RULES)
     changed = False
     # the branches taken under the same condition, of wheres of one shape, share a region: a
     # distance read by two masked pair terms (Coulomb and Lennard-Jones over r = √Σd²) is the

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from hoad.rules import conv, elementwise, factorizations, indexing, linalg, linear, multilinear, pooling, reduction
+from hoad.rules import (
+    conv,
+    elementwise,
+    factorizations,
+    indexing,
+    linalg,
+    linear,
+    multilinear,
+    pooling,
+    reduction,
+    special,
+)
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM, is_random
 
-RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
+RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, special.RULES, reduction.RULES,
                      conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
-VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, reduction.VJPS,
+VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, special.VJPS, reduction.VJPS,
                     conv.VJPS, pooling.VJPS, indexing.VJPS, linalg.VJPS, factorizations.VJPS)
 
 FAMILIES = {
     op: table.family
-    for table in (linear.RULES, multilinear.RULES, elementwise.RULES, reduction.RULES,
+    for table in (linear.RULES, multilinear.RULES, elementwise.RULES, special.RULES, reduction.RULES,
                   conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
     for op in table
 }
