@@ -32,9 +32,9 @@ from hoad.distributed import traced_as_module
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError, first_line
 from hoad.passes.branches import safe_branches, squares_of_norms
 from hoad.passes.clean import cse, traced_call, written_inputs
-from hoad.passes.decompositions import DETACHED_FROM, VALUE_READS, FunctionOverrides, decomposition_table
-from hoad.passes.indexing import INPUT_STORAGES, STRIDED_READS
+from hoad.passes.decompositions import FunctionOverrides, decomposition_table
 from hoad.passes.rewrite import Rewrite, calls, rewrite
+from hoad.passes.tracing import tracing, value_read
 from hoad.rules import is_random
 from hoad.source import locate, user_frame
 
@@ -128,7 +128,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
     functional = torch.func.functionalize(flat_fn, remove="mutations")
 
     def recorded(*args):  # the traced inputs' storages: an as_strided of one reads the caller's storage
-        INPUT_STORAGES[-1] = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+        state.input_storages = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
         return functional(*args)
 
     traced = make_fx(
@@ -138,28 +138,22 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         _allow_non_fake_inputs=True,
     )
     start = time.perf_counter()
-    strided_before = STRIDED_READS[0]
-    VALUE_READS.clear()
-    INPUT_STORAGES.append(set())
-    try:
-        with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), _without_mkldnn(), \
-                traced_as_module([]) as ddp, torch.enable_grad():
-            gm = traced(*fresh)
-        free = _lift_free_tensors(gm)
-        _stand_in_traced_free(gm, len(fresh))
-        gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
-    except CaptureError:
-        raise
-    except HoadError as e:  # a refusal of hoad's own decompositions (svd full_matrices=True, ...): where
-        raise type(e)(f"{e}{_at(user_frame(e.__traceback__))}") from e
-    except Exception as e:  # noqa: BLE001 - sorted into the errors a user can act on
-        _raise_capture_error(e)
-        raise CaptureError(f"tracing the function failed: {type(e).__name__}: {first_line(e)}"
-                           f"{_at(user_frame(e.__traceback__))}") from e
-    finally:
-        INPUT_STORAGES.pop()
-        if not INPUT_STORAGES:  # (the outermost capture: no trace's aliases are live)
-            DETACHED_FROM.clear()
+    with tracing() as state:
+        try:
+            with FunctionOverrides(), _quiet_fake_tensors(), _uncached_parametrizations(), _without_mkldnn(), \
+                    traced_as_module([]) as ddp, torch.enable_grad():
+                gm = traced(*fresh)
+            free = _lift_free_tensors(gm)
+            _stand_in_traced_free(gm, len(fresh))
+            gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
+        except CaptureError:
+            raise
+        except HoadError as e:  # a refusal of hoad's own decompositions (svd full_matrices=True, ...): where
+            raise type(e)(f"{e}{_at(user_frame(e.__traceback__))}") from e
+        except Exception as e:  # noqa: BLE001 - sorted into the errors a user can act on
+            _raise_capture_error(e)
+            raise CaptureError(f"tracing the function failed: {type(e).__name__}: {first_line(e)}"
+                               f"{_at(user_frame(e.__traceback__))}") from e
 
     if stats is not None:
         stats["trace"] = {"seconds": time.perf_counter() - start, "nodes": calls(gm), "changed": True}
@@ -204,15 +198,15 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node.target = name
     gm.recompile()
     written = {id(free[i - len(fresh)]) for i in written_inputs(gm) if i >= len(fresh)}
-    for t, _value in VALUE_READS:
+    for t, _value in state.value_reads:
         if id(t) in written:  # read after the function's own update: no value before a call tells it
             raise CaptureError(
                 f"the function reads the value of a tensor it also updates (float() or .item() of a "
                 f"{'0-d' if t.ndim == 0 else tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor, as "
                 "BatchNorm(momentum=None) does in training mode with num_batches_tracked); the program would keep "
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
-    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=STRIDED_READS[0] > strided_before,
-                    values=list(VALUE_READS), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None)
+    return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=state.strided_reads > 0,
+                    values=list(state.value_reads), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:
@@ -446,7 +440,7 @@ def _read_value(t: torch.Tensor):
 
     if not isinstance(t, FakeTensor) and t.numel() == 1:
         with _disable_current_modes():  # read outside the trace (not through this decomposition again)
-            VALUE_READS.append((t, t.item()))
+            value_read(t, t.item())
     return NotImplemented
 
 

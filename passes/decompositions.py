@@ -28,6 +28,7 @@ from hoad.passes.indexing import (
     _scatter_reduce,
     _segment_reduce,
 )
+from hoad.passes.tracing import DETACHED_FROM, value_read
 from hoad.rules import USER_OPS
 from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 
@@ -72,11 +73,6 @@ def _dot(a, b):
     return (a.unsqueeze(0) @ b.unsqueeze(1)).reshape(())
 
 
-# (tensor, value) of every .item() (a number) or .tolist() (a list) the trace took of a tensor the
-# function closes over: the program keeps it, so each call compares it (hoad.cache, Entry.read_free)
-VALUE_READS: list[tuple[torch.Tensor, object]] = []
-
-
 class FunctionOverrides(TorchFunctionMode):
     """Functions whose ATen kernels a trace cannot follow, replaced while capture traces: the
     kernel runs before any decomposition table is consulted."""
@@ -86,7 +82,7 @@ class FunctionOverrides(TorchFunctionMode):
             # a closed-over tensor's values as Python numbers (no ATen op: the decomposition of
             # .item() does not see it), kept by the program like .item()'s
             values = func(*args, **(kwargs or {}))
-            VALUE_READS.append((args[0], values))
+            value_read(args[0], values)
             return values
         if func is torch.Tensor.__getitem__ and len(args) == 2 and _traced_scalar_indices(args[1]):
             return _indexed_by_scalar_tensors(*args)
@@ -135,11 +131,6 @@ def _indexed_by_scalar_tensors(x, index):
     with _disable_current_modes():
         shape = torch.empty(tuple(x.shape), device="meta")[tuple(0 if _is_traced_scalar(i) else i for i in items)].shape
     return x[tuple(i.reshape(1) if _is_traced_scalar(i) else i for i in items)].reshape(shape)
-
-
-# id of a detached alias of a traced tensor (``.data``, ``.detach()``) -> (a weak reference to the
-# alias, the tensor it aliases); cleared around each capture
-DETACHED_FROM: dict[int, tuple] = {}
 
 
 def _is_detach(func) -> bool:

@@ -10,6 +10,8 @@ import operator
 
 import torch
 
+from hoad.passes.tracing import reads_input, strided_read
+
 aten = torch.ops.aten
 
 _BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
@@ -21,19 +23,6 @@ def _contiguous_strides(size) -> list[int]:
         strides.append(step)
         step *= max(int(n), 1)
     return strides[::-1]
-
-
-# how many as_strided calls on (views of) the traced inputs capture has turned into reads of the
-# tensor's own entries: the program then assumes its inputs own their storage
-STRIDED_READS = [0]
-
-
-# the storages of the traced inputs, one set per capture under way (capture pushes and pops it)
-INPUT_STORAGES: list[set[int]] = []
-
-
-def _reads_input(x) -> bool:
-    return bool(INPUT_STORAGES) and x.untyped_storage()._cdata in INPUT_STORAGES[-1]
 
 
 def _own_positions(x, size, stride, storage_offset):
@@ -78,8 +67,8 @@ def _as_strided(x, size, stride, storage_offset=None):
     positions = _own_positions(x, size, stride, storage_offset)
     if positions is None:
         return NotImplemented
-    if _reads_input(x):
-        STRIDED_READS[0] += 1  # capture records that the program assumes its inputs own their storage
+    if reads_input(x):
+        strided_read()  # capture records that the program assumes its inputs own their storage
     size, stride, offset = positions
     if offset == 0 and math.prod(size) == x.numel() and stride == _contiguous_strides(size):
         return x.view(size)
@@ -106,8 +95,8 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     positions = _own_positions(x, size, stride, storage_offset)
     if positions is None or not _disjoint(*positions[:2]):
         return NotImplemented
-    if _reads_input(x):
-        STRIDED_READS[0] += 1
+    if reads_input(x):
+        strided_read()
     size, stride, offset = positions
     index = _flat_strided_index(size, stride, offset, x.device)
     return x.reshape(-1).index_put((index.reshape(-1),), src.reshape(-1)).view(x.shape)
