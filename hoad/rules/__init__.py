@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hoad.rules import (
+    arithmetic,
     conv,
     elementwise,
     factorizations,
@@ -19,17 +20,13 @@ from hoad.rules import (
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM, is_random
 
-RULES = merge_tables(linear.RULES, multilinear.RULES, elementwise.RULES, special.RULES, reduction.RULES,
-                     conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
-VJPS = merge_tables(linear.VJPS, multilinear.VJPS, elementwise.VJPS, special.VJPS, reduction.VJPS,
-                    conv.VJPS, pooling.VJPS, indexing.VJPS, linalg.VJPS, factorizations.VJPS)
-
-FAMILIES = {
-    op: table.family
-    for table in (linear.RULES, multilinear.RULES, elementwise.RULES, special.RULES, reduction.RULES,
-                  conv.RULES, pooling.RULES, indexing.RULES, linalg.RULES, factorizations.RULES)
-    for op in table
-}
+# the modules filling the table, each with its RULES and VJPS (several share a family: pooling,
+# indexing and arithmetic are linear, special is elementwise)
+_MODULES = (linear, arithmetic, multilinear, elementwise, special, reduction, conv, pooling, indexing, linalg,
+            factorizations)
+RULES = merge_tables(*(m.RULES for m in _MODULES))
+VJPS = merge_tables(*(m.VJPS for m in _MODULES))
+FAMILIES = {op: m.RULES.family for m in _MODULES for op in m.RULES}
 
 # ops with a rule registered from outside (hoad.extend): capture leaves them undecomposed
 USER_OPS: set = set()

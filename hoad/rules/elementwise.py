@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from hoad.algebra import Block
+from hoad.rules.arithmetic import _select, _select_vjp, _spread
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import (
     Scaled,
@@ -29,7 +30,6 @@ from hoad.rules.combinators import (
     unbroadcast,
 )
 from hoad.rules.flat import FLAT, unary
-from hoad.rules.linear import _select, _select_vjp, _spread
 
 aten = torch.ops.aten
 RULES = RuleTable("elementwise")

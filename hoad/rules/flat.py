@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from hoad.rules.arithmetic import _branches, _clamp_branches
 from hoad.rules.base import Jet
-from hoad.rules.linear import _branches, _clamp_branches
 
 aten = torch.ops.aten
 

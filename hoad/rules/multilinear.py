@@ -8,10 +8,10 @@ import torch
 
 from hoad.algebra import Block, contract
 from hoad.errors import HoadInternalError
+from hoad.rules.arithmetic import _select
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import Scaled, broadcast, chain, leibniz, scaled
 from hoad.rules.elementwise import atan, reciprocal
-from hoad.rules.linear import _select
 
 aten = torch.ops.aten
 RULES = RuleTable("multilinear")
@@ -104,7 +104,7 @@ def matmul_rule(ctx: Ctx, a, b):
 
 def _pick(ctx: Ctx, a, b, take_a: torch.Tensor) -> dict:
     """Blocks of an elementwise choice between a and b; ``take_a`` weighs a (ties share)."""
-    from hoad.rules.linear import _combine
+    from hoad.rules.arithmetic import _combine
 
     return _combine(ctx, [(a, take_a), (b, 1 - take_a)])
 
@@ -128,7 +128,7 @@ VJPS = RuleTable("multilinear")
 
 def _product_vjp(v, g: Block, a, b) -> list:
     """g ⊙ (the other factor), summed back to each factor's shape."""
-    from hoad.rules.linear import _spread
+    from hoad.rules.arithmetic import _spread
 
     return _spread(v, g, [(a, _value(b)), (b, _value(a))])
 
@@ -145,7 +145,7 @@ def mul_scalar_vjp(v, g: Block, a: Jet, s):
 
 @VJPS.register(aten.div.Tensor)
 def div_vjp(v, g: Block, a, b):
-    from hoad.rules.linear import _spread
+    from hoad.rules.arithmetic import _spread
 
     vb = _value(b)
     inv = vb.reciprocal() if isinstance(vb, torch.Tensor) else 1.0 / vb
@@ -188,7 +188,7 @@ def matmul_vjp(v, g: Block, a, b):
 
 
 def _pick_vjp(v, g: Block, a, b, take_a: torch.Tensor) -> list:
-    from hoad.rules.linear import _spread
+    from hoad.rules.arithmetic import _spread
 
     return _spread(v, g, [(a, take_a), (b, 1 - take_a)])
 
