@@ -24,7 +24,7 @@ with exact derivatives at singular A; sign · exp log|det| above), cholesky_inve
 the deprecated triangular_solve (triangular solves), lu_solve and lu_unpack (triangular solves
 and masks of the packed factors, the permutation constant), householder_product and ormqr
 (products of reflectors), and the factorizations eigh, svd, qr, lu_factor, lu and pinv to the
-single-output operators of :mod:`hoad.rules.factorizations`.
+single-output operators of :mod:`hoad.rules.factorization_ops`.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def _triangular_solve(B, A, upper=True, transpose=False, unitriangular=False):
     return X, A.clone()
 
 
-# The factorizations route to single-output operators of hoad/rules/factorizations.py (looked up
+# The factorizations route to single-output operators of hoad/rules/factorization_ops.py (looked up
 # at call time: that module defines them). Complex inputs, and the variants whose outputs are
 # not functions of A, are left to the table (unsupported, naming the ATen op).
 def _real(A) -> bool:
