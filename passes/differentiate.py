@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
 from hoad.algebra.block import _canonical
@@ -35,54 +34,13 @@ from hoad.algebra.multiindex import MultiIndex, all_multi_indices, key_name, mul
 from hoad.errors import BatchCouplingError, HoadError, HoadInternalError, InvalidArgumentError, UnsupportedOperatorError
 from hoad.passes.capture import Captured
 from hoad.passes.decompositions import decomposition_table
+from hoad.passes.naming import _apply_names, _remember
+from hoad.passes.program import OperatorInputs, Program
 from hoad.rules import FAMILIES, PIECEWISE_CONSTANT, RULES, VJPS, Ctx, Jet
-from hoad.rules.base import Collapse, Contracted, NodeInfo, VjpCtx, adjoint_labels, out_labels
+from hoad.rules.base import Collapse, Contracted, VjpCtx, adjoint_labels, out_labels
 from hoad.rules.flat import PRODUCTS, flat_of
 
 DIRECTIONS = ("forward", "reverse")
-
-
-@dataclass
-class Program:
-    """A derivative program: ``gm(*leaves) -> (value, *blocks)``, plus what each output holds."""
-
-    gm: fx.GraphModule
-    keys: list[MultiIndex]                 # canonical multi-index of each returned block
-    zeros: list[MultiIndex]                # canonical multi-indices that are structural zeros
-    order: int
-    direction: str
-    wrt_names: list[str]
-    leaf_names: list[str]
-    out_shape: tuple[int, ...]
-    slot_shapes: list[tuple[int, ...]]
-    stored: dict[MultiIndex, int] = field(default_factory=dict)   # compact entries of each block
-    batch_dim: int | None = None           # blocks are per sample along this axis (slot_shapes per sample)
-    shared: frozenset = frozenset()        # under batch_dim, wrt positions every sample shares (parameters)
-    diagonal: bool = False                 # blocks hold pure derivatives only (one axis copy per wrt input)
-    stats: dict = field(default_factory=dict)
-    # the part computed from free tensors alone (hoad.passes.hoist): its outputs are gm's last inputs
-    prefix: fx.GraphModule | None = None
-    prefix_reads: list[int] = field(default_factory=list)   # which free tensors the prefix reads
-    operator: OperatorInputs | None = None
-    # split_blocks: the rank (of its group) that computes each top-order block; this program
-    # returns only its own, and the others are neither computed nor zeros
-    owners: dict[MultiIndex, int] = field(default_factory=dict)
-    rank: int = 0
-
-
-@dataclass(frozen=True)
-class OperatorInputs:
-    """A differential operator over the first wrt input (DESIGN §8), as program inputs.
-
-    ``directions``: placeholder index of a tensor V (S, *x) (per sample under batch_dim): the
-    first-order seed is V instead of the identity, so slots run over the S directions.
-    ``collapse``: the order whose pure derivatives are summed over the directions (2: a
-    Laplacian), weighted by the tensor at placeholder ``weights`` (S,) when given.
-    """
-
-    directions: int | None = None
-    collapse: int | None = None
-    weights: int | None = None
 
 
 def differentiate(captured: Captured, order: int, direction: str = "forward",
@@ -622,38 +580,3 @@ def _constant(out, varies: bool = False) -> object:
         return tuple(Jet(o, varies=varies and o.dtype.is_floating_point) if isinstance(o, torch.Tensor) else o
                      for o in out)
     return Jet(out, varies=varies) if isinstance(out, torch.Tensor) else out
-
-
-# -------------------------------------------------------------------------------- naming
-def _remember(names: list, t: torch.Tensor, name: str, owner: str, K: MultiIndex) -> None:
-    """Note that the node computing ``t`` holds block ``K``, called ``name`` (if ``owner`` made it)."""
-    mode = get_proxy_mode()
-    if mode is None:
-        return
-    try:
-        node = get_proxy_slot(t, mode.tracer).proxy.node
-    except (KeyError, AttributeError, RuntimeError):
-        return
-    if node.op == "call_function" and node.meta.get("custom", {}).get("hoad") == owner:
-        names.append((node, name, K))
-
-
-def _apply_names(gm: fx.GraphModule, names: Sequence[tuple[fx.Node, str, MultiIndex]],
-                 leaf_names: Sequence[str]) -> None:
-    """Name the placeholders after the leaves and the block nodes after their blocks, and turn the
-    tags rules left while tracing (``meta["custom"]``) into each node's :class:`NodeInfo`."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, leaf_names):
-        node._rename(name)
-        node.target = name
-    blocks: dict = {}
-    for node, name, K in names:
-        if node.graph is gm.graph and node not in blocks:
-            blocks[node] = (name, K)
-            node._rename(name)
-    for node in gm.graph.nodes:
-        tags = node.meta.pop("custom", None) or {}
-        name, K = blocks.get(node, (None, None))
-        if tags or name is not None:
-            node.meta["hoad"] = NodeInfo(block=name, key=K, primal=tags.get("hoad"), rule=tags.get("rule"))
-    gm.recompile()

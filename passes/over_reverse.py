@@ -28,7 +28,8 @@ from hoad.errors import HoadError, InvalidArgumentError, UnsupportedOperatorErro
 from hoad.passes.capture import Captured
 from hoad.passes.clean import clean
 from hoad.passes.decompositions import decomposition_table
-from hoad.passes.differentiate import Program, differentiate
+from hoad.passes.differentiate import differentiate
+from hoad.passes.program import Program
 from hoad.passes.prune import prune
 
 log = logging.getLogger(__name__)
