@@ -15,7 +15,7 @@ import torch._dynamo
 from hoad.directions import SHIFT, PerPoint, _randomized, per_point
 from hoad.errors import InvalidArgumentError
 from hoad.operators import _check_wrt, _directions, _Operator, _refuse_grad, _unit_weights, leafwise
-from hoad.options import GRAPH_BREAK, plain_int, refuse_unknown
+from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int, refuse_unknown
 
 
 class Taylor(_Operator):
@@ -26,10 +26,9 @@ class Taylor(_Operator):
 
     _POSITIONAL = ("order", "wrt")
 
-    def __init__(self, u, order: int, wrt=0, *, directions, batch_dim=None, backend=None, mode="auto",
-                 chunk_size=None, memory_budget=None, collapse: bool = False, weights=None):
-        self._keep_arguments(u, order, wrt, directions=directions, batch_dim=batch_dim, backend=backend, mode=mode,
-                             chunk_size=chunk_size, memory_budget=memory_budget, collapse=collapse, weights=weights)
+    def __init__(self, u, order: int, wrt=0, *, directions, collapse: bool = False, weights=None,
+                 options: Options = DEFAULT_OPTIONS):
+        self._keep_arguments(u, order, wrt, directions=directions, collapse=collapse, weights=weights, options=options)
         order = plain_int(order)
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
@@ -42,11 +41,10 @@ class Taylor(_Operator):
         self._given_weights = None if weights is None else _direction_weights(weights, V)
         # (order 1 collapsed is the derivative along Σ_s w_s v_s: the directions are summed afterwards)
         folded = collapse and order > 1
-        super().__init__(u, order, wrt, batch_dim=batch_dim, directions=V,
+        super().__init__(u, order, wrt, directions=V,
                          weights=(self._given_weights if weights is not None else _unit_weights(V)) if folded
                          else None,
-                         collapse=order if folded else None, backend=backend, mode=mode, chunk_size=chunk_size,
-                         memory_budget=memory_budget)
+                         collapse=order if folded else None, options=options)
         self.order, self.collapse = order, collapse
 
     def _operator_tensors(self):
@@ -165,13 +163,13 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
     if order is None or (directions is None and randomization is None):
         raise InvalidArgumentError("hoad.taylor needs order=K and directions=V (S, *x) (or randomization=(kind, S)): "
                                    "the derivatives d^k/dt^k u(x + t v) for k = 1..K along each direction v")
-    options = dict(batch_dim=batch_dim, collapse=collapse, backend=backend, mode=mode, chunk_size=chunk_size,
-                   memory_budget=memory_budget)
+    options = Options(batch_dim, backend, mode, chunk_size, memory_budget)
     if u is None:  # @hoad.taylor(order=K, directions=V)
-        return lambda u: taylor(u, order, directions, wrt, higher=higher, weights=weights,
-                                randomization=randomization, generator=generator, **options)
+        return lambda u: taylor(u, order, directions, wrt, higher=higher, collapse=collapse, weights=weights,
+                                randomization=randomization, generator=generator, **options.kwargs())
     resampled = _randomized("hoad.taylor", u, wrt, batch_dim, randomization, generator, {"directions": directions},
-                            lambda V: Taylor(u, order, wrt, directions=V, weights=weights, **options))
+                            lambda V: Taylor(u, order, wrt, directions=V, collapse=collapse, weights=weights,
+                                             options=options))
     if resampled is not None:
         return resampled
     if higher is not None:
@@ -188,7 +186,8 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
 
         def along_axes(g: Callable, count: int):  # g's derivatives along its own axes t_s
             axes = torch.eye(count, dtype=torch.float64)
-            return Taylor(g, order, SHIFT, directions=axes, weights=weights, **options), lambda res: res
+            return Taylor(g, order, SHIFT, directions=axes, collapse=collapse, weights=weights,
+                          options=options), lambda res: res
 
         return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along_axes, higher=higher or ())
-    return Taylor(u, order, wrt, directions=directions, weights=weights, **options)
+    return Taylor(u, order, wrt, directions=directions, collapse=collapse, weights=weights, options=options)

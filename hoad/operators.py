@@ -32,7 +32,7 @@ from hoad.derivatives import Derivatives
 from hoad.directions import SHIFT, PerPoint, _point_of, _randomization, _randomized, _signature, per_point
 from hoad.errors import InvalidArgumentError
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body
-from hoad.options import GRAPH_BREAK, refuse_unknown
+from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, refuse_unknown
 from hoad.pipeline import OperatorSpec
 
 DIRECTIONS, WEIGHTS = "hoad_directions", "hoad_weights"
@@ -118,31 +118,31 @@ class _Method(Rebuilt):
         def shown(v):
             return f"<tensor {tuple(v.shape)}>" if isinstance(v, torch.Tensor) else repr(v)
 
-        named = dict(zip(self._POSITIONAL, args[1:]), **kwargs)
-        options = [f"{k}={shown(v)}" for k, v in named.items()
-                   if v is not None and (k, v) not in (("mode", "auto"), ("wrt", 0), ("collapse", False))
-                   and k not in ("nestable", "roots")]
+        kwargs = dict(kwargs)
+        options = kwargs.pop("options", DEFAULT_OPTIONS)
+        named = dict(zip(self._POSITIONAL, args[1:]), **options.given(), **kwargs)
+        shown_options = [f"{k}={shown(v)}" for k, v in named.items()
+                         if v is not None and (k, v) not in (("mode", "auto"), ("wrt", 0), ("collapse", False))
+                         and k not in ("nestable", "roots")]
         name = (getattr(args[0], "__qualname__", None) or type(args[0]).__name__).split("<locals>.")[-1]
-        return f"<hoad.{type(self).__name__.lower()}({', '.join([name] + options)})>"
+        return f"<hoad.{type(self).__name__.lower()}({', '.join([name] + shown_options)})>"
 
 
 class _Operator(_Method):
     """Shared machinery: a compiled program of ``u`` over the first-order directions."""
 
-    def __init__(self, u: Callable, order: int, wrt, *, batch_dim, directions, weights, collapse: int | None,
-                 backend, mode, roots: dict | None = None, nestable: bool = False, chunk_size: int | None = None,
-                 memory_budget: float | None = None):
+    def __init__(self, u: Callable, order: int, wrt, *, directions, weights, collapse: int | None, options: Options,
+                 roots: dict | None = None, nestable: bool = False):
         if not callable(u):
             raise InvalidArgumentError(f"expected a function, got {type(u).__name__}")
         _check_wrt(wrt)
-        self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
+        self.u, self.wrt, self.batch_dim = u, wrt, options.batch_dim
         self.directions, self.weights = directions, weights
         extra = tuple(n for n, t in ((DIRECTIONS, directions), (WEIGHTS, weights)) if t is not None)
         spec = OperatorSpec(collapse=collapse, directions=DIRECTIONS if directions is not None else None,
                             weights=WEIGHTS if weights is not None else None)
-        self.compiled = Compiled(_wrapper(u, extra), order, wrt, backend=backend, mode=mode, batch_dim=batch_dim,
-                                 diagonal=True, operator=spec, roots=roots or {"u": u}, nestable=nestable,
-                                 chunk_size=chunk_size, memory_budget=memory_budget)
+        self.compiled = Compiled(_wrapper(u, extra), order, wrt, diagonal=True, operator=spec, roots=roots or {"u": u},
+                                 nestable=nestable, **options.kwargs())
 
     @property
     def graph(self):
@@ -195,10 +195,9 @@ class Laplacian(_Operator):
     """``hoad.laplacian(u, ...)``: call it like ``u``; returns an :class:`OperatorResult` with
     ``value``, ``directional``, ``gradient`` and ``laplacian``."""
 
-    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, backend=None,
-                 mode="auto", chunk_size=None, memory_budget=None, nestable: bool = False):
-        self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                             backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget,
+    def __init__(self, u, wrt=0, *, weights=None, factor=None, directions=None, options: Options = DEFAULT_OPTIONS,
+                 nestable: bool = False):
+        self._keep_arguments(u, wrt, weights=weights, factor=factor, directions=directions, options=options,
                              nestable=nestable)
         given = [n for n, v in (("weights", weights), ("factor", factor), ("directions", directions)) if v is not None]
         if len(given) > 1:
@@ -220,9 +219,8 @@ class Laplacian(_Operator):
             seeds = _directions(directions)
             collapse_weights = _mean_weights(seeds)
         self._identity = seeds is None
-        super().__init__(u, 2, wrt, batch_dim=batch_dim, directions=seeds, weights=collapse_weights, collapse=2,
-                         backend=backend, mode=mode, nestable=nestable, chunk_size=chunk_size,
-                         memory_budget=memory_budget)
+        super().__init__(u, 2, wrt, directions=seeds, weights=collapse_weights, collapse=2, options=options,
+                         nestable=nestable)
 
     def _eigenpairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """C = Q diag(λ) Qᵀ as (Qᵀ, λ): Σ_k λ_k q_kᵀ ∇²u q_k; redone when C's values changed."""
@@ -364,11 +362,10 @@ class Biharmonic(_Method):
     ``.laplacian`` is then the unbiased stochastic Laplacian (1/S) Σ_s ∂²u[v_s, v_s].
     """
 
-    def __init__(self, u, wrt=0, *, batch_dim=None, weights=None, factor=None, directions=None, estimator=None,
-                 backend=None, mode="auto", chunk_size=None, memory_budget=None):
-        self._keep_arguments(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                             estimator=estimator, backend=backend, mode=mode, chunk_size=chunk_size,
-                             memory_budget=memory_budget)
+    def __init__(self, u, wrt=0, *, weights=None, factor=None, directions=None, estimator=None,
+                 options: Options = DEFAULT_OPTIONS):
+        self._keep_arguments(u, wrt, weights=weights, factor=factor, directions=directions, estimator=estimator,
+                             options=options)
         if estimator is not None and directions is None:
             raise InvalidArgumentError("estimator= chooses what a randomized biharmonic estimates: it needs "
                                        "directions=V (S, *x); weights= and factor= are exact operators")
@@ -382,12 +379,10 @@ class Biharmonic(_Method):
                 _check_pairs(_directions(directions))
         self.estimator = estimator
         self.directions = directions
-        options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size,
-                       memory_budget=memory_budget)
         self.inner = self.outer = self.fourth = None
         if estimator != "gaussian":
-            self.inner = Laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor, directions=directions,
-                                   backend="eager", mode=mode, nestable=True, memory_budget=memory_budget)
+            self.inner = Laplacian(u, wrt, weights=weights, factor=factor, directions=directions,
+                                   options=options.replace(backend="eager", chunk_size=None), nestable=True)
             inner = self.inner
 
             def laplacian_of_u(*args, **kwargs):
@@ -395,10 +390,10 @@ class Biharmonic(_Method):
 
             laplacian_of_u.__signature__ = _signature(u)  # type: ignore[attr-defined]
             self.outer = Laplacian(laplacian_of_u, wrt, weights=weights, factor=factor, directions=directions,
-                                   **options)
+                                   options=options)
             self.outer.compiled._extra_roots = {"u": u}  # the weights u reads are found through u itself
         if estimator in ("gaussian", "pairs"):
-            self.fourth = _FourthAlong(u, wrt, directions=directions, **options)
+            self.fourth = _FourthAlong(u, wrt, directions=directions, options=options)
 
     @property
     def graph(self):
@@ -439,11 +434,10 @@ class _FourthAlong(_Operator):
     """Σ_s ∂⁴u[v_s, v_s, v_s, v_s] over the rows of V, collapsed (the direction label is summed
     away as order 4 is formed), and the stochastic Laplacian (1/S) Σ_s ∂²u[v_s, v_s] beside it."""
 
-    def __init__(self, u, wrt, *, directions, batch_dim, backend, mode, chunk_size, memory_budget):
+    def __init__(self, u, wrt, *, directions, options: Options):
         self._given = _directions(directions)
-        super().__init__(u, 4, wrt, batch_dim=batch_dim, directions=self._given, weights=_unit_weights(self._given),
-                         collapse=4, backend=backend, mode=mode, roots={"u": u}, chunk_size=chunk_size,
-                         memory_budget=memory_budget)
+        super().__init__(u, 4, wrt, directions=self._given, weights=_unit_weights(self._given), collapse=4,
+                         options=options, roots={"u": u})
 
     def _operator_tensors(self):
         if self.weights.shape[0] != self._given.shape[0]:  # V resized in place
@@ -495,10 +489,10 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
         return lambda u: laplacian(u, wrt, batch_dim=batch_dim, weights=weights, factor=factor,
                                    directions=directions, backend=backend, mode=mode, chunk_size=chunk_size,
                                    memory_budget=memory_budget, randomization=randomization, generator=generator)
-    options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    options = Options(batch_dim, backend, mode, chunk_size, memory_budget)
     resampled = _randomized("hoad.laplacian", u, wrt, batch_dim, randomization, generator,
                             {"weights": weights, "factor": factor, "directions": directions},
-                            lambda V: Laplacian(u, wrt, directions=V, **options))
+                            lambda V: Laplacian(u, wrt, directions=V, options=options))
     if resampled is not None:
         return resampled
     if per_point(weights, batch_dim, columns=True):  # (C per point is (B, D, D), as a factor (B, D, S))
@@ -511,14 +505,14 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
             return PerPoint("hoad.laplacian", u, wrt, batch_dim, given, columns,
                             lambda g, count, columns=columns: _laplacian_along_axes(
                                 g, count, 1.0 if columns else 1.0 / count, options))
-    return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, **options)
+    return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, options=options)
 
 
-def _laplacian_along_axes(g: Callable, count: int, scale: float, options: dict):
+def _laplacian_along_axes(g: Callable, count: int, scale: float, options: Options):
     """The Laplacian of g in its input ``hoad_t`` (directions per point: :class:`PerPoint`), and
     the result it makes: Σ_s ∂²u[v_s, v_s] times ``scale``; ``.directional`` the first derivatives
     along each point's directions, no ``.gradient`` (as for a shared factor or directions)."""
-    op = Laplacian(g, SHIFT, **options)
+    op = Laplacian(g, SHIFT, options=options)
 
     def finish(res):
         return leafwise(lambda r: OperatorResult(value=r.value, directional=r.directional, gradient=None,
@@ -548,7 +542,7 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                     directions=directions, estimator=estimator, backend=backend, mode=mode,
                                     chunk_size=chunk_size, memory_budget=memory_budget, randomization=randomization,
                                     generator=generator)
-    options = dict(batch_dim=batch_dim, backend=backend, mode=mode, chunk_size=chunk_size, memory_budget=memory_budget)
+    options = Options(batch_dim, backend, mode, chunk_size, memory_budget)
     if per_point(factor, batch_dim, columns=True) or any(per_point(g, None, False) for g in (weights, directions)):
         raise InvalidArgumentError("hoad.biharmonic takes one operator for every point (weights=, factor= or "
                                    "directions= as tensors shared by the samples); directions or factors per point "
@@ -559,7 +553,8 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                        f"S >= 2, got randomization={randomization!r}")
     resampled = _randomized("hoad.biharmonic", u, wrt, batch_dim, randomization, generator,
                             {"weights": weights, "factor": factor, "directions": directions},
-                            lambda V: Biharmonic(u, wrt, directions=V, estimator=estimator, **options))
+                            lambda V: Biharmonic(u, wrt, directions=V, estimator=estimator, options=options))
     if resampled is not None:
         return resampled
-    return Biharmonic(u, wrt, weights=weights, factor=factor, directions=directions, estimator=estimator, **options)
+    return Biharmonic(u, wrt, weights=weights, factor=factor, directions=directions, estimator=estimator,
+                      options=options)

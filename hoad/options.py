@@ -3,6 +3,7 @@ constants they refer to (backends, modes, the largest order, programs kept per f
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import numbers
 import os
@@ -22,6 +23,32 @@ def default_backend() -> str:
 # Programs kept per compiled function (one per call signature); the oldest goes first.
 MAX_PROGRAMS = 16
 MODES = ("auto", "forward", "reverse", "forward-over-reverse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options every program of one operator shares (``hoad.compile``'s after order, wrt and
+    diagonal): made once from the user's keywords, then passed whole to every program it builds."""
+
+    batch_dim: int | None = None
+    backend: str | None = None
+    mode: str = "auto"
+    chunk_size: int | None = None
+    memory_budget: float | None = None
+
+    def kwargs(self) -> dict:
+        """The options as :class:`hoad.compiled.Compiled`'s keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def given(self) -> dict:
+        """The options not at their defaults, as the user would write them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    def replace(self, **changes) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_OPTIONS = Options()
 
 
 def refuse_unknown(api: str, unknown: dict, known: list[str]) -> None:
