@@ -35,11 +35,12 @@ from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_input
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
-from hoad.passes.differentiate import OperatorInputs, Program, differentiate
+from hoad.passes.differentiate import differentiate
 from hoad.passes.dynamic import difference, generalize
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import memory_plan
+from hoad.passes.program import OperatorInputs, Program
 from hoad.passes.prune import prune
 from hoad.passes.rewrite import calls, rewrite
 from hoad.passes.samples import keep_samples_apart
