@@ -31,12 +31,13 @@ from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
 from hoad.passes import over_reverse
 from hoad.passes.capture import REWRITES, Captured, capture
-from hoad.passes.clean import clean, fold_broadcasts, own_outputs, written_inputs
+from hoad.passes.clean import clean, fold_broadcasts, own_outputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import differentiate
 from hoad.passes.dynamic import difference, generalize
+from hoad.passes.graph import written_inputs
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import memory_plan

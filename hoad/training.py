@@ -33,8 +33,8 @@ import torch.fx as fx
 
 from hoad.errors import CompileError, ExecutionError
 from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache_dir
-from hoad.passes.clean import written_inputs
 from hoad.passes.compile import eager_program, symbolic_inputs
+from hoad.passes.graph import written_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import BUILDS, Tiered, in_background
 from hoad.progress import Progress

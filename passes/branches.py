@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from hoad.errors import HoadInternalError
-from hoad.passes.clean import traced_call
+from hoad.passes.graph import traced_call
 
 aten = torch.ops.aten
 

@@ -31,8 +31,9 @@ from hoad.binding import CallLayout, _identifier, _unique
 from hoad.distributed import traced_as_module
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError, first_line
 from hoad.passes.branches import safe_branches, squares_of_norms
-from hoad.passes.clean import cse, traced_call, written_inputs
+from hoad.passes.clean import cse
 from hoad.passes.decompositions import FunctionOverrides, decomposition_table
+from hoad.passes.graph import traced_call, written_inputs
 from hoad.passes.rewrite import Rewrite, calls, rewrite
 from hoad.passes.tracing import tracing, value_read
 from hoad.rules import is_random

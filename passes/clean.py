@@ -6,32 +6,16 @@ only remove or merge nodes that compute the same values).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.fx as fx
 
-from hoad.rules import is_random
+from hoad.passes.graph import depending, pure, shape_of, size_arguments, storage_base, traced_call
 
 aten = torch.ops.aten
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
-
-def shape_of(node) -> tuple | None:
-    """The traced shape of ``node``'s value, or None where it is not a tensor (or not a node)."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def traced_call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    """A new node with its traced value (shapes and strides) in ``meta["val"]``; called in the
-    fake mode of its arguments' values."""
-    node = graph.call_function(target, args, kwargs or {})
-    values, kw = fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    node.meta["val"] = target(*values, **kw)
-    return node
 
 
 def fold_layout(gm: fx.GraphModule) -> bool:
@@ -62,24 +46,6 @@ def fold_layout(gm: fx.GraphModule) -> bool:
     return changed
 
 
-def depending(gm: fx.GraphModule, wrt: list[int]) -> set[fx.Node]:
-    """The placeholders at positions ``wrt`` and every call that depends on one of them."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    varies = {placeholders[i] for i in wrt}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and any(a in varies for a in node.all_input_nodes):
-            varies.add(node)
-    return varies
-
-
-def written_inputs(gm: fx.GraphModule) -> set[int]:
-    """Positions of the placeholders the program writes into (``copy_``: batch norm's running
-    statistics, a functionalized in-place update of a free tensor)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {placeholders.index(n.args[0]) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders}
-
-
 def own_outputs(gm: fx.GraphModule) -> bool:
     """Give each output that is an input, a constant, or a view of one its own copy, in place: the
     Jacobian of ``W @ x`` is W itself, a constant Hessian is the hoisted prefix's cached value, and
@@ -107,16 +73,6 @@ def own_outputs(gm: fx.GraphModule) -> bool:
     if changed:
         gm.recompile()
     return changed
-
-
-def storage_base(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node`` is (itself, unless it is a view)."""
-    while node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args:
-            return node
-        node = node.args[0]
-    return node
 
 
 def fold_broadcasts(gm: fx.GraphModule, wrt_leaves) -> fx.GraphModule:
@@ -351,29 +307,6 @@ def _multiple(x, samples: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x % samples == 0
 
 
-@functools.cache
-def size_arguments(target) -> frozenset[str]:
-    """The arguments of an ATen op that hold sizes: SymInt ones in its schema (view's size, slice's
-    bounds), and arange's bounds (its length follows them). Empty for anything else."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return frozenset()
-    if schema.name == "aten::arange":
-        return frozenset(a.name for a in schema.arguments if a.name in ("start", "end", "step"))
-    text = str(schema)
-    inside, depth, parts, part = text[text.index("(") + 1:text.rindex(") ->")], 0, [], ""
-    for ch in inside:  # split at the commas outside brackets (defaults such as dims=[0, 1])
-        depth += 1 if ch in "([" else -1 if ch in ")]" else 0
-        if ch == "," and depth == 0:
-            parts.append(part)
-            part = ""
-        else:
-            part += ch
-    parts.append(part)
-    declared = [p.strip().split("=")[0].split() for p in parts if p.strip() not in ("", "*")]
-    return frozenset(words[-1] for words in declared if words[0].startswith("SymInt"))
-
-
 def _nbytes(traced) -> int:
     return traced.numel() * traced.element_size() if isinstance(traced, torch.Tensor) else 0
 
@@ -386,13 +319,6 @@ def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:
         return None
     out = torch.empty_strided(tuple(traced.shape), tuple(traced.stride()), dtype=value.dtype, device=value.device)
     return out.copy_(value)
-
-
-def pure(node: fx.Node) -> bool:
-    """A call that neither writes into a tensor nor draws random numbers: one that may be merged
-    with its twin, folded, hoisted or moved."""
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and not is_random(node.target) and (schema is None or not schema.is_mutable)
 
 
 def clean(gm: fx.GraphModule, samples: int | None = None) -> fx.GraphModule:

@@ -28,7 +28,7 @@ from hoad.budget import human
 from hoad.errors import CompileError, HoadError
 from hoad.lowering.inductor import INDUCTOR_OPTIONS, cpu_codegen_problem, hoad_inductor, use_cache_dir
 from hoad.lowering.malloc import keep_freed_memory
-from hoad.passes.clean import written_inputs
+from hoad.passes.graph import written_inputs
 from hoad.passes.memory import memory_plan
 from hoad.progress import COMPILE_THREAD
 

@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from hoad.passes.clean import size_arguments
+from hoad.passes.graph import size_arguments
 
 aten = torch.ops.aten
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from hoad.passes.clean import pure
 from hoad.passes.cost import is_view
+from hoad.passes.graph import pure
 
 # Values larger than this are recomputed in the main program rather than kept between calls.
 HOIST_LIMIT_BYTES = 64 * 2**20

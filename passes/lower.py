@@ -16,8 +16,8 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from hoad.algebra.target import Lowering
-from hoad.passes.clean import pure, shape_of
-from hoad.passes.clean import traced_call as _call
+from hoad.passes.graph import pure, shape_of
+from hoad.passes.graph import traced_call as _call
 
 aten = torch.ops.aten
 TALL_PRODUCT = 1 << 18  # multiply-adds below which a product's orientation does not matter

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from hoad.budget import MemoryPlan
-from hoad.passes.clean import storage_base
 from hoad.passes.cost import is_view
+from hoad.passes.graph import storage_base
 
 
 def _bytes(v) -> int:

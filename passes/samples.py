@@ -23,7 +23,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 
-from hoad.passes.clean import depending, fold_layout, shape_of, traced_call
+from hoad.passes.clean import fold_layout
+from hoad.passes.graph import depending, shape_of, traced_call
 
 aten = torch.ops.aten
 
