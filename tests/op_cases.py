@@ -176,7 +176,7 @@ CASES: dict = {
     aten.max.dim: Case(lambda x: x.sin().max(1).values.exp(), (rand(2, 3),)),
     aten.min.dim: Case(lambda x: x.sin().min(0).values.exp().sum(), (rand(2, 3),)),
     # ---- issue 17: convolution, pooling, embedding, indexed writes
-    # (variants: tests/test_layer_rules.py)
+    # (variants: tests/test_rules.py)
     aten.convolution.default: Case(
         lambda x, w: F.conv2d(x.sin(), w, w.sum((1, 2, 3)).sin(), stride=2, padding=1).tanh().sum((1, 2, 3)),
         (rand(2, 2, 4, 4), rand(2, 2, 2, 2)), wrt=(0, 1), order=3),
@@ -238,7 +238,7 @@ CASES: dict = {
         lambda x, s: x.sin().scatter_reduce(0, _idx(2, 0, 2, 1, 0, 2).view(2, 3), s.exp(), "mean",
                                             include_self=False).tanh().sum(0),
         (rand(4, 3), rand(2, 3)), wrt=(0, 1), order=3),
-    # ---- issue 17: op coverage (variants and decomposed ops: tests/test_more_rules.py)
+    # ---- issue 17: op coverage (variants and decomposed ops: tests/test_decompositions.py)
     aten.nextafter.default: Case(lambda x, y: torch.nextafter(x.sin(), y).exp().sum(0),
                                  (rand(2, 3), rand(3)), wrt=(0, 1), order=3),
     aten.upsample_bilinear2d.default: Case(lambda x: F.interpolate(x.sin(), scale_factor=1.5, mode="bilinear",

@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import rand
+from helpers import assert_close, check, rand
+from torch.func import jacrev
 
 import hoad
 
 THIS_FILE = os.path.basename(__file__)
+aten = torch.ops.aten
 
 
 def f_xy(x, y):
@@ -137,6 +139,74 @@ def test_every_error_class_has_a_case():
 def test_capture_errors_share_a_base():
     assert issubclass(hoad.DataDependentControlFlowError, hoad.CaptureError)
     assert issubclass(hoad.RandomnessError, hoad.CaptureError)
+
+
+# ---------------------------------------------------------------- where a failure comes from
+def test_an_error_in_the_users_function_is_a_capture_error():
+    def f(x):
+        return x @ torch.ones(5, 2, dtype=torch.float64)  # shapes do not match
+
+    with pytest.raises(hoad.CaptureError, match="tracing the function failed") as info:
+        hoad.compile(f, order=1)(rand(2, 3))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_an_in_place_update_of_a_closed_over_buffer_names_the_way_out():
+    """It was torch's 'INTERNAL ASSERT FAILED ... please report a bug to PyTorch'."""
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+        def forward(self, x):
+            self.seen.add_(x.detach().sum())
+            return x.sin().sum()
+
+    m = Counting()
+    with pytest.raises(hoad.CaptureError, match=r"updates in place a tensor it does not receive.*hoad.compile\(m\)"):
+        hoad.compile(lambda x: m(x), order=2, backend="eager")(rand(3, seed=73))
+    hoad.compile(m, order=2, backend="eager")(torch.ones(3, dtype=torch.float64))
+    assert float(m.seen) == 3.0
+
+
+def test_a_failure_at_run_time_is_an_execution_error():
+    def f(x, i):
+        return x[i].sin().sum()
+
+    cf = hoad.compile(f, order=1)
+    cf(rand(3), torch.tensor([0, 2]))
+    with pytest.raises(hoad.ExecutionError, match=r"f itself fails on these inputs \(IndexError: index 7 is out of "
+                                                  r"bounds.*Fix the inputs") as info:
+        cf(rand(3), torch.tensor([0, 7]))
+    assert info.value.__cause__ is not None
+
+
+def test_a_program_failure_where_the_function_runs_is_reported_as_hoads(monkeypatch):
+    """The function runs on these inputs, its program does not: hoad's bug, said so."""
+    cf = hoad.compile(lambda x: x.sin().sum(), order=1)
+    x = rand(3)
+    cf(x)
+    entry = next(iter(cf._cache.values()))
+
+    def broken(*tensors):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(entry, "run", broken)
+    with pytest.raises(hoad.ExecutionError, match=r"planted\), although the function itself runs on these inputs: "
+                                                  "this is a bug in hoad"):
+        cf(x)
+
+
+def test_an_internal_failure_names_the_node(monkeypatch):
+    from hoad.rules import RULES
+
+    def broken(ctx, *args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+    monkeypatch.setitem(RULES, aten.sin.default, broken)
+    with pytest.raises(hoad.HoadInternalError, match="sin") as info:
+        hoad.compile(lambda x: x.sin().sum(), order=1)(rand(3))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
 # ---------------------------------------------------------------------------------- order
@@ -523,6 +593,51 @@ def test_unsupported_operator_off_the_differentiated_path_is_fine():
 
     res = hoad.compile(f, order=2, wrt=0)(X, Y)
     torch.testing.assert_close(res[0], X.cos() * torch.special.bessel_j0(Y).sum())
+
+
+# --------------------------------------------------------------------------- complex values
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.fft.irfft(torch.fft.rfft(x), n=x.shape[-1]).sin().sum(),
+    lambda x: torch.view_as_real(torch.complex(x, 2 * x).exp()).sum(),
+    lambda x: torch.fft.fft(x).abs().sum(),
+], ids=["rfft-irfft", "complex-exp", "fft-abs"])
+def test_complex_intermediates_raise_instead_of_zero(fn):
+    with pytest.raises(hoad.UnsupportedOperatorError, match="complex"):
+        hoad.compile(fn, order=1)(rand(2, 4))
+
+
+def test_complex_values_off_the_differentiated_path_are_fine():
+    phase = torch.view_as_real(torch.polar(torch.ones(4, dtype=torch.float64), torch.arange(4.0).double()))
+
+    def f(x):
+        return (x.sin() * phase[:, 0]).sum()
+
+    check(f, (rand(4),), order=2)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "detach"])
+def test_complex_values_autograd_sees_as_constants_are_fine(how):
+    """Computed from x under no_grad or detached (constants to autograd, as docs/guide.md says),
+    they were refused as complex values from a differentiated input. (torch.func's jacfwd is no
+    reference here: forward AD differentiates through no_grad.)"""
+    def scale(x):
+        if how == "no_grad":
+            with torch.no_grad():
+                return torch.fft.fft(x).abs().sum()
+        return torch.view_as_real(x.to(torch.cdouble)).detach().sum()
+
+    def f(x):
+        return x.sin().sum() * scale(x) + (x * x).sum()
+
+    def constant(x):
+        return x.sin().sum() * scale(x.detach()) + (x * x).sum()
+
+    x = rand(3, 4, seed=13)
+    res = hoad.compile(f, order=3, backend="eager")(x)
+    g = jacrev(constant)
+    for k in (1, 2, 3):
+        assert_close(res[(0,) * k], g(x), f"order {k}")
+        g = jacrev(g)
 
 
 # ---------------------------------------------------------------------------------- options

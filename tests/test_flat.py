@@ -6,9 +6,12 @@ coefficient by the zero blocks, and ``inf · 0`` was NaN. The reference is neste
 torch's reverse mode masks at the relu before the infinity can meet a zero.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close
 from torch.func import jacrev
 
 import hoad
@@ -193,3 +196,36 @@ def test_a_mask_that_loses_the_sample_axis_reshapes_per_sample():
     got = hoad.laplacian(u, batch_dim=0, backend="eager")(X).laplacian
     want = torch.stack([jacrev(jacrev(lambda x: u(x[None])[0]))(x).trace() for x in X])
     torch.testing.assert_close(got, want)
+
+
+def _pair_energy(clamped: bool):
+    def energy(X):  # the diagonal r_ii = 0 is clamped to ε, where √'s derivative is infinite
+        D = X[:, None, :] - X[None, :, :]
+        s = torch.sqrt((D ** 2).sum(-1))
+        r = s.clamp(min=1e-3) if clamped else torch.where(s > 1e-3, s, 1e-3)
+        return (torch.exp(-r) + 1 / r).sum()
+    return energy
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_clamped_value_whose_argument_has_an_infinite_derivative_is_flat(mode):
+    """clamp(√Σd², min=ε) at a zero distance: clamp's derivative 0 times √'s infinite one made
+    every entry of the gradient NaN (torch.func's too), where the function is flat there; the
+    where form was right. clamp now decomposes into wheres, whose untaken branches are guarded."""
+    X = torch.tensor([[0.0, 0.0], [1.0, 0.5], [-0.3, 2.0]], dtype=torch.float64)
+    got = hoad.compile(_pair_energy(True), order=2, mode=mode, backend="eager")(X)
+    want = hoad.compile(_pair_energy(False), order=2, mode=mode, backend="eager")(X)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[0, 0]).all()
+    assert_close(got[0], want[0], "gradient")
+    assert_close(got[0, 0], want[0, 0], "Hessian")
+    off = ~torch.eye(3, dtype=torch.bool)  # the same sum over i != j, by torch.func
+    plain = lambda X: (lambda r: (torch.exp(-r) + 1 / r)[off].sum())(  # noqa: E731
+        torch.sqrt(((X[:, None, :] - X[None, :, :]) ** 2).sum(-1) + torch.eye(3, dtype=X.dtype)))
+    assert_close(got[0], jacrev(plain)(X), "gradient against torch.func")
+    x = torch.tensor([0.0, 0.01, 0.5, 2.0], dtype=torch.float64)
+    nan_bound = hoad.compile(lambda x: x.clamp(min=math.nan), order=1, mode=mode, backend="eager")(x)
+    assert nan_bound.value.isnan().all()  # (torch's; the wheres gave x)
+    for f in (lambda x: (x.sqrt() - 0.1).clamp(min=0).pow(2).sum(), lambda x: x.log().clamp(min=-5).exp().sum()):
+        res = hoad.compile(f, order=2, mode=mode, backend="eager")(x)
+        assert torch.isfinite(res[0]).all() and torch.isfinite(res[0, 0]).all(), res[0]
+        assert_close(res[0][1:], jacrev(f)(x)[1:], "gradient away from 0")

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_close, rand, reference
+import torch.nn as nn
+from helpers import assert_close, check, rand, reference
 
 import hoad
 
@@ -210,3 +211,74 @@ def test_same_tensor_in_two_slots_then_distinct_tensors():
     for args, res in (((x, x), same), ((x, y), other)):
         for K, r in reference(body, args, (0, 1), 2).items():
             assert_close(res[K], r, f"block {K}")
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_editing_a_result_in_place_changes_no_other_tensor(backend):
+    """A constant Hessian was the prefix's cached tensor (damping it in place changed every later
+    call), and the Jacobian of W @ x was W itself (editing it edited the weights)."""
+    A, W = rand(3, 3, seed=70), rand(4, 3, seed=71)
+    x = rand(3, seed=72)
+    quadratic = hoad.compile(lambda x: x @ A @ x, order=2, backend=backend)
+    linear = hoad.compile(lambda x: W @ x, order=1, backend=backend)
+    square = hoad.compile(lambda x: (x * x).sum(), order=2, backend=backend)
+    W0 = W.clone()
+    for _ in range(2):
+        quadratic(x)[0, 0].diagonal().add_(1.0)
+        linear(x)[0].mul_(2.0)
+        square(x)[0, 0].add_(1.0)
+    assert_close(quadratic(x)[0, 0], A + A.T, "quadratic")
+    assert torch.equal(W, W0) and torch.equal(linear(x)[0], W0)
+    assert_close(square(x)[0, 0], 2 * torch.eye(3, dtype=x.dtype), "square")
+    # blocks the program computes by one node: ∂/∂x and ∂/∂y of exp(x + y); exp's pure derivatives
+    y = rand(3, seed=74)
+    res = hoad.compile(lambda x, y: (x + y).exp().sum(), order=2, wrt=(0, 1), backend=backend)(x, y)
+    res[0].mul_(0.1)
+    assert_close(res[1], (x + y).exp(), "∂/∂y after editing ∂/∂x")
+    X = rand(4, 3, seed=75)
+    res = hoad.compile(lambda X: X.exp().sum(-1), order=2, batch_dim=0, diagonal=True, backend=backend)(X)
+    res[0].zero_()
+    assert_close(res[0, 0], X.exp(), "∂² after editing ∂")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "step-sliced", "expanded", "channels_last"])
+def test_a_non_contiguous_argument_is_read_by_its_entries(layout):
+    """The program was traced on a dense copy of each argument, and a reshape traced as a view of
+    it: under eager the call raised torch's "view size is not compatible with input tensor's size
+    and stride" (Inductor's path copied the argument dense first; now both do)."""
+    base = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    x = {"transposed": base.transpose(2, 3), "step-sliced": torch.randn(2, 3, 4, 8, dtype=torch.float64)[..., ::2],
+         "expanded": base[:, :1].expand(2, 3, 4, 4),
+         "channels_last": base.to(memory_format=torch.channels_last)}[layout]
+    conv = nn.Conv2d(3, 2, 3).double()
+
+    def f(x):
+        return (conv(x).flatten(1).sin().sum(1) + x.reshape(2, -1).cos().sum(1)).sum()
+
+    res = hoad.compile(f, order=2, backend="eager")(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x.contiguous()))
+
+
+# ------------------------------------------------------------------------------ polynomials
+W23 = rand(2, 3, seed=101)
+
+
+def test_polynomial_structural_zeros_past_its_degree():
+    def f(x, y):
+        return (x * x * y).sum() + (x * y).sum(0)  # degree 3
+
+    x, y = rand(2, 3), rand(2, 3, seed=4)
+    res, _ = check(f, (x, y), wrt=(0, 1), order=4)
+    for K in itertools.combinations_with_replacement((0, 1), 4):
+        assert res.is_structural_zero(K), f"order-4 block {K} of a cubic must be a structural zero"
+        assert torch.count_nonzero(res[K]) == 0
+        assert res[K].shape == (3,) + (2, 3) * 4
+    assert res.is_structural_zero((1, 1)) and res.is_structural_zero((0, 1, 1))
+    assert not res.is_structural_zero((0, 0, 1))
+
+
+def test_integer_power_structural_zeros_past_its_degree():
+    res, _ = check(lambda x: (x ** 3 * W23).sum(), (rand(2, 3),), order=4)
+    assert not res.is_structural_zero((0, 0, 0))
+    assert res.is_structural_zero((0, 0, 0, 0)), "x**3 has no fourth derivative"
+    assert torch.count_nonzero(res[0, 0, 0, 0]) == 0

@@ -6,6 +6,7 @@ The reference is plain autograd on the same maths (a Laplacian by two nested tor
 """
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -236,6 +237,31 @@ def test_batchnorm_running_statistics_update_once_per_call_under_training():
     cf(X)[0].sum().backward()
     assert bn.num_batches_tracked.item() == once + 1
     assert_close(bn.running_mean, 0.9 * mean + 0.1 * X.mean(0), "one momentum update")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_tracing_does_not_update_buffers_and_leaves_them_without_a_graph(backend):
+    """Batch norm in training mode adds 1 to num_batches_tracked in Python: the trace ran that for
+    real, and the program replays it, so the first call counted twice (with momentum=None the
+    running statistics were then wrong). Under autograd the written statistics carried a graph,
+    and the module's next plain forward failed (and Inductor's training compile refused the
+    write: no derivative for copy_). (momentum=None is refused: its factor 1/float(num_batches_tracked)
+    reads a tensor's value, which the program kept, test_errors.py.)"""
+    torch.manual_seed(46)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8),
+                              torch.nn.Tanh(), torch.nn.Linear(8, 1)).double().train()
+    ref = copy.deepcopy(net)
+    lap = hoad.laplacian(lambda x: net(x).sum(), backend=backend)
+    for seed in (47, 147):
+        X = rand(6, 3, seed=seed)
+        lap(X).laplacian.backward()
+        with torch.no_grad():
+            ref(X)
+    for got, want in zip(net[1].buffers(), ref[1].buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not got.requires_grad
+    net.eval()
+    net(X)  # a plain forward still works
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

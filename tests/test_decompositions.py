@@ -1,22 +1,29 @@
-"""Ops hoad covers by decomposing them into ops with rules (issue 17, passes/decompositions.py and passes/indexing.py),
-checked where the OpInfo sweep cannot: derivatives in every argument, orders torch cannot
-differentiate (its backward of cdist, pdist, segment_reduce, embedding_bag has no derivative),
-and the edges where a convention decides (zero distance, zeros in a product, ties).
+"""Ops hoad covers by decomposing them into ops with rules (issue 17, passes/decompositions.py and
+passes/indexing.py), checked where the OpInfo sweep cannot: derivatives in every argument, orders
+torch cannot differentiate (its backward of cdist, pdist, segment_reduce, embedding_bag has no
+derivative), and the edges where a convention decides (zero distance, zeros in a product, ties).
 
 Where torch.func has no derivative of the op itself, or a wrong one, the reference is torch.func
 of the same function in plain ops, and the plain function is checked against torch's own first
 derivative (the op's convention) where torch has one.
+
+A decomposition also keeps what torch checks or reads: one_hot's class checks, a traced integer
+index, embedding's max_norm renormalising the table, gaussian_nll_loss's check of var, padding
+modes, and the storage as_strided reads.
 """
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_close, check, rand
+from torch.func import jacfwd, jacrev
 
 import hoad
 from hoad.passes.indexing import _grid_sampler
 
 aten = torch.ops.aten
+MODES = ["forward", "reverse"]
 
 
 def _idx(*v):
@@ -255,14 +262,121 @@ def test_frexp_mantissa():
     check(lambda x: torch.frexp(x.sin() * 3)[0].exp(), (x,), order=2)
 
 
-@pytest.mark.parametrize("mode", ["forward", "reverse"])
-def test_a_write_into_a_fresh_buffer(mode):
-    """Functionalization turns ``z[0] = v`` into a functional copy and scatters, and capture
-    decomposes the copy into a broadcast clone (torch's autograd has no formula for ``copy``)."""
-    def f(x):
-        z = torch.zeros(2, 3, dtype=x.dtype)
-        z[0] = x[1].sin()
-        z[:, 1:] = x[:, :1].cos()
-        return (z * x).exp().sum()
+# ----------------------------------------------------------------------------------- padding
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pad_mode,shape,pad", [
+    ("circular", (1, 2, 5), (2, 1)), ("circular", (1, 2, 3, 4), (1, 2, 2, 1)),
+    ("reflect", (1, 2, 5), (2, 1)), ("replicate", (1, 2, 3, 4), (1, 2, 2, 1)),
+])
+def test_padding_modes(pad_mode, shape, pad, mode):
+    w = rand(*shape[:-len(pad) // 2], *[n + pad[2 * i] + pad[2 * i + 1] for i, n in
+                                        enumerate(reversed(shape[-len(pad) // 2:]))][::-1], seed=5)
+    check(lambda x: (F.pad(x, pad, mode=pad_mode).sin() * w).sum(), (rand(*shape),), order=3, mode=mode)
 
-    check(f, (rand(2, 3, seed=54),), order=3, mode=mode)
+
+# ----------------------------------------------------------------------------- strided views
+def test_as_strided_of_a_view_into_a_larger_storage_is_refused():
+    """as_strided reads storage: the program assumes inputs own theirs; a view would be read
+    differently by torch, so it is refused, and a copy gives torch's answer."""
+    def f(x):
+        return torch.as_strided(x, (2, 2), (1, 2)).sin().sum()
+
+    base = torch.randn(12, dtype=torch.float64)
+    cf = hoad.compile(f, order=2)
+    x = base[:10].clone()
+    res = cf(x)
+    torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x))
+    with pytest.raises(hoad.InvalidArgumentError, match="larger storage"):
+        cf(base[2:12])
+
+
+def test_as_strided_of_an_intermediate_reads_its_entries():
+    """An as_strided of a computed value (group_norm's decomposition emits one) reads entries the
+    program owns: inputs that are views are fine. They were refused ("input 'x' is a view into a
+    larger storage") for a group_norm with weight and bias on x[:2] or a channels_last x. A view
+    with an offset reads relative to that offset's storage (it read from the storage's start)."""
+    def f(x):
+        y = x.sin().reshape(-1)
+        return torch.as_strided(y[2:], (2, 2), (1, 3), 4).exp().sum() + torch.as_strided(y[1:], (3,), (2,)).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(hoad.compile(f, order=2, backend="eager")(x)[0, 0], torch.func.hessian(f)(x))
+    gn = nn.GroupNorm(2, 4).double()
+    nn.init.normal_(gn.weight), nn.init.normal_(gn.bias)
+
+    def g(x):
+        return gn(x).sin().sum((1, 2, 3))
+
+    base = torch.randn(3, 4, 3, 3, dtype=torch.float64)
+    ref = torch.func.vmap(torch.func.hessian(lambda v: g(v[None])[0]))
+    for x in (base[:2], base.to(memory_format=torch.channels_last)):
+        torch.testing.assert_close(hoad.compile(g, order=2, batch_dim=0, backend="eager")(x)[0, 0], ref(x))
+
+
+# ---------------------------------------------------------------- what torch checks or reads
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_indexing_by_a_traced_integer_tensor(mode):
+    """x[x.argmax()] or x[i] for a 0-d index argument: Python indexing read the tensor's value (a
+    DataDependentControlFlowError advising torch.where); it is a one-entry gather."""
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    i, j = torch.tensor(2), torch.tensor(-1)
+    for f in (lambda x, i, j: (x[x.sum(1).argmax()] ** 2).sum() + x.sum(),
+              lambda x, i, j: (x[i] * x[:, j]).sum() + x[i, j] ** 3,
+              lambda x, i, j: (x[i, 1:] ** 2).sum() * x[None, j].sin().sum()):
+        res = hoad.compile(f, order=2, mode=mode, backend="eager")(x, i, j)
+        torch.testing.assert_close(res[0, 0], torch.func.hessian(f)(x, i, j))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_hot_checks_its_classes_and_follows_a_closed_over_index(backend):
+    """F.one_hot's class checks were dropped by the trace (a class out of range gave a row of
+    zeros), and a closed-over index was refused as control flow; it is a checked scatter now."""
+    W, labels = rand(3, 4, seed=71), torch.tensor([0, 3, 1])
+
+    def f(x, i):
+        return (F.one_hot(i, 4).to(x.dtype) * torch.tanh(x @ W)).sum()
+
+    def g(x):
+        return f(x, labels)
+
+    x = rand(3, 3, seed=72)
+    cf, cg = hoad.compile(f, order=2, backend=backend), hoad.compile(g, order=2, backend=backend)
+    assert_close(cf(x, labels)[0, 0], jacfwd(jacrev(f))(x, labels), "index passed")
+    assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "index closed over")
+    labels[1] = 2
+    assert_close(cg(x)[0, 0], jacfwd(jacrev(g))(x), "after labels[1] = 2")
+    for bad in ([0, 4, 1], [0, -1, 1]):
+        with pytest.raises(hoad.ExecutionError, match="out of bounds"):
+            cf(x, torch.tensor(bad))
+    with pytest.raises(hoad.DataDependentControlFlowError, match="pass num_classes"):
+        hoad.compile(lambda x, i: (F.one_hot(i).to(x.dtype) * x).sum(), order=1, backend=backend)(x, labels)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_embedding_with_max_norm_differentiates_the_table_as_torch_does(mode):
+    """max_norm renormalises the table's rows in place under no_grad: autograd sees the table
+    itself, with the new values (every derivative was 0: the trace read a detached copy)."""
+    idx = torch.tensor([0, 2, 2, 4])
+
+    def f(W):
+        return (F.embedding(idx, W, max_norm=1.0) ** 3).sum() + (W * W).sum()
+
+    W = rand(5, 3, seed=74) * 2
+    res = hoad.compile(f, order=2, mode=mode, backend="eager")(W.clone())
+    renormed = W.clone()
+    f(renormed)  # torch's own call renormalises in place; its derivatives are those at the new table
+    g = lambda W: (W[idx] ** 3).sum() + (W * W).sum()  # noqa: E731
+    assert_close(res[0], jacrev(g)(renormed), "gradient")
+    assert_close(res[0, 0], jacfwd(jacrev(g))(renormed), "Hessian")
+    W2 = W.clone()
+    hoad.compile(f, order=1, mode=mode, backend="eager")(W2)
+    assert_close(W2, renormed, "the table renormalised in place, as torch does")
+
+
+@pytest.mark.parametrize("var_shape", ["per entry", "one per row"])
+def test_gaussian_nll_loss_is_traced(var_shape):
+    """torch checks var >= 0 with a Python `if` on its values: refused as control flow before;
+    now the same loss, var clamped at eps with derivative 1 as torch's in-place clamp has it."""
+    x, t = rand(4, 3, seed=79), rand(4, 3, seed=80)
+    var = rand(4, 3, seed=81, positive=True) if var_shape == "per entry" else rand(4, seed=81, positive=True)
+    check(lambda x, v: F.gaussian_nll_loss(x, t, v, full=True), (x, var), wrt=(0, 1), order=3)
