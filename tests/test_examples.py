@@ -48,6 +48,21 @@ def test_laplace_newton_converges_quadratically_and_the_evidence_picks_the_true_
     assert bool(((out["p_laplace"] - 0.5).abs() <= (out["p_map"] - 0.5).abs()).all())
 
 
+def test_force_constants_match_differences_and_each_order_gains_a_power():
+    """LJ8's known global minimum (-19.821489), force constants that agree with central
+    differences of Hessians, and Taylor models whose error falls as s³, s⁴ and s⁵."""
+    ex = _load("force_constants")
+    out = ex.analyse(n=8, verbose=False)
+    assert out["gradient"].norm() < 1e-8
+    assert abs(ex.energy(out["x0"]).item() + 19.821489) < 1e-6
+    assert out["cubic_error"] < 1e-5 and out["quartic_error"] < 1e-5
+    (s1, _, *small), (s2, _, *large) = out["taylor"][:2]
+    assert s2 == 2 * s1
+    for order, (a, b) in enumerate(zip(small, large), start=2):
+        assert b / a > 0.75 * 2 ** (order + 1), (order, a, b)  # error ~ s^(order + 1)
+    assert small[0] > small[1] > small[2]
+
+
 @pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_pinn_ddp_trains_under_torchrun(sharding):
     """The data-parallel PINN as its docstring launches it: 2 ranks on the CPU (gloo), each on its
