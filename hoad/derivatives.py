@@ -193,6 +193,26 @@ class Derivatives(Mapping):
             return block
         return block.permute(self._slot_permutation(K, positions))
 
+    def packed(self, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unique entries of a block whose slots are all one input x, ∂ᵏf/∂xᵏ, as ``(values,
+        index)``: ``index`` (M, k) holds the flat entries i_1 <= … <= i_k of x each value is the
+        derivative in (``torch.triu_indices``' idea in k dimensions; M = C(n+k-1, k) for n
+        entries, against nᵏ dense) and ``values`` has shape ``f.shape + (M,)``. Every permutation
+        of a row of ``index`` holds the same value in ``res[key]``. Today the values are read off
+        the dense block the program computed."""
+        K, _ = self._resolve(key)
+        if len(set(K)) != 1 or self._spec.diagonal:
+            raise InvalidArgumentError(
+                f"packed() takes a block whose slots are all one wrt input, as (x, x, x), got {key!r}"
+                + (" of a diagonal result (its blocks hold only pure derivatives already)" if self._spec.diagonal
+                   else "; read mixed blocks with res[key]"))
+        k, n = len(K), math.prod(self._slot_shapes[K[0]])
+        index = torch.combinations(torch.arange(n, device=self.value.device), r=k, with_replacement=True)
+        index = index.reshape(-1, k)  # (k = 1: one column)
+        flat = (index * torch.tensor([n ** (k - 1 - j) for j in range(k)], device=index.device)).sum(-1)
+        lead = tuple(self.value.shape)
+        return self._block(K).reshape(lead + (n ** k,))[..., flat], index
+
     def is_structural_zero(self, key) -> bool:
         """True when the block is zero by the structure of the program (no tensor was computed)."""
         K, _ = self._resolve(key)

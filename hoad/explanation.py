@@ -33,11 +33,14 @@ class Explanation:
         for K in all_multi_indices(len(p.wrt_names), p.order):
             slots = dict.fromkeys(K) if p.diagonal else K  # pure derivatives carry each input once
             dense = out * math.prod(math.prod(p.slot_shapes[k]) for k in slots)
+            # (what a symmetric block needs: each multiset of one input's entries once)
+            unique = dense if p.diagonal else out * math.prod(
+                math.comb(math.prod(p.slot_shapes[k]) + K.count(k) - 1, K.count(k)) for k in set(K))
             key = "(" + ", ".join(p.wrt_names[k] for k in K) + ")"
             if K in p.stored:
-                rows.append([len(K), key, dense, p.stored[K], f"{dense / max(p.stored[K], 1):.1f}x"])
+                rows.append([len(K), key, dense, unique, p.stored[K], f"{dense / max(p.stored[K], 1):.1f}x"])
             else:
-                rows.append([len(K), key, dense, 0, "structural zero"])
+                rows.append([len(K), key, dense, unique, 0, "structural zero"])
         return rows
 
     def symmetry(self) -> tuple[int, int]:
@@ -57,8 +60,8 @@ class Explanation:
                  + (f" ({len(p.zeros)} of them {'a structural zero' if len(p.zeros) == 1 else 'structural zeros'}, "
                     "not computed)" if p.zeros else ""),
                  "",
-                 tabulate(self.blocks_table(), headers=["order", "block", "dense entries", "stored entries", "saved"],
-                          )]
+                 tabulate(self.blocks_table(),
+                          headers=["order", "block", "dense entries", "unique entries", "stored entries", "saved"])]
         costs = b.stats.get("costs", {})
         if costs:
             rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == p.direction else ""]

@@ -98,3 +98,34 @@ def test_bad_flat_arguments_are_refused(call, fragment):
     res = hoad.compile(_mixed, order=2, wrt=(0, 1))(rand(3, seed=5), rand(3, 2, seed=6))
     with pytest.raises(hoad.InvalidArgumentError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         call(res)
+
+
+@pytest.mark.parametrize("order", [2, 3, 4])
+def test_packed_holds_each_unique_entry_of_a_symmetric_block_once(order):
+    """res.packed(key): the values at every multiset of one input's entries, with their index map,
+    equal to the dense block at every permutation of each row; mixed and diagonal blocks refused."""
+    import itertools
+    import math
+
+    W = rand(3, 2, 4, seed=40)
+
+    def f(x, y):  # a non-scalar output (2,), x (2, 3), y (2,): blocks of x alone and mixed ones
+        return torch.einsum("ij,jkl,k->l", x.tanh(), W, y.sin()).reshape(2, 2).sum(0) + (x.prod() * y.sum())
+
+    x, y = rand(2, 3, seed=41), rand(2, seed=42)
+    res = hoad.compile(f, order=order, wrt=(0, 1))(x, y)
+    values, index = res.packed((0,) * order)
+    n = 6
+    assert index.shape == (math.comb(n + order - 1, order), order) and values.shape == (2, index.shape[0])
+    assert bool((index[:, 1:] >= index[:, :-1]).all()) and len({tuple(r) for r in index.tolist()}) == len(index)
+    dense = res[(0,) * order].reshape((2,) + (n,) * order)
+    for row, v in zip(index.tolist(), values.T):
+        for perm in set(itertools.permutations(row)):
+            assert torch.equal(dense[(slice(None),) + perm], v)
+    one, i1 = res.packed(1)
+    assert torch.equal(one, res[1]) and i1.tolist() == [[0], [1]]
+    with pytest.raises(hoad.InvalidArgumentError, match="one wrt input"):
+        res.packed((0,) * (order - 1) + (1,))
+    diag = hoad.compile(f, order=2, wrt=(0, 1), diagonal=True)(x, y)
+    with pytest.raises(hoad.InvalidArgumentError, match="diagonal"):
+        diag.packed((0, 0))
