@@ -73,7 +73,7 @@ def safe_branches(gm) -> None:
     of the where's shape that only the where reads) to read ``where(taken, u, safe)``."""
     from hoad.rules import elementwise, special
 
-    pointwise = set(_POINTWISE) | set(elementwise.RULES) | set(special.RULES)
+    pointwise = set(_POINTWISE) | set(elementwise.OPS.rules) | set(special.OPS.rules)
     changed = False
     # the branches taken under the same condition, of wheres of one shape, share a region: a
     # distance read by two masked pair terms (Coulomb and Lennard-Jones over r = √Σd²) is the

@@ -28,9 +28,9 @@ from hoad.passes.indexing import (
     _scatter_reduce,
     _segment_reduce,
 )
+from hoad.passes.linalg_routes import CAPTURE_DECOMPOSITIONS as _LINALG
 from hoad.passes.tracing import DETACHED_FROM, value_read
 from hoad.rules import USER_OPS
-from hoad.rules.linalg import CAPTURE_DECOMPOSITIONS as _LINALG
 
 aten = torch.ops.aten
 

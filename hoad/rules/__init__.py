@@ -19,14 +19,17 @@ from hoad.rules import (
 )
 from hoad.rules.base import Ctx, Jet, merge_tables
 from hoad.rules.constant import PIECEWISE_CONSTANT, RANDOM, is_random
+from hoad.rules.flat import FLAT
 
-# the modules filling the table, each with its RULES and VJPS (several share a family: pooling,
-# indexing and arithmetic are linear, special is elementwise)
-_MODULES = (linear, arithmetic, multilinear, elementwise, special, reduction, conv, pooling, indexing, linalg,
-            factorizations)
-RULES = merge_tables(*(m.RULES for m in _MODULES))
-VJPS = merge_tables(*(m.VJPS for m in _MODULES))
-FAMILIES = {op: m.RULES.family for m in _MODULES for op in m.RULES}
+# the modules filling the table, each with its OPS: per op the rule, the VJP and the flat mask,
+# registered together (several share a family: pooling, indexing and arithmetic are linear,
+# special is elementwise)
+_TABLES = tuple(m.OPS for m in (linear, arithmetic, multilinear, elementwise, special, reduction, conv, pooling,
+                                 indexing, linalg, factorizations))
+RULES = merge_tables(_TABLES, "rules")
+VJPS = merge_tables(_TABLES, "vjps")
+FAMILIES = {op: table.family for table in _TABLES for op in table.rules}
+merge_tables(_TABLES, "flats", FLAT)  # (FLAT holds the masks of ops without a rule already)
 
 # ops with a rule registered from outside (hoad.extend): capture leaves them undecomposed
 USER_OPS: set = set()

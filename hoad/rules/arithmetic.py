@@ -14,15 +14,21 @@ import torch
 from hoad.algebra import Block, select_out
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import broadcast, linear, scale_out, scaled, sum_blocks, unbroadcast
+from hoad.rules.flat import _all, _branches, _chosen
 
 aten = torch.ops.aten
-RULES = RuleTable("linear")
-VJPS = RuleTable("linear")
+OPS = RuleTable("linear")
 
 
-@RULES.register(aten.neg.default)
 def neg_rule(ctx: Ctx, x: Jet):
     return linear(ctx, x, Block.neg)
+
+
+def neg_vjp(v, g: Block, x: Jet):
+    return [(x, g.neg())]
+
+
+OPS.register(aten.neg.default, rule=neg_rule, vjp=neg_vjp, flat=lambda *args, **kwargs: _all(*args))
 
 
 def _combine(ctx: Ctx, terms: list[tuple[object, float]]) -> dict:
@@ -32,19 +38,38 @@ def _combine(ctx: Ctx, terms: list[tuple[object, float]]) -> dict:
     return {K: b.to(ctx.out.dtype) for K, b in sum_blocks(*parts).items()}
 
 
-@RULES.register(aten.add.Tensor)
 def add_rule(ctx: Ctx, a, b, alpha=1):
     return _combine(ctx, [(a, 1.0), (b, alpha)])
 
 
-@RULES.register(aten.sub.Tensor)
+def add_vjp(v, g: Block, a, b, alpha=1):
+    return _spread(v, g, [(a, 1.0), (b, alpha)])
+
+
+OPS.register(aten.add.Tensor, rule=add_rule, vjp=add_vjp, flat=lambda *args, **kwargs: _all(*args))
+
+
 def sub_rule(ctx: Ctx, a, b, alpha=1):
     return _combine(ctx, [(a, 1.0), (b, -alpha)])
 
 
-@RULES.register(aten.add.Scalar, aten.sub.Scalar)
+def sub_vjp(v, g: Block, a, b, alpha=1):
+    return _spread(v, g, [(a, 1.0), (b, -alpha)])
+
+
+OPS.register(aten.sub.Tensor, rule=sub_rule, vjp=sub_vjp, flat=lambda *args, **kwargs: _all(*args))
+
+
 def add_scalar_rule(ctx: Ctx, a: Jet, other, alpha=1):
     return _combine(ctx, [(a, 1.0)])
+
+
+def add_scalar_vjp(v, g: Block, a: Jet, other, alpha=1):
+    return [(a, g)]
+
+
+OPS.register(aten.add.Scalar, aten.sub.Scalar, rule=add_scalar_rule, vjp=add_scalar_vjp,
+             flat=lambda *args, **kwargs: _all(*args))
 
 
 def _quotient(a, b, mode: str) -> torch.Tensor:
@@ -62,17 +87,29 @@ def _modulo_terms(a, b, mode: str) -> list[tuple[object, object]]:
     return [(a, 1.0), (b, -_quotient(a, b, mode) if varies else 0.0)]
 
 
-@RULES.register(aten.fmod.Tensor, aten.fmod.Scalar)
 def fmod_rule(ctx: Ctx, a, b):
     return _combine(ctx, _modulo_terms(a, b, "trunc"))
 
 
-@RULES.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def fmod_vjp(v, g: Block, a, b):
+    return _spread(v, g, _modulo_terms(a, b, "trunc"))
+
+
+OPS.register(aten.fmod.Tensor, aten.fmod.Scalar, rule=fmod_rule, vjp=fmod_vjp)
+
+
 def remainder_rule(ctx: Ctx, a, b):
     return _combine(ctx, _modulo_terms(a, b, "floor"))
 
 
-@RULES.register(aten.nextafter.default)
+def remainder_vjp(v, g: Block, a, b):
+    return _spread(v, g, _modulo_terms(a, b, "floor"))
+
+
+OPS.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, rule=remainder_rule,
+             vjp=remainder_vjp)
+
+
 def nextafter_rule(ctx: Ctx, a, b):
     """nextafter(a, b) is a moved by one ulp towards b: a plus a piecewise-constant step, so its
     derivative is a's (b's is zero almost everywhere); where a = b it is b, and torch takes both
@@ -80,17 +117,18 @@ def nextafter_rule(ctx: Ctx, a, b):
     return _combine(ctx, [(a, _moved(a, b))])
 
 
+def nextafter_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, _moved(a, b))])
+
+
+OPS.register(aten.nextafter.default, rule=nextafter_rule, vjp=nextafter_vjp)
+
+
 def _moved(a, b) -> torch.Tensor:
     """1 where nextafter(a, b) moves a, 0 where a = b."""
     va = a.primal if isinstance(a, Jet) else a
     vb = b.primal if isinstance(b, Jet) else b
     return (va != vb).to(va.dtype)
-
-
-def _branches(cond, a, b) -> list[tuple[object, torch.Tensor]]:
-    """The arguments of ``where(cond, a, b)`` with the mask of the entries each one supplies."""
-    mask = cond.primal if isinstance(cond, Jet) else cond
-    return [(a, mask), (b, ~mask)]
 
 
 def _select(ctx: Ctx, branches: list[tuple[object, torch.Tensor]]) -> dict:
@@ -113,10 +151,16 @@ def _select_vjp(v, g: Block, branches: list[tuple[object, torch.Tensor]]) -> lis
             for x, mask in branches if isinstance(x, Jet) and not x.constant]
 
 
-@RULES.register(aten.where.self)
 def where_rule(ctx: Ctx, cond, a, b):
     """where(c, a, b) with a constant condition: where(c, Da, 0) + where(c, 0, Db)."""
     return _select(ctx, _branches(cond, a, b))
+
+
+def where_vjp(v, g: Block, cond, a, b):
+    return _select_vjp(v, g, _branches(cond, a, b))
+
+
+OPS.register(aten.where.self, rule=where_rule, vjp=where_vjp, flat=lambda cond, a, b: _chosen(_branches(cond, a, b)))
 
 
 def _clamp_branches(x: Jet, lo, hi) -> list[tuple[object, torch.Tensor]]:
@@ -140,17 +184,19 @@ def _clamp_branches(x: Jet, lo, hi) -> list[tuple[object, torch.Tensor]]:
     return [(x, inside)] + branches
 
 
-@RULES.register(aten.clamp.Tensor)
 def clamp_tensor_rule(ctx: Ctx, x: Jet, min=None, max=None):
     return _select(ctx, _clamp_branches(x, min, max))
 
 
-# ---------------------------------------------------------------------------------- VJPs
-@VJPS.register(aten.neg.default)
-def neg_vjp(v, g: Block, x: Jet):
-    return [(x, g.neg())]
+def clamp_tensor_vjp(v, g: Block, x: Jet, min=None, max=None):
+    return _select_vjp(v, g, _clamp_branches(x, min, max))
 
 
+OPS.register(aten.clamp.Tensor, rule=clamp_tensor_rule, vjp=clamp_tensor_vjp,
+             flat=lambda x, min=None, max=None: _chosen(_clamp_branches(x, min, max)))
+
+
+# ------------------------------------------------------------------ helpers of other families
 def _spread(v, g: Block, terms: list[tuple[object, object]]) -> list:
     """Cotangents of Σ c_i x_i: g ⊙ c_i summed back to each varying x_i's shape."""
     r = v.out.ndim
@@ -159,41 +205,3 @@ def _spread(v, g: Block, terms: list[tuple[object, object]]) -> list:
             for x, c in terms if isinstance(x, Jet) and not x.constant]
 
 
-@VJPS.register(aten.add.Tensor)
-def add_vjp(v, g: Block, a, b, alpha=1):
-    return _spread(v, g, [(a, 1.0), (b, alpha)])
-
-
-@VJPS.register(aten.sub.Tensor)
-def sub_vjp(v, g: Block, a, b, alpha=1):
-    return _spread(v, g, [(a, 1.0), (b, -alpha)])
-
-
-@VJPS.register(aten.add.Scalar, aten.sub.Scalar)
-def add_scalar_vjp(v, g: Block, a: Jet, other, alpha=1):
-    return [(a, g)]
-
-
-@VJPS.register(aten.fmod.Tensor, aten.fmod.Scalar)
-def fmod_vjp(v, g: Block, a, b):
-    return _spread(v, g, _modulo_terms(a, b, "trunc"))
-
-
-@VJPS.register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
-def remainder_vjp(v, g: Block, a, b):
-    return _spread(v, g, _modulo_terms(a, b, "floor"))
-
-
-@VJPS.register(aten.nextafter.default)
-def nextafter_vjp(v, g: Block, a, b):
-    return _spread(v, g, [(a, _moved(a, b))])
-
-
-@VJPS.register(aten.where.self)
-def where_vjp(v, g: Block, cond, a, b):
-    return _select_vjp(v, g, _branches(cond, a, b))
-
-
-@VJPS.register(aten.clamp.Tensor)
-def clamp_tensor_vjp(v, g: Block, x: Jet, min=None, max=None):
-    return _select_vjp(v, g, _clamp_branches(x, min, max))

@@ -212,29 +212,34 @@ class VjpCtx:
 Rule = Callable[..., Any]
 
 
-class RuleTable(dict):
-    """A table of rules keyed by ATen overload; registering a key twice is an error."""
+class RuleTable:
+    """One op family's registrations, keyed by ATen overload: each op's rule, its VJP and its flat
+    mask (:mod:`hoad.rules.flat`), declared together in one :meth:`register` call beside the rule.
+    :mod:`hoad.rules` merges the families into the tables the rest of hoad reads (``RULES``,
+    ``VJPS``, ``FAMILIES``, ``FLAT``). Registering an op twice is an error."""
 
     def __init__(self, family: str):
-        super().__init__()
         self.family = family
+        self.rules: dict = {}
+        self.vjps: dict = {}
+        self.flats: dict = {}  # op -> f(*args, **kwargs) giving the result's flat mask (or None)
 
-    def register(self, *ops: torch._ops.OpOverload) -> Callable[[Rule], Rule]:
-        def deco(fn: Rule) -> Rule:
-            for op in ops:
-                if op in self:
-                    raise HoadInternalError(f"two {self.family} rules for {op}")
-                self[op] = fn
-            return fn
-
-        return deco
+    def register(self, *ops: torch._ops.OpOverload, rule: Rule, vjp: Rule, flat: Callable | None = None) -> None:
+        for op in ops:
+            if op in self.rules:
+                raise HoadInternalError(f"two {self.family} rules for {op}")
+            self.rules[op], self.vjps[op] = rule, vjp
+            if flat is not None:
+                self.flats[op] = flat
 
 
-def merge_tables(*tables: RuleTable) -> dict:
-    merged: dict = {}
+def merge_tables(tables: Sequence[RuleTable], part: str, merged: dict | None = None) -> dict:
+    """The families' ``part`` ("rules", "vjps" or "flats") in one dict (``merged``, when given);
+    an op in two families is an error."""
+    merged = {} if merged is None else merged
     for table in tables:
-        for op, fn in table.items():
+        for op, fn in getattr(table, part).items():
             if op in merged:
-                raise HoadInternalError(f"{op} has rules in two families ({table.family} and another)")
+                raise HoadInternalError(f"{op} has {part} in two families ({table.family} and another)")
             merged[op] = fn
     return merged

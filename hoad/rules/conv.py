@@ -20,7 +20,7 @@ from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import product_rule, sum_blocks
 
 aten = torch.ops.aten
-RULES = RuleTable("multilinear")
+OPS = RuleTable("multilinear")
 
 
 def lay_out(blk, r: int, keep: Sequence[int] = ()) -> tuple[torch.Tensor, list]:
@@ -133,7 +133,13 @@ def _jet(t) -> Jet:
     return t if isinstance(t, Jet) else Jet(t)
 
 
-@RULES.register(aten.convolution.default)
+def _folded(t: torch.Tensor, r: int, rest: list, at: int) -> torch.Tensor:
+    """``t`` (r axes, then ``rest``) with the ``rest`` axes merged into axis ``at`` (in front of it)."""
+    k = len(rest)
+    t = t.movedim(list(range(r, t.ndim)), list(range(at, at + k)))
+    return t.reshape(list(t.shape[:at]) + [-1] + list(t.shape[at + k + 1:]))
+
+
 def convolution_rule(ctx: Ctx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     """Leibniz over (input, weight), each term one convolution of folded blocks; plus the bias."""
     params = _params(stride, padding, dilation, transposed, output_padding, groups)
@@ -144,18 +150,6 @@ def convolution_rule(ctx: Ctx, x, w, bias, stride, padding, dilation, transposed
     return sum_blocks(*parts)
 
 
-# ---------------------------------------------------------------------------------- VJPs
-VJPS = RuleTable("multilinear")
-
-
-def _folded(t: torch.Tensor, r: int, rest: list, at: int) -> torch.Tensor:
-    """``t`` (r axes, then ``rest``) with the ``rest`` axes merged into axis ``at`` (in front of it)."""
-    k = len(rest)
-    t = t.movedim(list(range(r, t.ndim)), list(range(at, at + k)))
-    return t.reshape(list(t.shape[:at]) + [-1] + list(t.shape[at + k + 1:]))
-
-
-@VJPS.register(aten.convolution.default)
 def convolution_vjp(v, g: Block, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     """convolution_backward on the cotangent with the program output's axes folded: into the
     batch for the input's cotangent, into the output channels for the weight's."""
@@ -193,3 +187,7 @@ def convolution_vjp(v, g: Block, x, w, bias, stride, padding, dilation, transpos
     if isinstance(bias, Jet) and bias.varies:
         pairs.append((bias, sum_out(g, r, [a for a in range(r) if a != 1])))
     return pairs
+
+
+OPS.register(aten.convolution.default, rule=convolution_rule, vjp=convolution_vjp)
+

@@ -29,11 +29,10 @@ from hoad.rules.combinators import (
     sum_blocks,
     unbroadcast,
 )
-from hoad.rules.flat import FLAT, unary
+from hoad.rules.flat import _either, unary
 
 aten = torch.ops.aten
-RULES = RuleTable("elementwise")
-VJPS = RuleTable("elementwise")
+OPS = RuleTable("elementwise")
 
 
 def elementwise_pair(derivs):
@@ -53,16 +52,14 @@ def elementwise_pair(derivs):
     return rule, vjp
 
 
-def derivatives(*ops, rules: RuleTable = RULES, vjps: RuleTable = VJPS):
-    """Register a scalar-derivative function as the elementwise rule (and VJP) of ``ops``, in
-    ``rules`` and ``vjps`` (this module's tables; :mod:`hoad.rules.special` passes its own)."""
+def derivatives(*ops, table: RuleTable = OPS, flat=unary):
+    """Register a scalar-derivative function as the elementwise rule, VJP and flat mask (by
+    default: constant where the argument is) of ``ops`` in ``table`` (this module's;
+    :mod:`hoad.rules.special` passes its own)."""
 
     def deco(derivs):
         rule, vjp = elementwise_pair(derivs)
-        rules.register(*ops)(rule)
-        vjps.register(*ops)(vjp)
-        for op in ops:
-            FLAT.setdefault(op, unary)  # relu and clamp choose constants: theirs stay
+        table.register(*ops, rule=rule, vjp=vjp, flat=flat)
         return derivs
 
     return deco
@@ -237,7 +234,7 @@ def abs(n, x, y):
     return [x.sign()] + [None] * (n - 1)
 
 
-@derivatives(aten.relu.default)
+@derivatives(aten.relu.default, flat=lambda x: _either(x, ~(x.primal > 0)))  # (it chooses 0 below 0)
 def relu(n, x, y):
     return [(x > 0).to(x.dtype)] + [None] * (n - 1)
 
@@ -359,14 +356,20 @@ def _exponential_coeffs(n: int, y: torch.Tensor, log_c, at_zero_base: torch.Tens
     return [torch.where(at_zero_base, torch.zeros((), dtype=y.dtype, device=y.device), c) for c in coeffs]
 
 
-@RULES.register(aten.pow.Scalar)
 def pow_base_rule(ctx: Ctx, base, x: Jet):
     """c^x: φ^(k) = (log c)^k c^x."""
     zero = (x.primal >= 0) if base == 0 else None
     return chain(ctx, x, _exponential_coeffs(ctx.max_order, ctx.out, _log_of(base), zero))
 
 
-@RULES.register(aten.pow.Tensor_Tensor)
+def pow_base_vjp(v, g: Block, base, x: Jet):
+    zero = (x.primal >= 0) if base == 0 else None
+    return [(x, scale_out(g, _exponential_coeffs(1, v.out, _log_of(base), zero)[0], x.shape))]
+
+
+OPS.register(aten.pow.Scalar, rule=pow_base_rule, vjp=pow_base_vjp)
+
+
 def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     """a^b: a power when b is constant, an exponential when a is, exp(b·log a) otherwise."""
     y = ctx.out
@@ -390,6 +393,22 @@ def pow_tensor_rule(ctx: Ctx, a: Jet, b: Jet):
     power = chain(plain, broadcast(a, shape), _power_coeffs(ctx.max_order, a.primal, b.primal, y))
     zero = (a.primal == 0).expand(shape)
     return _select(plain, [(Jet(y, chain(plain, z, [y] * ctx.max_order)), ~zero), (Jet(y, power), zero)])
+
+
+def pow_tensor_vjp(v, g: Block, a: Jet, b: Jet):
+    """As torch: ∂/∂a = b a^(b-1), 0 where b = 0; ∂/∂b = a^b log a, taken as 0 where a = 0 and b >= 0."""
+    y, r, shape = v.out, v.out.ndim, tuple(v.out.shape)
+    pairs = []
+    if not a.constant:
+        coeff = torch.where(b.primal == 0, torch.zeros_like(y), b.primal * a.primal.pow(b.primal - 1))
+        pairs.append((a, unbroadcast(scale_out(g, coeff, shape), r, a.shape)))
+    if not b.constant:
+        coeff = torch.where((a.primal == 0) & (b.primal >= 0), torch.zeros_like(y), y * a.primal.log())
+        pairs.append((b, unbroadcast(scale_out(g, coeff, shape), r, b.shape)))
+    return pairs
+
+
+OPS.register(aten.pow.Tensor_Tensor, rule=pow_tensor_rule, vjp=pow_tensor_vjp)
 
 
 def _power_coeffs(n: int, a: torch.Tensor, p, y: torch.Tensor) -> list:
@@ -442,26 +461,6 @@ def _horner(coeffs: list[int], z: torch.Tensor):
     return acc
 
 
-@VJPS.register(aten.pow.Scalar)
-def pow_base_vjp(v, g: Block, base, x: Jet):
-    zero = (x.primal >= 0) if base == 0 else None
-    return [(x, scale_out(g, _exponential_coeffs(1, v.out, _log_of(base), zero)[0], x.shape))]
-
-
-@VJPS.register(aten.pow.Tensor_Tensor)
-def pow_tensor_vjp(v, g: Block, a: Jet, b: Jet):
-    """As torch: ∂/∂a = b a^(b-1), 0 where b = 0; ∂/∂b = a^b log a, taken as 0 where a = 0 and b >= 0."""
-    y, r, shape = v.out, v.out.ndim, tuple(v.out.shape)
-    pairs = []
-    if not a.constant:
-        coeff = torch.where(b.primal == 0, torch.zeros_like(y), b.primal * a.primal.pow(b.primal - 1))
-        pairs.append((a, unbroadcast(scale_out(g, coeff, shape), r, a.shape)))
-    if not b.constant:
-        coeff = torch.where((a.primal == 0) & (b.primal >= 0), torch.zeros_like(y), y * a.primal.log())
-        pairs.append((b, unbroadcast(scale_out(g, coeff, shape), r, b.shape)))
-    return pairs
-
-
 # --------------------------------------------------------------------- two arguments
 def _varies(x) -> bool:
     return isinstance(x, Jet) and not x.constant
@@ -471,7 +470,6 @@ def _value(x):
     return x.primal if isinstance(x, Jet) else x
 
 
-@RULES.register(aten.hypot.default)
 def hypot_rule(ctx: Ctx, a, b):
     """hypot(a, b) = √u with u = a² + b²: u by Leibniz, then the square root's derivatives."""
     shape = tuple(ctx.out.shape)
@@ -482,6 +480,13 @@ def hypot_rule(ctx: Ctx, a, b):
     return chain(ctx, Jet(u, sum_blocks(*squares)), _power(ctx.max_order, u, ctx.out, 0.5))
 
 
+def hypot_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, _value(a) / v.out), (b, _value(b) / v.out)])
+
+
+OPS.register(aten.hypot.default, rule=hypot_rule, vjp=hypot_vjp)
+
+
 def _copysign_coeff(a, out: torch.Tensor) -> torch.Tensor:
     """∂ copysign(a, b) / ∂a: +1 where a already has the output's sign, -1 where not, 0 at a = 0 (torch)."""
     va = _value(a)
@@ -489,10 +494,16 @@ def _copysign_coeff(a, out: torch.Tensor) -> torch.Tensor:
     return (same * 2 - 1) * (va != 0).to(out.dtype)
 
 
-@RULES.register(aten.copysign.Tensor, aten.copysign.Scalar)
 def copysign_rule(ctx: Ctx, a: Jet, b):
     """|a| with the sign of b: ±a, linear in a piecewise; constant in b."""
     return scaled(ctx, a, _copysign_coeff(a, ctx.out), tuple(ctx.out.shape)) if _varies(a) else {}
+
+
+def copysign_vjp(v, g: Block, a, b):
+    return _spread(v, g, [(a, _copysign_coeff(a, v.out))])
+
+
+OPS.register(aten.copysign.Tensor, aten.copysign.Scalar, rule=copysign_rule, vjp=copysign_vjp)
 
 
 def _nan_max_take_a(a, b, larger: bool) -> torch.Tensor:
@@ -501,42 +512,29 @@ def _nan_max_take_a(a, b, larger: bool) -> torch.Tensor:
     return (va >= vb if larger else va <= vb) | vb.isnan()
 
 
-@RULES.register(aten.fmax.default)
 def fmax_rule(ctx: Ctx, a, b):
     take = _nan_max_take_a(a, b, larger=True)
     return _select(ctx, [(a, take), (b, ~take)])
 
 
-@RULES.register(aten.fmin.default)
-def fmin_rule(ctx: Ctx, a, b):
-    take = _nan_max_take_a(a, b, larger=False)
-    return _select(ctx, [(a, take), (b, ~take)])
-
-
-@VJPS.register(aten.hypot.default)
-def hypot_vjp(v, g: Block, a, b):
-    return _spread(v, g, [(a, _value(a) / v.out), (b, _value(b) / v.out)])
-
-
-@VJPS.register(aten.atan2.default)
-def atan2_vjp(v, g: Block, a, b):
-    va, vb = _value(a), _value(b)
-    r2 = va * va + vb * vb  # (0 / 0 = NaN at the origin, as in the forward rule)
-    return _spread(v, g, [(a, vb / r2), (b, -va / r2)])
-
-
-@VJPS.register(aten.copysign.Tensor, aten.copysign.Scalar)
-def copysign_vjp(v, g: Block, a, b):
-    return _spread(v, g, [(a, _copysign_coeff(a, v.out))])
-
-
-@VJPS.register(aten.fmax.default)
 def fmax_vjp(v, g: Block, a, b):
     take = _nan_max_take_a(a, b, larger=True)
     return _select_vjp(v, g, [(a, take), (b, ~take)])
 
 
-@VJPS.register(aten.fmin.default)
+OPS.register(aten.fmax.default, rule=fmax_rule, vjp=fmax_vjp)
+
+
+def fmin_rule(ctx: Ctx, a, b):
+    take = _nan_max_take_a(a, b, larger=False)
+    return _select(ctx, [(a, take), (b, ~take)])
+
+
 def fmin_vjp(v, g: Block, a, b):
     take = _nan_max_take_a(a, b, larger=False)
     return _select_vjp(v, g, [(a, take), (b, ~take)])
+
+
+OPS.register(aten.fmin.default, rule=fmin_rule, vjp=fmin_vjp)
+
+

@@ -2,8 +2,8 @@
 
 Each factorization is a set of single-output ``hoad_linalg`` operators (the adjoint form needs
 one output per nonlinear node; capture routes torch's tuple-returning ops to them, see
-``CAPTURE_DECOMPOSITIONS`` in :mod:`hoad.rules.linalg`), defined with their cotangents in
-:mod:`hoad.rules.factorization_ops`. Their values are torch's own kernels', sign conventions
+``CAPTURE_DECOMPOSITIONS`` in :mod:`hoad.passes.linalg_routes`), defined with their cotangents in
+:mod:`hoad.rules.linalg_ops`. Their values are torch's own kernels', sign conventions
 included; their derivative blocks come from differentiating the defining equations K times with
 Leibniz, order by order, so every order and every mixed block comes from the same few lines.
 At order K the terms that read no order-K block of a factor are collected (``leibniz`` skips
@@ -45,7 +45,7 @@ from hoad.algebra.maps import along
 from hoad.algebra.multiindex import closure
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import chain, leibniz, scaled, sum_blocks
-from hoad.rules.factorization_ops import (
+from hoad.rules.linalg_ops import (
     _eye,
     _gap_inverse,
     _pinv_checked,
@@ -62,8 +62,7 @@ from hoad.rules.factorization_ops import (
 )
 
 aten = torch.ops.aten
-RULES = RuleTable("factorizations")
-VJPS = RuleTable("factorizations")
+OPS = RuleTable("factorizations")
 
 
 # ------------------------------------------------------------------------------ jet helpers
@@ -135,6 +134,34 @@ def _symmetric(A: Jet) -> Jet:
     return Jet(A.primal, {K: add([b, T[K]]).scale(0.5) for K, b in A.blocks.items()}, A.varies)
 
 
+# ----------------------------------------------------------------------------- VJP wrappers
+def _on_rest(g: Block, r: int, fn, new_out, nb: int) -> Block:
+    """``fn`` (a cotangent formula over batch axes) applied to every program-output entry of a
+    cotangent block: those axes move in front as batch axes and back after. The ``nb`` batch
+    axes of the matrices keep their ties (one matrix per sample under batch_dim stays one)."""
+    def on_entries(t):
+        rest = t.ndim - r
+        res = fn(t.movedim(list(range(r, t.ndim)), list(range(rest))))
+        return res.movedim(list(range(rest)), list(range(res.ndim - rest, res.ndim)))
+
+    return map_out(g, r, on_entries, list(new_out), {a: a for a in range(nb)})
+
+
+def _value(x):
+    """A tensor argument's value (the tolerances of pinv are never differentiated)."""
+    return x.primal if isinstance(x, Jet) else x
+
+
+def _vjp_of(grad):
+    def vjp(v, g: Block, A: Jet, *args, **kwargs):
+        args = [_value(a) for a in args]
+        kwargs = {key: _value(a) for key, a in kwargs.items()}
+        return [(A, _on_rest(g, v.out.ndim, lambda t: grad(A.primal, t, *args, **kwargs), A.shape, A.ndim - 2))]
+
+    vjp.__name__ = grad.__name__.replace("_grad", "_vjp")
+    return vjp
+
+
 # --------------------------------------------------------------------------- eigh recurrence
 def eigh_jets(inner: Ctx, B: Jet, lam: torch.Tensor, Q: torch.Tensor) -> tuple[dict, dict]:
     """Blocks of λ and Q (every key of ``inner``) for a symmetric B = Q diag(λ) Qᵀ."""
@@ -168,14 +195,18 @@ def _eigh_rule(ctx: Ctx, A, UPLO: str, part: int):
     return _result(ctx, blocks)
 
 
-@RULES.register(torch.ops.hoad_linalg.eigvalsh.default)
 def eigvalsh_rule(ctx: Ctx, A: Jet, UPLO: str = "L"):
     return _eigh_rule(ctx, A, UPLO, 0)
 
 
-@RULES.register(torch.ops.hoad_linalg.eigvecsh.default)
+OPS.register(torch.ops.hoad_linalg.eigvalsh.default, rule=eigvalsh_rule, vjp=_vjp_of(eigvalsh_grad))
+
+
 def eigvecsh_rule(ctx: Ctx, A: Jet, UPLO: str = "L"):
     return _eigh_rule(ctx, A, UPLO, 1)
+
+
+OPS.register(torch.ops.hoad_linalg.eigvecsh.default, rule=eigvecsh_rule, vjp=_vjp_of(eigvecsh_grad))
 
 
 # ---------------------------------------------------------------------------- SVD recurrence
@@ -220,59 +251,25 @@ def _tall_svd_jets(ctx: Ctx, A: Jet, U, S, V, part: str) -> dict:
                    tuple(U.shape))
 
 
-@RULES.register(torch.ops.hoad_linalg.svd_u.default)
 def svd_u_rule(ctx: Ctx, A: Jet):
     return _result(ctx, svd_jets(ctx, A, "U"))
 
 
-@RULES.register(torch.ops.hoad_linalg.svdvals.default)
+OPS.register(torch.ops.hoad_linalg.svd_u.default, rule=svd_u_rule, vjp=_vjp_of(svd_u_grad))
+
+
 def svdvals_rule(ctx: Ctx, A: Jet):
     return _result(ctx, svd_jets(ctx, A, "S"))
 
 
-@RULES.register(torch.ops.hoad_linalg.svd_vh.default)
+OPS.register(torch.ops.hoad_linalg.svdvals.default, rule=svdvals_rule, vjp=_vjp_of(svdvals_grad))
+
+
 def svd_vh_rule(ctx: Ctx, A: Jet):
     return _result(ctx, svd_jets(ctx, A, "Vh"))
 
 
-# ----------------------------------------------------------------------------- VJP wrappers
-def _on_rest(g: Block, r: int, fn, new_out, nb: int) -> Block:
-    """``fn`` (a cotangent formula over batch axes) applied to every program-output entry of a
-    cotangent block: those axes move in front as batch axes and back after. The ``nb`` batch
-    axes of the matrices keep their ties (one matrix per sample under batch_dim stays one)."""
-    def on_entries(t):
-        rest = t.ndim - r
-        res = fn(t.movedim(list(range(r, t.ndim)), list(range(rest))))
-        return res.movedim(list(range(rest)), list(range(res.ndim - rest, res.ndim)))
-
-    return map_out(g, r, on_entries, list(new_out), {a: a for a in range(nb)})
-
-
-def _value(x):
-    """A tensor argument's value (the tolerances of pinv are never differentiated)."""
-    return x.primal if isinstance(x, Jet) else x
-
-
-def _vjp_of(grad):
-    def vjp(v, g: Block, A: Jet, *args, **kwargs):
-        args = [_value(a) for a in args]
-        kwargs = {key: _value(a) for key, a in kwargs.items()}
-        return [(A, _on_rest(g, v.out.ndim, lambda t: grad(A.primal, t, *args, **kwargs), A.shape, A.ndim - 2))]
-
-    vjp.__name__ = grad.__name__.replace("_grad", "_vjp")
-    return vjp
-
-
-for _op, _grad in ((torch.ops.hoad_linalg.eigvalsh.default, eigvalsh_grad),
-                   (torch.ops.hoad_linalg.eigvecsh.default, eigvecsh_grad),
-                   (torch.ops.hoad_linalg.svdvals.default, svdvals_grad),
-                   (torch.ops.hoad_linalg.svd_u.default, svd_u_grad),
-                   (torch.ops.hoad_linalg.svd_vh.default, svd_vh_grad),
-                   (torch.ops.hoad_linalg.qr_q.default, qr_q_grad),
-                   (torch.ops.hoad_linalg.qr_r.default, qr_r_grad),
-                   (torch.ops.hoad_linalg.lu_packed.default, lu_packed_grad),
-                   (torch.ops.hoad_linalg.pinv.default, pinv_grad)):
-    VJPS.register(_op)(_vjp_of(_grad))
+OPS.register(torch.ops.hoad_linalg.svd_vh.default, rule=svd_vh_rule, vjp=_vjp_of(svd_vh_grad))
 
 
 # ------------------------------------------------------------------ slices of output parts
@@ -363,18 +360,21 @@ def _square_qr_jets(inner: Ctx, a_blocks: dict, Q: torch.Tensor, R: torch.Tensor
     return q.blocks, rr.blocks
 
 
-@RULES.register(torch.ops.hoad_linalg.qr_q.default)
 def qr_q_rule(ctx: Ctx, A: Jet):
     return _result(ctx, qr_jets(ctx, A)[0])
 
 
-@RULES.register(torch.ops.hoad_linalg.qr_r.default)
+OPS.register(torch.ops.hoad_linalg.qr_q.default, rule=qr_q_rule, vjp=_vjp_of(qr_q_grad))
+
+
 def qr_r_rule(ctx: Ctx, A: Jet):
     return _result(ctx, qr_jets(ctx, A)[1])
 
 
+OPS.register(torch.ops.hoad_linalg.qr_r.default, rule=qr_r_rule, vjp=_vjp_of(qr_r_grad))
+
+
 # ---------------------------------------------------------------------------- LU recurrence
-@RULES.register(torch.ops.hoad_linalg.lu_packed.default)
 def lu_packed_rule(ctx: Ctx, A: Jet):
     """Pᵀ A = L U (P constant), L m x k unit lower, U k x n upper, k = min(m, n)."""
     LU = ctx.out
@@ -427,13 +427,15 @@ def lu_packed_rule(ctx: Ctx, A: Jet):
     return _result(ctx, packed)
 
 
+OPS.register(torch.ops.hoad_linalg.lu_packed.default, rule=lu_packed_rule, vjp=_vjp_of(lu_packed_grad))
+
+
 # ---------------------------------------------------------------------------- pseudo-inverse
 # D X = −X DA X + X Xᵀ DAᵀ − X Xᵀ DAᵀ A X + DAᵀ Xᵀ X − X A DAᵀ Xᵀ X, as words in the factors:
 # "D" is DA along the first slot, "d" its transpose, "X"/"x" and "A" likewise.
 _PINV_TERMS = ((-1, "XDX"), (1, "Xxd"), (-1, "XxdAX"), (1, "dxX"), (-1, "XAdxX"))
 
 
-@RULES.register(torch.ops.hoad_linalg.pinv.default)
 def pinv_rule(ctx: Ctx, A: Jet, atol=None, rtol=None, hermitian: bool = False):
     X = ctx.out
     atol, rtol = _value(atol), _value(rtol)
@@ -469,6 +471,9 @@ def pinv_rule(ctx: Ctx, A: Jet, atol=None, rtol=None, hermitian: bool = False):
         if blocks else blocks
 
 
+OPS.register(torch.ops.hoad_linalg.pinv.default, rule=pinv_rule, vjp=_vjp_of(pinv_grad))
+
+
 def _factor_block(letter: str, sub: tuple, A: Jet, X: torch.Tensor, xb: dict):
     if letter in "Dd":
         return A.blocks.get(sub)
@@ -478,7 +483,6 @@ def _factor_block(letter: str, sub: tuple, A: Jet, X: torch.Tensor, xb: dict):
 
 
 # ------------------------------------------------------------------------- matrix exponential
-@RULES.register(torch.ops.hoad_linalg.matrix_exp.default)
 def matrix_exp_rule(ctx: Ctx, A: Jet):
     """D^K exp(A) by Mathias' block-triangular form over the nilpotent directions of K: with one
     ε_p (ε_p² = 0) per slot p, exp(A(x + Σ ε_p e_p)) is exp of the block matrix indexed by subsets
@@ -531,6 +535,13 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
     return result
 
 
+def matrix_exp_vjp(v, g: Block, A: Jet):
+    return [(A, _on_rest(g, v.out.ndim, lambda t: matrix_exp_grad(A.primal, t), A.shape, A.ndim - 2))]
+
+
+OPS.register(torch.ops.hoad_linalg.matrix_exp.default, rule=matrix_exp_rule, vjp=matrix_exp_vjp)
+
+
 def _slot_starts(ctx: Ctx, sub, r: int) -> list[int]:
     """The first axis of each slot of a block of key ``sub`` whose output has ``r`` axes."""
     return list(itertools.accumulate(ctx.slot_ranks(sub)[:-1], initial=r))
@@ -553,6 +564,3 @@ def _sample_axis(ctx: Ctx, A: Jet, nb: int) -> int | None:
     return tie
 
 
-@VJPS.register(torch.ops.hoad_linalg.matrix_exp.default)
-def matrix_exp_vjp(v, g: Block, A: Jet):
-    return [(A, _on_rest(g, v.out.ndim, lambda t: matrix_exp_grad(A.primal, t), A.shape, A.ndim - 2))]

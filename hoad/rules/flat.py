@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from hoad.rules.arithmetic import _branches, _clamp_branches
 from hoad.rules.base import Jet
 
 aten = torch.ops.aten
 
-FLAT: dict = {}  # op -> f(*args, **kwargs) giving the result's flat mask (or None)
+# op -> f(*args, **kwargs) giving the result's flat mask (or None): each op's is registered with its
+# rule (hoad.rules.base.RuleTable.register) and merged in by hoad.rules; ops without a rule of their
+# own are at the end of this module
+FLAT: dict = {}
 # products: their blocks multiply one side's blocks by the other's value, which may be infinite
 # on the flat entries, so the differentiate pass zeroes their blocks there
 PRODUCTS = {aten.mul.Tensor, aten.div.Tensor}
@@ -80,6 +82,12 @@ def _all(*xs):
     return None if out is True else out
 
 
+def _branches(cond, a, b) -> list[tuple[object, torch.Tensor]]:
+    """The arguments of ``where(cond, a, b)`` with the mask of the entries each one supplies."""
+    mask = cond.primal if isinstance(cond, Jet) else cond
+    return [(a, mask), (b, ~mask)]
+
+
 def _selected(branches) -> torch.Tensor | None:
     """Flat where the chosen branch is: the union of (taken and flat) over (mask, taken) pairs."""
     out = None
@@ -101,25 +109,9 @@ def _either(x, chosen: torch.Tensor) -> torch.Tensor | None:
     return chosen if m is None or m is True else chosen | m
 
 
-def _register(*ops):
-    def deco(f):
-        for op in ops:
-            FLAT[op] = f
-        return f
-
-    return deco
-
-
 def unary(x, *args, **kwargs):
     """An elementwise function of x: constant where x is."""
     return x.flat
-
-
-_register(aten.relu.default)(lambda x: _either(x, ~(x.primal > 0)))
-
-
-_register(aten.clamp.Tensor)(lambda x, min=None, max=None: _chosen(_clamp_branches(x, min, max)))
-_register(aten.where.self)(lambda cond, a, b: _chosen(_branches(cond, a, b)))
 
 
 def _extremum(greater: bool):
@@ -134,13 +126,6 @@ def _extremum(greater: bool):
     return f
 
 
-FLAT[aten.maximum.default] = _extremum(True)
-FLAT[aten.minimum.default] = _extremum(False)
-_register(aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar,
-          aten.div.Scalar, aten.neg.default, aten.rsub.Scalar)(lambda *args, **kwargs: _all(*args))
-
-
-@_register(aten.mul.Tensor)
 def _product(a, b):
     """Flat where both factors are, or where a varying one is flat at 0: every Leibniz term then
     has a factor of 0, that factor's value or its blocks. (A constant 0 factor is not looked
@@ -161,10 +146,6 @@ def _reduced(x, dim=None, keepdim=False, *args, **kwargs):
     dims = list(range(x.ndim)) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else dim
     return m.all(dim=dims, keepdim=keepdim) if x.ndim else m
 
-
-for _op in (aten.sum.dim_IntList, aten.mean.dim):
-    FLAT[_op] = _reduced
-FLAT[aten.sum.default] = FLAT[aten.mean.default] = lambda x, *args, **kwargs: _reduced(x)
 
 
 def _same_view(target):
@@ -189,15 +170,6 @@ def _primals(a):
     return a
 
 
-for _op in (aten.reshape.default, aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
-            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int,
-            aten.slice.Tensor, aten.alias.default, aten.clone.default, aten.flip.default, aten.roll.default,
-            aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.repeat.default):
-    FLAT[_op] = _same_view(_op)
-FLAT[aten.view.default] = FLAT[aten._unsafe_view.default] = _same_view(aten.reshape.default)
-
-
-@_register(aten.cat.default)
 def _cat(tensors, dim=0):
     """Each part's mask in its place; a constant part is flat, one that varies without a mask is not."""
     parts = []
@@ -206,3 +178,12 @@ def _cat(tensors, dim=0):
         value = t.primal if isinstance(t, Jet) else t
         parts.append(torch.full_like(value, m is True, dtype=torch.bool) if m is None or m is True else m)
     return torch.cat(parts, dim)
+
+
+# the masks of ops without a rule of their own (every other op's is registered with its rule)
+for _op in (aten.reshape.default, aten.transpose.int, aten.t.default, aten.squeeze.dim, aten.squeeze.default,
+            aten.roll.default):
+    FLAT[_op] = _same_view(_op)
+FLAT[aten._unsafe_view.default] = _same_view(aten.reshape.default)
+FLAT[aten.sum.default] = lambda x, *args, **kwargs: _reduced(x)
+FLAT[aten.rsub.Scalar] = lambda *args, **kwargs: _all(*args)

@@ -17,8 +17,7 @@ from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import broadcast, linear, scale_out, scaled, sum_blocks, unbroadcast
 
 aten = torch.ops.aten
-RULES = RuleTable("linear")
-VJPS = RuleTable("linear")
+OPS = RuleTable("linear")
 
 
 def _varies(x) -> bool:
@@ -39,7 +38,6 @@ def _embedding_mask(indices: torch.Tensor, padding_idx: int, scale_grad_by_freq:
     return None if padding_idx < 0 else indices != padding_idx
 
 
-@RULES.register(aten.embedding.default)
 def embedding_rule(ctx: Ctx, weight: Jet, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False,
                    sparse: bool = False):
     """Rows of the weight at the indices: each block gathers the same rows (padding rows: none)."""
@@ -57,7 +55,6 @@ def embedding_rule(ctx: Ctx, weight: Jet, indices, padding_idx: int = -1, scale_
     return linear(ctx, weight, lambda b: map_out(b, 2, fn, new, {1: q}))
 
 
-@VJPS.register(aten.embedding.default)
 def embedding_vjp(v, g: Block, weight: Jet, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False,
                   sparse: bool = False):
     idx = _value(indices)
@@ -72,6 +69,9 @@ def embedding_vjp(v, g: Block, weight: Jet, indices, padding_idx: int = -1, scal
         return t.new_zeros(list(weight.shape) + list(t.shape[q + 1:])).index_add(0, idx.reshape(-1), rows)
 
     return [(weight, map_out(g, q + 1, fn, weight.shape, {q: 1}))]
+
+
+OPS.register(aten.embedding.default, rule=embedding_rule, vjp=embedding_vjp)
 
 
 # ------------------------------------------------------------------------------ index_put
@@ -121,7 +121,6 @@ def _masked(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.where(m, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-@RULES.register(aten.index_put.default)
 def index_put_rule(ctx: Ctx, x, indices, values, accumulate: bool = False):
     """x with the indexed entries replaced by (or, accumulating, added to) values: x's blocks with
     the overwritten entries dropped, plus values' blocks added at the indices (of duplicate
@@ -148,7 +147,6 @@ def index_put_rule(ctx: Ctx, x, indices, values, accumulate: bool = False):
     return sum_blocks(*parts)
 
 
-@VJPS.register(aten.index_put.default)
 def index_put_vjp(v, g: Block, x, indices, values, accumulate: bool = False):
     r = v.out.ndim
     idx = _index_list(indices)
@@ -166,6 +164,9 @@ def index_put_vjp(v, g: Block, x, indices, values, accumulate: bool = False):
         got = map_out(g, r, lambda t: _masked(aten.index.Tensor(t, idx), won), ishape, _passing(r, idx, len(ishape)))
         pairs.append((values, unbroadcast(got, len(ishape), values.shape)))
     return pairs
+
+
+OPS.register(aten.index_put.default, rule=index_put_rule, vjp=index_put_vjp)
 
 
 # -------------------------------------------------------------------------------- scatter
@@ -268,43 +269,49 @@ def _scatter_vjp(v, g: Block, x, dim: int, index, src, reduce: str | None, inclu
     return pairs
 
 
-@RULES.register(aten.scatter.src)
 def scatter_rule(ctx: Ctx, x, dim: int, index, src):
     """x with the entries at index (along dim) overwritten by src: x's blocks there dropped, src's placed."""
     return _scatter(ctx, x, dim, index, src, None)
 
 
-@RULES.register(aten.scatter.value)
+def scatter_vjp(v, g: Block, x, dim: int, index, src):
+    return _scatter_vjp(v, g, x, dim, index, src, None)
+
+
+OPS.register(aten.scatter.src, rule=scatter_rule, vjp=scatter_vjp)
+
+
 def scatter_value_rule(ctx: Ctx, x, dim: int, index, value):
     return _scatter(ctx, x, dim, index, None, None)
 
 
-@RULES.register(aten.scatter_add.default)
+def scatter_value_vjp(v, g: Block, x, dim: int, index, value):
+    return _scatter_vjp(v, g, x, dim, index, None, None)
+
+
+OPS.register(aten.scatter.value, rule=scatter_value_rule, vjp=scatter_value_vjp)
+
+
 def scatter_add_rule(ctx: Ctx, x, dim: int, index, src):
     return _scatter(ctx, x, dim, index, src, "sum")
 
 
-@RULES.register(aten.scatter_reduce.two)
+def scatter_add_vjp(v, g: Block, x, dim: int, index, src):
+    return _scatter_vjp(v, g, x, dim, index, src, "sum")
+
+
+OPS.register(aten.scatter_add.default, rule=scatter_add_rule, vjp=scatter_add_vjp)
+
+
 def scatter_reduce_rule(ctx: Ctx, x, dim: int, index, src, reduce: str, include_self: bool = True):
     """sum and mean are linear with coefficients from the index counts; amax/amin follow the winners."""
     return _scatter(ctx, x, dim, index, src, reduce, include_self)
 
 
-@VJPS.register(aten.scatter.src)
-def scatter_vjp(v, g: Block, x, dim: int, index, src):
-    return _scatter_vjp(v, g, x, dim, index, src, None)
-
-
-@VJPS.register(aten.scatter.value)
-def scatter_value_vjp(v, g: Block, x, dim: int, index, value):
-    return _scatter_vjp(v, g, x, dim, index, None, None)
-
-
-@VJPS.register(aten.scatter_add.default)
-def scatter_add_vjp(v, g: Block, x, dim: int, index, src):
-    return _scatter_vjp(v, g, x, dim, index, src, "sum")
-
-
-@VJPS.register(aten.scatter_reduce.two)
 def scatter_reduce_vjp(v, g: Block, x, dim: int, index, src, reduce: str, include_self: bool = True):
     return _scatter_vjp(v, g, x, dim, index, src, reduce, include_self)
+
+
+OPS.register(aten.scatter_reduce.two, rule=scatter_reduce_rule, vjp=scatter_reduce_vjp)
+
+

@@ -3,7 +3,9 @@ scatters into views, cat, split, repeat, sort and topk. (The entrywise ones, add
 clamp, are in :mod:`hoad.rules.arithmetic`.)
 
 Each block goes through the same op on its output part, slots carried along; most of these
-relabel axes of the compact data without touching it.
+relabel axes of the compact data without touching it. Each op's VJP, beside its rule, is the
+transpose of that map: it takes the cotangent g (output axes first, then the program output's
+axes) and returns the cotangent of each varying argument.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 from hoad.algebra import Block, add, along, expand_out, map_out, permute_out, reshape_out, sum_out
 from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import linear, on_0d, on_0d_vjp, sum_blocks, unbroadcast
+from hoad.rules.flat import _cat, _reduced, _same_view
 
 aten = torch.ops.aten
-RULES = RuleTable("linear")
+OPS = RuleTable("linear")
 
 
 def _dims(dim, r: int) -> list[int]:
@@ -31,36 +34,71 @@ def _dims(dim, r: int) -> list[int]:
     return [d % r for d in dim]
 
 
-@RULES.register(aten.view.default, aten.squeeze.dims, aten.unsqueeze.default)
 def view_rule(ctx: Ctx, x: Jet, *shape_args):
     r, new = x.ndim, tuple(ctx.out.shape)
     return linear(ctx, x, lambda b: reshape_out(b, r, new))
 
 
-@RULES.register(aten.clone.default, aten.alias.default)
+def view_vjp(v, g: Block, x: Jet, *shape_args):
+    return [(x, reshape_out(g, v.out.ndim, x.shape))]
+
+
+OPS.register(aten.view.default, rule=view_rule, vjp=view_vjp, flat=_same_view(aten.reshape.default))
+OPS.register(aten.squeeze.dims, rule=view_rule, vjp=view_vjp, flat=_same_view(aten.squeeze.dims))
+OPS.register(aten.unsqueeze.default, rule=view_rule, vjp=view_vjp, flat=_same_view(aten.unsqueeze.default))
+
+
 def identity_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     return linear(ctx, x, lambda b: b)
 
 
-@RULES.register(aten._to_copy.default)
+def identity_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    return [(x, g)]
+
+
+OPS.register(aten.clone.default, rule=identity_rule, vjp=identity_vjp, flat=_same_view(aten.clone.default))
+OPS.register(aten.alias.default, rule=identity_rule, vjp=identity_vjp, flat=_same_view(aten.alias.default))
+
+
 def to_copy_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     dtype = ctx.out.dtype
     return linear(ctx, x, lambda b: b.to(dtype))
 
 
-@RULES.register(aten.permute.default)
+def to_copy_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    return [(x, g.to(x.primal.dtype))]
+
+
+OPS.register(aten._to_copy.default, rule=to_copy_rule, vjp=to_copy_vjp)
+
+
 def permute_rule(ctx: Ctx, x: Jet, dims):
     r = x.ndim
     return linear(ctx, x, lambda b: permute_out(b, r, _dims(dims, r)))
 
 
-@RULES.register(aten.expand.default)
+def permute_vjp(v, g: Block, x: Jet, dims):
+    r = x.ndim
+    perm = _dims(dims, r)
+    inverse = [perm.index(a) for a in range(r)]
+    return [(x, permute_out(g, r, inverse))]
+
+
+OPS.register(aten.permute.default, rule=permute_rule, vjp=permute_vjp, flat=_same_view(aten.permute.default))
+
+
 def expand_rule(ctx: Ctx, x: Jet, size, implicit: bool = False):
     r, new = x.ndim, tuple(ctx.out.shape)
     return linear(ctx, x, lambda b: expand_out(b, r, new))
 
 
-@RULES.register(aten.slice.Tensor)
+def expand_vjp(v, g: Block, x: Jet, size, implicit: bool = False):
+    return [(x, unbroadcast(g, v.out.ndim, x.shape))]
+
+
+OPS.register(aten.expand.default, rule=expand_rule, vjp=expand_vjp, flat=_same_view(aten.expand.default))
+
+
 def slice_rule(ctx: Ctx, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d = dim % r
@@ -68,14 +106,33 @@ def slice_rule(ctx: Ctx, x: Jet, dim: int = 0, start=None, end=None, step: int =
                                             along(r, [d])))
 
 
-@RULES.register(aten.select.int)
+def slice_vjp(v, g: Block, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
+    r = x.ndim
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: aten.slice_scatter(_zeros_like_input(t, x, r), t, d, start, end, step), x.shape,
+                        along(r, [d])))]
+
+
+OPS.register(aten.slice.Tensor, rule=slice_rule, vjp=slice_vjp, flat=_same_view(aten.slice.Tensor))
+
+
 def select_rule(ctx: Ctx, x: Jet, dim: int, index: int):
     r, new = x.ndim, tuple(ctx.out.shape)
     d = dim % r
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.select(d, index), new, along(r, [d], removed=True)))
 
 
-@RULES.register(aten.index_select.default)
+def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
+    r = x.ndim
+    d = dim % r
+    keep = {b: a for a, b in along(r, [d], removed=True).items()}
+    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index),
+                        x.shape, keep))]
+
+
+OPS.register(aten.select.int, rule=select_rule, vjp=select_vjp, flat=_same_view(aten.select.int))
+
+
 @on_0d
 def index_select_rule(ctx: Ctx, x: Jet, dim: int, index):
     r, new, idx = x.ndim, tuple(ctx.out.shape), index.primal
@@ -83,11 +140,31 @@ def index_select_rule(ctx: Ctx, x: Jet, dim: int, index):
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.index_select(d, idx), new, along(r, [d])))
 
 
-@RULES.register(aten.index.Tensor)
+@on_0d_vjp
+def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
+    r, idx = x.ndim, index.primal
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: _zeros_like_input(t, x, r).index_add(d, idx, t), x.shape, along(r, [d])))]
+
+
+OPS.register(aten.index_select.default, rule=index_select_rule, vjp=index_select_vjp,
+             flat=_same_view(aten.index_select.default))
+
+
 def index_rule(ctx: Ctx, x: Jet, indices):
     r, new = x.ndim, tuple(ctx.out.shape)
     idx = [None if i is None else i.primal for i in indices]
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: aten.index.Tensor(t, idx), new, _leading_kept(idx)))
+
+
+def index_vjp(v, g: Block, x: Jet, indices):
+    r_out = v.out.ndim
+    idx = [None if i is None else i.primal for i in indices]
+    return [(x, map_out(g, r_out, lambda t: aten.index_put(_zeros_like_input(t, x, r_out), idx, t, True), x.shape,
+                        _leading_kept(idx)))]
+
+
+OPS.register(aten.index.Tensor, rule=index_rule, vjp=index_vjp, flat=_same_view(aten.index.Tensor))
 
 
 def _leading_kept(idx: list) -> dict[int, int]:
@@ -100,18 +177,34 @@ def _leading_kept(idx: list) -> dict[int, int]:
     return {a: a for a in range(indexed[0])}
 
 
-@RULES.register(aten.gather.default)
 @on_0d
 def gather_rule(ctx: Ctx, x: Jet, dim: int, index, sparse_grad: bool = False):
     return _select_along(ctx, x, dim, index.primal, tuple(ctx.out.shape))
 
 
-@RULES.register(aten.flip.default)
+@on_0d_vjp
+def gather_vjp(v, g: Block, x: Jet, dim: int, index, sparse_grad: bool = False):
+    return [(x, _scatter_along(g, x, dim, index.primal))]
+
+
+OPS.register(aten.gather.default, rule=gather_rule, vjp=gather_vjp, flat=_same_view(aten.gather.default))
+
+
 @on_0d
 def flip_rule(ctx: Ctx, x: Jet, dims):
     r = x.ndim
     ds = _dims(dims, r)
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.flip(ds), x.shape, along(r, ds)))
+
+
+@on_0d_vjp
+def flip_vjp(v, g: Block, x: Jet, dims):
+    r = x.ndim
+    ds = _dims(dims, r)
+    return [(x, map_out(g, r, lambda t: t.flip(ds), x.shape, along(r, ds)))]
+
+
+OPS.register(aten.flip.default, rule=flip_rule, vjp=flip_vjp, flat=_same_view(aten.flip.default))
 
 
 def _padded_axes(r: int, pad) -> list[int]:
@@ -120,7 +213,6 @@ def _padded_axes(r: int, pad) -> list[int]:
     return [r - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
 
 
-@RULES.register(aten.constant_pad_nd.default)
 def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
     r, new = x.ndim, tuple(ctx.out.shape)
     padded = _padded_axes(r, pad)
@@ -130,7 +222,18 @@ def pad_rule(ctx: Ctx, x: Jet, pad, value=0):
     return linear(ctx, x, lambda b: map_out(b, r, padded_block, new, along(r, padded)))
 
 
-@RULES.register(aten.cumsum.default)
+def pad_vjp(v, g: Block, x: Jet, pad, value=0):
+    r = x.ndim
+    padded = _padded_axes(r, pad)
+    def cropped(t):
+        return aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0)
+
+    return [(x, map_out(g, r, cropped, x.shape, along(r, padded)))]
+
+
+OPS.register(aten.constant_pad_nd.default, rule=pad_rule, vjp=pad_vjp)
+
+
 @on_0d
 def cumsum_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     r = x.ndim
@@ -138,7 +241,16 @@ def cumsum_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.cumsum(d), x.shape, along(r, [d])))
 
 
-@RULES.register(aten.diagonal.default)
+@on_0d_vjp
+def cumsum_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
+    r = x.ndim
+    d = dim % r
+    return [(x, map_out(g, r, lambda t: t.flip(d).cumsum(d).flip(d), x.shape, along(r, [d])))]
+
+
+OPS.register(aten.cumsum.default, rule=cumsum_rule, vjp=cumsum_vjp)
+
+
 def diagonal_rule(ctx: Ctx, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d1, d2 = dim1 % r, dim2 % r
@@ -146,14 +258,30 @@ def diagonal_rule(ctx: Ctx, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 
                                             along(r, [d1, d2], removed=True)))
 
 
-@RULES.register(aten.sum.dim_IntList)
+def diagonal_vjp(v, g: Block, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    r = x.ndim
+    d1, d2 = dim1 % r, dim2 % r
+    keep = {b: a for a, b in along(r, [d1, d2], removed=True).items()}
+    return [(x, map_out(g, r - 1, lambda t: aten.diagonal_scatter(_zeros_like_input(t, x, r - 1), t.movedim(r - 2, -1),
+                                                                   offset, d1, d2), x.shape, keep))]
+
+
+OPS.register(aten.diagonal.default, rule=diagonal_rule, vjp=diagonal_vjp)
+
+
 def sum_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     r = x.ndim
     axes = _dims(dim, r)
     return linear(ctx, x, lambda b: sum_out(b, r, axes, keepdim).to(ctx.out.dtype))
 
 
-@RULES.register(aten.mean.dim, aten.mean.default)
+def sum_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    return [(x, _unsum(g, x, dim, keepdim).to(x.primal.dtype))]
+
+
+OPS.register(aten.sum.dim_IntList, rule=sum_rule, vjp=sum_vjp, flat=_reduced)
+
+
 @on_0d(reduces=True)
 def mean_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     r = x.ndim
@@ -162,12 +290,21 @@ def mean_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     return linear(ctx, x, lambda b: sum_out(b, r, axes, keepdim).scale(1.0 / n).to(ctx.out.dtype))
 
 
+@on_0d_vjp(reduces=True)
+def mean_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    n = math.prod(x.shape[a] for a in _dims(dim, x.ndim))
+    return [(x, _unsum(g, x, dim, keepdim).scale(1.0 / n).to(x.primal.dtype))]
+
+
+OPS.register(aten.mean.dim, rule=mean_rule, vjp=mean_vjp, flat=_reduced)
+OPS.register(aten.mean.default, rule=mean_rule, vjp=mean_vjp, flat=lambda x, *args, **kwargs: _reduced(x))
+
+
 def _zero_region(t: torch.Tensor, region, scatter) -> torch.Tensor:
     """``t`` with the entries a view op reads set to zero (the part a scatter overwrites)."""
     return scatter(t, torch.zeros_like(region(t)))
 
 
-@RULES.register(aten.slice_scatter.default)
 def slice_scatter_rule(ctx: Ctx, x: Jet, src: Jet, dim: int = 0, start=None, end=None, step: int = 1):
     """x with a slice replaced by src: x's blocks outside the slice plus src's placed into it."""
     r, new = x.ndim, tuple(ctx.out.shape)
@@ -180,7 +317,16 @@ def slice_scatter_rule(ctx: Ctx, x: Jet, src: Jet, dim: int = 0, start=None, end
     return sum_blocks(kept, placed)
 
 
-@RULES.register(aten.diagonal_scatter.default)
+def slice_scatter_vjp(v, g: Block, x: Jet, src: Jet, dim: int = 0, start=None, end=None, step: int = 1):
+    r = x.ndim
+    d = dim % r
+    return _scatter_view_vjp(g, x, src, r, lambda t: aten.slice.Tensor(t, d, start, end, step),
+                             lambda t, u: aten.slice_scatter(t, u, d, start, end, step), along(r, [d]), along(r, [d]))
+
+
+OPS.register(aten.slice_scatter.default, rule=slice_scatter_rule, vjp=slice_scatter_vjp)
+
+
 def diagonal_scatter_rule(ctx: Ctx, x: Jet, src: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
     r, new = x.ndim, tuple(ctx.out.shape)
     d1, d2 = dim1 % r, dim2 % r
@@ -193,7 +339,17 @@ def diagonal_scatter_rule(ctx: Ctx, x: Jet, src: Jet, offset: int = 0, dim1: int
     return sum_blocks(kept, placed)
 
 
-@RULES.register(aten.cat.default)
+def diagonal_scatter_vjp(v, g: Block, x: Jet, src: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    r = x.ndim
+    d1, d2 = dim1 % r, dim2 % r
+    return _scatter_view_vjp(g, x, src, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2),
+                             lambda t, u: aten.diagonal_scatter(t, u.movedim(r - 2, -1), offset, d1, d2),
+                             along(r, [d1, d2]), along(r, [d1, d2], removed=True))
+
+
+OPS.register(aten.diagonal_scatter.default, rule=diagonal_scatter_rule, vjp=diagonal_scatter_vjp)
+
+
 def cat_rule(ctx: Ctx, tensors, dim: int = 0):
     """Each input's blocks padded with zeros to its place along ``dim``, then added."""
     r = ctx.out.ndim
@@ -218,7 +374,23 @@ def cat_rule(ctx: Ctx, tensors, dim: int = 0):
     return sum_blocks(*parts)
 
 
-@RULES.register(aten.split_with_sizes.default)
+def cat_vjp(v, g: Block, tensors, dim: int = 0):
+    r = v.out.ndim
+    d = dim % r
+    pairs, offset = [], 0
+    for x in tensors:
+        if x.ndim == 1 and x.shape[0] == 0 and r > 1:
+            continue
+        n = x.shape[d]
+        if not x.constant:
+            pairs.append((x, map_out(g, r, lambda t, s=offset, n=n: t.narrow(d, s, n), x.shape, along(r, [d]))))
+        offset += n
+    return pairs
+
+
+OPS.register(aten.cat.default, rule=cat_rule, vjp=cat_vjp, flat=_cat)
+
+
 def split_rule(ctx: Ctx, x: Jet, split, dim: int = 0):
     r = x.ndim
     d = dim % r
@@ -232,7 +404,24 @@ def split_rule(ctx: Ctx, x: Jet, split, dim: int = 0):
     return results
 
 
-@RULES.register(aten.repeat.default)
+def split_vjp(v, g, x: Jet, split, dim: int = 0):
+    r = x.ndim
+    d = dim % r
+    parts, offset = [], 0
+    for piece, gi in zip(v.out, g):
+        n = piece.shape[d]
+        if gi is not None:
+            before, after = offset, x.shape[d] - offset - n
+            spec = lambda t, b=before, a=after: [0, 0] * (t.ndim - d - 1) + [b, a]  # noqa: E731
+            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape,
+                                 along(r, [d])))
+        offset += n
+    return [(x, add(parts))] if parts else []
+
+
+OPS.register(aten.split_with_sizes.default, rule=split_rule, vjp=split_vjp)
+
+
 def repeat_rule(ctx: Ctx, x: Jet, repeats):
     """Axes repeated once pass through (a sample axis under ``x.repeat(1, k)`` keeps its ties)."""
     r, new = x.ndim, tuple(ctx.out.shape)
@@ -241,6 +430,19 @@ def repeat_rule(ctx: Ctx, x: Jet, repeats):
     return linear(ctx, x, lambda b: map_out(reshape_lead(b, r, lead), len(repeats),
                                             lambda t: t.repeat(list(repeats) + [1] * (t.ndim - len(repeats))), new,
                                             once))
+
+
+def repeat_vjp(v, g: Block, x: Jet, repeats):
+    r_out = v.out.ndim
+    lead = len(repeats) - x.ndim
+    shape = [1] * lead + list(x.shape)
+    interleaved = [n for rep, s in zip(repeats, shape) for n in (rep, s)]
+    g = reshape_out(g, r_out, interleaved)
+    g = sum_out(g, 2 * r_out, range(0, 2 * r_out, 2))
+    return [(x, reshape_out(g, r_out, x.shape))]
+
+
+OPS.register(aten.repeat.default, rule=repeat_rule, vjp=repeat_vjp, flat=_same_view(aten.repeat.default))
 
 
 def reshape_lead(b: Block, r: int, lead: int) -> Block:
@@ -261,7 +463,6 @@ def _select_along(ctx: Ctx, x: Jet, dim: int, indices: torch.Tensor, new) -> dic
     return linear(ctx, x, lambda b: map_out(b, r, fn, new, along(r, [d])))
 
 
-@RULES.register(aten.sort.default)
 @on_0d
 def sort_rule(ctx: Ctx, x: Jet, dim: int = -1, descending: bool = False):
     """(values, indices): the values are x gathered at the indices."""
@@ -269,82 +470,31 @@ def sort_rule(ctx: Ctx, x: Jet, dim: int = -1, descending: bool = False):
     return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
 
 
-@RULES.register(aten.topk.default)
+@on_0d_vjp
+def sort_vjp(v, g, x: Jet, dim: int = -1, descending: bool = False):
+    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
+
+
+OPS.register(aten.sort.default, rule=sort_rule, vjp=sort_vjp)
+
+
 @on_0d
 def topk_rule(ctx: Ctx, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
     values, indices = ctx.out
     return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
 
 
-# ---------------------------------------------------------------------------------- VJPs
-# Transposes of the maps above: each takes the cotangent g (output axes first, then the program
-# output's axes) and returns the cotangent of each varying argument.
-VJPS = RuleTable("linear")
+@on_0d_vjp
+def topk_vjp(v, g, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
 
 
+OPS.register(aten.topk.default, rule=topk_rule, vjp=topk_vjp)
+
+
+# ------------------------------------------------------------------------- the VJPs' helpers
 def _zeros_like_input(t: torch.Tensor, x: Jet, r: int) -> torch.Tensor:
     return t.new_zeros(list(x.shape) + list(t.shape[r:]))
-
-
-@VJPS.register(aten.view.default, aten.squeeze.dims, aten.unsqueeze.default)
-def view_vjp(v, g: Block, x: Jet, *shape_args):
-    return [(x, reshape_out(g, v.out.ndim, x.shape))]
-
-
-@VJPS.register(aten.clone.default, aten.alias.default)
-def identity_vjp(v, g: Block, x: Jet, *args, **kwargs):
-    return [(x, g)]
-
-
-@VJPS.register(aten._to_copy.default)
-def to_copy_vjp(v, g: Block, x: Jet, *args, **kwargs):
-    return [(x, g.to(x.primal.dtype))]
-
-
-@VJPS.register(aten.permute.default)
-def permute_vjp(v, g: Block, x: Jet, dims):
-    r = x.ndim
-    perm = _dims(dims, r)
-    inverse = [perm.index(a) for a in range(r)]
-    return [(x, permute_out(g, r, inverse))]
-
-
-@VJPS.register(aten.expand.default)
-def expand_vjp(v, g: Block, x: Jet, size, implicit: bool = False):
-    return [(x, unbroadcast(g, v.out.ndim, x.shape))]
-
-
-@VJPS.register(aten.slice.Tensor)
-def slice_vjp(v, g: Block, x: Jet, dim: int = 0, start=None, end=None, step: int = 1):
-    r = x.ndim
-    d = dim % r
-    return [(x, map_out(g, r, lambda t: aten.slice_scatter(_zeros_like_input(t, x, r), t, d, start, end, step), x.shape,
-                        along(r, [d])))]
-
-
-@VJPS.register(aten.select.int)
-def select_vjp(v, g: Block, x: Jet, dim: int, index: int):
-    r = x.ndim
-    d = dim % r
-    keep = {b: a for a, b in along(r, [d], removed=True).items()}
-    return [(x, map_out(g, r - 1, lambda t: aten.select_scatter(_zeros_like_input(t, x, r - 1), t, d, index),
-                        x.shape, keep))]
-
-
-@VJPS.register(aten.index_select.default)
-@on_0d_vjp
-def index_select_vjp(v, g: Block, x: Jet, dim: int, index):
-    r, idx = x.ndim, index.primal
-    d = dim % r
-    return [(x, map_out(g, r, lambda t: _zeros_like_input(t, x, r).index_add(d, idx, t), x.shape, along(r, [d])))]
-
-
-@VJPS.register(aten.index.Tensor)
-def index_vjp(v, g: Block, x: Jet, indices):
-    r_out = v.out.ndim
-    idx = [None if i is None else i.primal for i in indices]
-    return [(x, map_out(g, r_out, lambda t: aten.index_put(_zeros_like_input(t, x, r_out), idx, t, True), x.shape,
-                        _leading_kept(idx)))]
 
 
 def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:
@@ -360,59 +510,6 @@ def _scatter_along(g: Block, x: Jet, dim: int, indices: torch.Tensor) -> Block:
     return map_out(g, r, fn, x.shape, along(r, [d]))
 
 
-@VJPS.register(aten.gather.default)
-@on_0d_vjp
-def gather_vjp(v, g: Block, x: Jet, dim: int, index, sparse_grad: bool = False):
-    return [(x, _scatter_along(g, x, dim, index.primal))]
-
-
-@VJPS.register(aten.sort.default)
-@on_0d_vjp
-def sort_vjp(v, g, x: Jet, dim: int = -1, descending: bool = False):
-    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
-
-
-@VJPS.register(aten.topk.default)
-@on_0d_vjp
-def topk_vjp(v, g, x: Jet, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
-    return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
-
-
-@VJPS.register(aten.flip.default)
-@on_0d_vjp
-def flip_vjp(v, g: Block, x: Jet, dims):
-    r = x.ndim
-    ds = _dims(dims, r)
-    return [(x, map_out(g, r, lambda t: t.flip(ds), x.shape, along(r, ds)))]
-
-
-@VJPS.register(aten.constant_pad_nd.default)
-def pad_vjp(v, g: Block, x: Jet, pad, value=0):
-    r = x.ndim
-    padded = _padded_axes(r, pad)
-    def cropped(t):
-        return aten.constant_pad_nd(t, [0, 0] * (t.ndim - r) + [-p for p in pad], 0.0)
-
-    return [(x, map_out(g, r, cropped, x.shape, along(r, padded)))]
-
-
-@VJPS.register(aten.cumsum.default)
-@on_0d_vjp
-def cumsum_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
-    r = x.ndim
-    d = dim % r
-    return [(x, map_out(g, r, lambda t: t.flip(d).cumsum(d).flip(d), x.shape, along(r, [d])))]
-
-
-@VJPS.register(aten.diagonal.default)
-def diagonal_vjp(v, g: Block, x: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
-    r = x.ndim
-    d1, d2 = dim1 % r, dim2 % r
-    keep = {b: a for a, b in along(r, [d1, d2], removed=True).items()}
-    return [(x, map_out(g, r - 1, lambda t: aten.diagonal_scatter(_zeros_like_input(t, x, r - 1), t.movedim(r - 2, -1),
-                                                                   offset, d1, d2), x.shape, keep))]
-
-
 def _unsum(g: Block, x: Jet, dim, keepdim: bool) -> Block:
     """Transpose of a sum over ``dim``: put the summed axes back and broadcast along them."""
     r = x.ndim
@@ -420,18 +517,6 @@ def _unsum(g: Block, x: Jet, dim, keepdim: bool) -> Block:
     kept = [1 if a in axes else n for a, n in enumerate(x.shape)]
     g = reshape_out(g, r if keepdim else r - len(axes), kept)
     return expand_out(g, r, x.shape)
-
-
-@VJPS.register(aten.sum.dim_IntList)
-def sum_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
-    return [(x, _unsum(g, x, dim, keepdim).to(x.primal.dtype))]
-
-
-@VJPS.register(aten.mean.dim, aten.mean.default)
-@on_0d_vjp(reduces=True)
-def mean_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
-    n = math.prod(x.shape[a] for a in _dims(dim, x.ndim))
-    return [(x, _unsum(g, x, dim, keepdim).scale(1.0 / n).to(x.primal.dtype))]
 
 
 def _scatter_view_vjp(g: Block, x: Jet, src: Jet, r: int, region, scatter, keep_x: dict, keep_src: dict) -> list:
@@ -445,60 +530,3 @@ def _scatter_view_vjp(g: Block, x: Jet, src: Jet, r: int, region, scatter, keep_
     return pairs
 
 
-@VJPS.register(aten.slice_scatter.default)
-def slice_scatter_vjp(v, g: Block, x: Jet, src: Jet, dim: int = 0, start=None, end=None, step: int = 1):
-    r = x.ndim
-    d = dim % r
-    return _scatter_view_vjp(g, x, src, r, lambda t: aten.slice.Tensor(t, d, start, end, step),
-                             lambda t, u: aten.slice_scatter(t, u, d, start, end, step), along(r, [d]), along(r, [d]))
-
-
-@VJPS.register(aten.diagonal_scatter.default)
-def diagonal_scatter_vjp(v, g: Block, x: Jet, src: Jet, offset: int = 0, dim1: int = 0, dim2: int = 1):
-    r = x.ndim
-    d1, d2 = dim1 % r, dim2 % r
-    return _scatter_view_vjp(g, x, src, r, lambda t: t.diagonal(offset, d1, d2).movedim(-1, r - 2),
-                             lambda t, u: aten.diagonal_scatter(t, u.movedim(r - 2, -1), offset, d1, d2),
-                             along(r, [d1, d2]), along(r, [d1, d2], removed=True))
-
-
-@VJPS.register(aten.cat.default)
-def cat_vjp(v, g: Block, tensors, dim: int = 0):
-    r = v.out.ndim
-    d = dim % r
-    pairs, offset = [], 0
-    for x in tensors:
-        if x.ndim == 1 and x.shape[0] == 0 and r > 1:
-            continue
-        n = x.shape[d]
-        if not x.constant:
-            pairs.append((x, map_out(g, r, lambda t, s=offset, n=n: t.narrow(d, s, n), x.shape, along(r, [d]))))
-        offset += n
-    return pairs
-
-
-@VJPS.register(aten.split_with_sizes.default)
-def split_vjp(v, g, x: Jet, split, dim: int = 0):
-    r = x.ndim
-    d = dim % r
-    parts, offset = [], 0
-    for piece, gi in zip(v.out, g):
-        n = piece.shape[d]
-        if gi is not None:
-            before, after = offset, x.shape[d] - offset - n
-            spec = lambda t, b=before, a=after: [0, 0] * (t.ndim - d - 1) + [b, a]  # noqa: E731
-            parts.append(map_out(gi, r, lambda t, spec=spec: aten.constant_pad_nd(t, spec(t), 0.0), x.shape,
-                                 along(r, [d])))
-        offset += n
-    return [(x, add(parts))] if parts else []
-
-
-@VJPS.register(aten.repeat.default)
-def repeat_vjp(v, g: Block, x: Jet, repeats):
-    r_out = v.out.ndim
-    lead = len(repeats) - x.ndim
-    shape = [1] * lead + list(x.shape)
-    interleaved = [n for rep, s in zip(repeats, shape) for n in (rep, s)]
-    g = reshape_out(g, r_out, interleaved)
-    g = sum_out(g, 2 * r_out, range(0, 2 * r_out, 2))
-    return [(x, reshape_out(g, r_out, x.shape))]

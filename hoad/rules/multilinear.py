@@ -8,13 +8,15 @@ import torch
 
 from hoad.algebra import Block, contract
 from hoad.errors import HoadInternalError
-from hoad.rules.arithmetic import _select
+from hoad.rules.arithmetic import _select, _spread
 from hoad.rules.base import Ctx, Jet, RuleTable, out_labels
 from hoad.rules.combinators import Scaled, broadcast, chain, leibniz, scaled
 from hoad.rules.elementwise import atan, reciprocal
+from hoad.rules.flat import _all, _extremum
+from hoad.rules.flat import _product as _product_flat
 
 aten = torch.ops.aten
-RULES = RuleTable("multilinear")
+OPS = RuleTable("multilinear")
 
 
 def _varies(x) -> bool:
@@ -36,17 +38,28 @@ def _product(ctx: Ctx, a, b) -> dict:
     return leibniz(ctx, [(broadcast(a, shape), o), (broadcast(b, shape), o)], o, shape)
 
 
-@RULES.register(aten.mul.Tensor)
 def mul_rule(ctx: Ctx, a, b):
     return _product(ctx, a, b)
 
 
-@RULES.register(aten.mul.Scalar)
+def mul_vjp(v, g: Block, a, b):
+    return _product_vjp(v, g, a, b)
+
+
+OPS.register(aten.mul.Tensor, rule=mul_rule, vjp=mul_vjp, flat=_product_flat)
+
+
 def mul_scalar_rule(ctx: Ctx, a: Jet, s):
     return scaled(ctx, a, s, tuple(ctx.out.shape))
 
 
-@RULES.register(aten.div.Tensor)
+def mul_scalar_vjp(v, g: Block, a: Jet, s):
+    return [(a, g.scale(s))]
+
+
+OPS.register(aten.mul.Scalar, rule=mul_scalar_rule, vjp=mul_scalar_vjp, flat=lambda *args, **kwargs: _all(*args))
+
+
 def div_rule(ctx: Ctx, a, b):
     """a / b: linear in a when b is constant; otherwise a ⊙ reciprocal(b)."""
     if not _varies(b):
@@ -57,9 +70,27 @@ def div_rule(ctx: Ctx, a, b):
     return _product(ctx, a, rb)
 
 
-@RULES.register(aten.div.Scalar)
+def div_vjp(v, g: Block, a, b):
+    vb = _value(b)
+    inv = vb.reciprocal() if isinstance(vb, torch.Tensor) else 1.0 / vb
+    terms = [(a, inv)]
+    if _varies(b):
+        terms.append((b, -v.out * inv))
+    return _spread(v, g, terms)
+
+
+OPS.register(aten.div.Tensor, rule=div_rule, vjp=div_vjp, flat=lambda *args, **kwargs: _all(*args))
+
+
 def div_scalar_rule(ctx: Ctx, a: Jet, s):
     return scaled(ctx, a, 1.0 / s, tuple(ctx.out.shape))
+
+
+def div_scalar_vjp(v, g: Block, a: Jet, s):
+    return [(a, g.scale(1.0 / s))]
+
+
+OPS.register(aten.div.Scalar, rule=div_scalar_rule, vjp=div_scalar_vjp, flat=lambda *args, **kwargs: _all(*args))
 
 
 def _contraction(ctx: Ctx, a, b, la: str, lb: str, lo: str) -> dict:
@@ -68,14 +99,26 @@ def _contraction(ctx: Ctx, a, b, la: str, lb: str, lo: str) -> dict:
     return leibniz(ctx, [(a, list(la)), (b, list(lb))], list(lo), tuple(ctx.out.shape))
 
 
-@RULES.register(aten.mm.default)
 def mm_rule(ctx: Ctx, a, b):
     return _contraction(ctx, a, b, "ik", "kj", "ij")
 
 
-@RULES.register(aten.bmm.default)
+def mm_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, "ik", "kj", "ij")
+
+
+OPS.register(aten.mm.default, rule=mm_rule, vjp=mm_vjp)
+
+
 def bmm_rule(ctx: Ctx, a, b):
     return _contraction(ctx, a, b, "bik", "bkj", "bij")
+
+
+def bmm_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, "bik", "bkj", "bij")
+
+
+OPS.register(aten.bmm.default, rule=bmm_rule, vjp=bmm_vjp)
 
 
 def _matmul_labels(a, b) -> tuple[str, str, str]:
@@ -97,9 +140,15 @@ def _matmul_labels(a, b) -> tuple[str, str, str]:
 _KEPT = "abcdefghlmnopqrstuvwxyz"   # labels of the leading axes (not i, j, k)
 
 
-@RULES.register(aten.matmul.default)
 def matmul_rule(ctx: Ctx, a, b):
     return _contraction(ctx, a, b, *_matmul_labels(a, b))
+
+
+def matmul_vjp(v, g: Block, a, b):
+    return _contraction_vjp(v, g, a, b, *_matmul_labels(a, b))
+
+
+OPS.register(aten.matmul.default, rule=matmul_rule, vjp=matmul_vjp)
 
 
 def _pick(ctx: Ctx, a, b, take_a: torch.Tensor) -> dict:
@@ -109,55 +158,37 @@ def _pick(ctx: Ctx, a, b, take_a: torch.Tensor) -> dict:
     return _combine(ctx, [(a, take_a), (b, 1 - take_a)])
 
 
-@RULES.register(aten.maximum.default)
 def maximum_rule(ctx: Ctx, a, b):
     """Ties give each side half the derivative, as torch's backward does."""
     va, vb = _value(a), _value(b)
     return _pick(ctx, a, b, (va > vb).to(ctx.out.dtype) + 0.5 * (va == vb).to(ctx.out.dtype))
 
 
-@RULES.register(aten.minimum.default)
+def maximum_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    return _pick_vjp(v, g, a, b, (va > vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
+
+
+OPS.register(aten.maximum.default, rule=maximum_rule, vjp=maximum_vjp, flat=_extremum(True))
+
+
 def minimum_rule(ctx: Ctx, a, b):
     va, vb = _value(a), _value(b)
     return _pick(ctx, a, b, (va < vb).to(ctx.out.dtype) + 0.5 * (va == vb).to(ctx.out.dtype))
 
 
-# ---------------------------------------------------------------------------------- VJPs
-VJPS = RuleTable("multilinear")
+def minimum_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    return _pick_vjp(v, g, a, b, (va < vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
 
 
+OPS.register(aten.minimum.default, rule=minimum_rule, vjp=minimum_vjp, flat=_extremum(False))
+
+
+# ------------------------------------------------------------------------- the VJPs' helpers
 def _product_vjp(v, g: Block, a, b) -> list:
     """g ⊙ (the other factor), summed back to each factor's shape."""
-    from hoad.rules.arithmetic import _spread
-
     return _spread(v, g, [(a, _value(b)), (b, _value(a))])
-
-
-@VJPS.register(aten.mul.Tensor)
-def mul_vjp(v, g: Block, a, b):
-    return _product_vjp(v, g, a, b)
-
-
-@VJPS.register(aten.mul.Scalar)
-def mul_scalar_vjp(v, g: Block, a: Jet, s):
-    return [(a, g.scale(s))]
-
-
-@VJPS.register(aten.div.Tensor)
-def div_vjp(v, g: Block, a, b):
-    from hoad.rules.arithmetic import _spread
-
-    vb = _value(b)
-    inv = vb.reciprocal() if isinstance(vb, torch.Tensor) else 1.0 / vb
-    terms = [(a, inv)]
-    if _varies(b):
-        terms.append((b, -v.out * inv))
-    return _spread(v, g, terms)
-
-
-@VJPS.register(aten.div.Scalar)
-def div_scalar_vjp(v, g: Block, a: Jet, s):
-    return [(a, g.scale(1.0 / s))]
 
 
 def _contraction_vjp(v, g: Block, a, b, la: str, lb: str, lo: str) -> list:
@@ -172,37 +203,8 @@ def _contraction_vjp(v, g: Block, a, b, la: str, lb: str, lo: str) -> list:
     return pairs
 
 
-@VJPS.register(aten.mm.default)
-def mm_vjp(v, g: Block, a, b):
-    return _contraction_vjp(v, g, a, b, "ik", "kj", "ij")
-
-
-@VJPS.register(aten.bmm.default)
-def bmm_vjp(v, g: Block, a, b):
-    return _contraction_vjp(v, g, a, b, "bik", "bkj", "bij")
-
-
-@VJPS.register(aten.matmul.default)
-def matmul_vjp(v, g: Block, a, b):
-    return _contraction_vjp(v, g, a, b, *_matmul_labels(a, b))
-
-
 def _pick_vjp(v, g: Block, a, b, take_a: torch.Tensor) -> list:
-    from hoad.rules.arithmetic import _spread
-
     return _spread(v, g, [(a, take_a), (b, 1 - take_a)])
-
-
-@VJPS.register(aten.maximum.default)
-def maximum_vjp(v, g: Block, a, b):
-    va, vb = _value(a), _value(b)
-    return _pick_vjp(v, g, a, b, (va > vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
-
-
-@VJPS.register(aten.minimum.default)
-def minimum_vjp(v, g: Block, a, b):
-    va, vb = _value(a), _value(b)
-    return _pick_vjp(v, g, a, b, (va < vb).to(v.out.dtype) + 0.5 * (va == vb).to(v.out.dtype))
 
 
 def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
@@ -212,7 +214,6 @@ def _ratio(ctx: Ctx, num: Jet, den: Jet, taken: torch.Tensor) -> Jet:
     return Jet(value, div_rule(ctx.inner(value), num, safe))
 
 
-@RULES.register(aten.atan2.default)
 def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
     """atan2(a, b) has the derivatives of atan(a/b) where |a| <= |b| and of -atan(b/a) elsewhere
     (each differs from it by a constant where defined): one branch per entry, each ratio
@@ -231,3 +232,12 @@ def atan2_rule(ctx: Ctx, a: Jet, b: Jet):
         coeffs = Scaled([c * sign for c in d.coeffs], d.scale)
         branches.append((Jet(ctx.out, chain(plain, q, coeffs)), taken))
     return _select(plain, branches)
+
+
+def atan2_vjp(v, g: Block, a, b):
+    va, vb = _value(a), _value(b)
+    r2 = va * va + vb * vb  # (0 / 0 = NaN at the origin, as in the forward rule)
+    return _spread(v, g, [(a, vb / r2), (b, -va / r2)])
+
+
+OPS.register(aten.atan2.default, rule=atan2_rule, vjp=atan2_vjp)

@@ -17,7 +17,7 @@ from hoad.rules.base import Ctx, Jet, RuleTable
 from hoad.rules.combinators import linear
 
 aten = torch.ops.aten
-RULES = RuleTable("linear")
+OPS = RuleTable("linear")
 
 
 def _spatially(r: int, k: int, op):
@@ -54,27 +54,53 @@ def _avg_args(kernel_size, stride=(), padding=0, ceil_mode=False, count_include_
     return kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
 
 
-@RULES.register(aten.avg_pool2d.default)
 def avg_pool2d_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     """The same average pooling of each block, slots folded into the batch."""
     args = _avg_args(*args, **kwargs)
     return _pooled(ctx, x, 2, lambda u: aten.avg_pool2d.default(u, *args))
 
 
-@RULES.register(aten.avg_pool3d.default)
+def avg_pool2d_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    args = _avg_args(*args, **kwargs)
+    return _unpooled(v, g, x, 2, lambda u, like: aten.avg_pool2d_backward.default(u, like, *args))
+
+
+OPS.register(aten.avg_pool2d.default, rule=avg_pool2d_rule, vjp=avg_pool2d_vjp)
+
+
 def avg_pool3d_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     args = _avg_args(*args, **kwargs)
     return _pooled(ctx, x, 3, lambda u: aten.avg_pool3d.default(u, *args))
 
 
-@RULES.register(aten._adaptive_avg_pool2d.default)
+def avg_pool3d_vjp(v, g: Block, x: Jet, *args, **kwargs):
+    args = _avg_args(*args, **kwargs)
+    return _unpooled(v, g, x, 3, lambda u, like: aten.avg_pool3d_backward.default(u, like, *args))
+
+
+OPS.register(aten.avg_pool3d.default, rule=avg_pool3d_rule, vjp=avg_pool3d_vjp)
+
+
 def adaptive_avg_pool2d_rule(ctx: Ctx, x: Jet, output_size):
     return _pooled(ctx, x, 2, lambda u: aten._adaptive_avg_pool2d.default(u, output_size))
 
 
-@RULES.register(aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool2d_vjp(v, g: Block, x: Jet, output_size):
+    return _unpooled(v, g, x, 2, aten._adaptive_avg_pool2d_backward.default)
+
+
+OPS.register(aten._adaptive_avg_pool2d.default, rule=adaptive_avg_pool2d_rule, vjp=adaptive_avg_pool2d_vjp)
+
+
 def adaptive_avg_pool3d_rule(ctx: Ctx, x: Jet, output_size):
     return _pooled(ctx, x, 3, lambda u: aten._adaptive_avg_pool3d.default(u, output_size))
+
+
+def adaptive_avg_pool3d_vjp(v, g: Block, x: Jet, output_size):
+    return _unpooled(v, g, x, 3, aten._adaptive_avg_pool3d_backward.default)
+
+
+OPS.register(aten._adaptive_avg_pool3d.default, rule=adaptive_avg_pool3d_rule, vjp=adaptive_avg_pool3d_vjp)
 
 
 def _resize(op, backward, k: int):
@@ -101,6 +127,9 @@ RESIZES = {
     aten._upsample_bilinear2d_aa.default: (aten._upsample_bilinear2d_aa_backward.default, 2),
     aten.upsample_trilinear3d.default: (aten.upsample_trilinear3d_backward.default, 3),
 }
+for _op, (_backward, _k) in RESIZES.items():
+    _rule, _vjp = _resize(_op, _backward, _k)
+    OPS.register(_op, rule=_rule, vjp=_vjp)
 
 
 def _flat_index(indices: torch.Tensor, r: int, k: int, rest: list) -> torch.Tensor:
@@ -141,26 +170,54 @@ def _gathered(ctx: Ctx, x: Jet, k: int) -> list:
     return [linear(ctx, x, lambda b: map_out(b, r, _gather(indices, k, new), new, along(r, range(r - k, r)))), {}]
 
 
-@RULES.register(aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default)
 def max_pool2d_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     """The entries of x at the returned indices: a gather of each block."""
     return _gathered(ctx, x, 2)
 
 
-@RULES.register(aten.max_pool3d_with_indices.default, aten.adaptive_max_pool3d.default)
+def max_pool2d_vjp(v, g, x: Jet, *args, **kwargs):
+    return _scattered(v, g, x, 2)
+
+
+OPS.register(aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default, rule=max_pool2d_rule,
+             vjp=max_pool2d_vjp)
+
+
 def max_pool3d_rule(ctx: Ctx, x: Jet, *args, **kwargs):
     return _gathered(ctx, x, 3)
 
 
-@RULES.register(aten.max_pool2d_with_indices_backward.default)
+def max_pool3d_vjp(v, g, x: Jet, *args, **kwargs):
+    return _scattered(v, g, x, 3)
+
+
+OPS.register(aten.max_pool3d_with_indices.default, aten.adaptive_max_pool3d.default, rule=max_pool3d_rule,
+             vjp=max_pool3d_vjp)
+
+
 def max_pool2d_backward_rule(ctx: Ctx, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     """Linear in the incoming gradient (x only gives the shape): a scatter-add to the indices."""
     return _unpooled_grad(ctx, grad, indices, 2)
 
 
-@RULES.register(aten.max_pool3d_with_indices_backward.default)
+def max_pool2d_backward_vjp(v, g: Block, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _regathered(g, grad, indices, 2)
+
+
+OPS.register(aten.max_pool2d_with_indices_backward.default, rule=max_pool2d_backward_rule,
+             vjp=max_pool2d_backward_vjp)
+
+
 def max_pool3d_backward_rule(ctx: Ctx, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     return _unpooled_grad(ctx, grad, indices, 3)
+
+
+def max_pool3d_backward_vjp(v, g: Block, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _regathered(g, grad, indices, 3)
+
+
+OPS.register(aten.max_pool3d_with_indices_backward.default, rule=max_pool3d_backward_rule,
+             vjp=max_pool3d_backward_vjp)
 
 
 def _unpooled_grad(ctx: Ctx, grad: Jet, indices, k: int) -> dict:
@@ -177,7 +234,6 @@ def _windows(n: int, size: int, step: int, like: torch.Tensor) -> torch.Tensor:
     return (start.unsqueeze(1) + torch.arange(size, device=like.device)).reshape(-1)
 
 
-@RULES.register(aten.unfold.default)
 def unfold_rule(ctx: Ctx, x: Jet, dimension: int, size: int, step: int):
     """Sliding windows along one axis (a view): each block's windows, the window axis last."""
     r, new = x.ndim, tuple(ctx.out.shape)
@@ -187,63 +243,6 @@ def unfold_rule(ctx: Ctx, x: Jet, dimension: int, size: int, step: int):
     return linear(ctx, x, lambda b: map_out(b, r, lambda t: t.unfold(d, size, step).movedim(-1, r), new, along(r, [d])))
 
 
-# ---------------------------------------------------------------------------------- VJPs
-VJPS = RuleTable("linear")
-
-
-def _like(u: torch.Tensor, x, k: int) -> torch.Tensor:
-    """A stand-in for the pooled input of a backward op: x's spatial shape over u's (N, C)."""
-    return u.new_zeros(()).expand(list(u.shape[:2]) + list(x.shape[-k:]))
-
-
-def _unpooled(v, g: Block, x: Jet, k: int, backward) -> list:
-    """The transpose of a pooling: ``backward(grad, like)`` maps (N, C, *spatial') to (N, C, *spatial)."""
-    r = x.ndim
-    op = _spatially(r, k, lambda u: backward(u, _like(u, x, k)))
-    return [(x, map_out(g, r, op, x.shape, along(r, range(r - k, r))))]
-
-
-@VJPS.register(aten.avg_pool2d.default)
-def avg_pool2d_vjp(v, g: Block, x: Jet, *args, **kwargs):
-    args = _avg_args(*args, **kwargs)
-    return _unpooled(v, g, x, 2, lambda u, like: aten.avg_pool2d_backward.default(u, like, *args))
-
-
-@VJPS.register(aten.avg_pool3d.default)
-def avg_pool3d_vjp(v, g: Block, x: Jet, *args, **kwargs):
-    args = _avg_args(*args, **kwargs)
-    return _unpooled(v, g, x, 3, lambda u, like: aten.avg_pool3d_backward.default(u, like, *args))
-
-
-@VJPS.register(aten._adaptive_avg_pool2d.default)
-def adaptive_avg_pool2d_vjp(v, g: Block, x: Jet, output_size):
-    return _unpooled(v, g, x, 2, aten._adaptive_avg_pool2d_backward.default)
-
-
-@VJPS.register(aten._adaptive_avg_pool3d.default)
-def adaptive_avg_pool3d_vjp(v, g: Block, x: Jet, output_size):
-    return _unpooled(v, g, x, 3, aten._adaptive_avg_pool3d_backward.default)
-
-
-def _scattered(v, g, x: Jet, k: int) -> list:
-    """Transpose of the max-pooling gather: scatter-add the values' cotangent to the indices."""
-    if g[0] is None:
-        return []
-    r = x.ndim
-    return [(x, map_out(g[0], r, _scatter(v.out[1], k, x.shape), x.shape, along(r, range(r - k, r))))]
-
-
-@VJPS.register(aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default)
-def max_pool2d_vjp(v, g, x: Jet, *args, **kwargs):
-    return _scattered(v, g, x, 2)
-
-
-@VJPS.register(aten.max_pool3d_with_indices.default, aten.adaptive_max_pool3d.default)
-def max_pool3d_vjp(v, g, x: Jet, *args, **kwargs):
-    return _scattered(v, g, x, 3)
-
-
-@VJPS.register(aten.unfold.default)
 def unfold_vjp(v, g: Block, x: Jet, dimension: int, size: int, step: int):
     """Windows added back where they were read: an index_add along the unfolded axis."""
     r = x.ndim
@@ -260,10 +259,28 @@ def unfold_vjp(v, g: Block, x: Jet, dimension: int, size: int, step: int):
     return [(x, map_out(g, r + 1, fn, x.shape, along(r, [d])))]
 
 
-for _op, (_backward, _k) in RESIZES.items():
-    _rule, _vjp = _resize(_op, _backward, _k)
-    RULES.register(_op)(_rule)
-    VJPS.register(_op)(_vjp)
+OPS.register(aten.unfold.default, rule=unfold_rule, vjp=unfold_vjp)
+
+
+# ------------------------------------------------------------------------- the VJPs' helpers
+def _like(u: torch.Tensor, x, k: int) -> torch.Tensor:
+    """A stand-in for the pooled input of a backward op: x's spatial shape over u's (N, C)."""
+    return u.new_zeros(()).expand(list(u.shape[:2]) + list(x.shape[-k:]))
+
+
+def _unpooled(v, g: Block, x: Jet, k: int, backward) -> list:
+    """The transpose of a pooling: ``backward(grad, like)`` maps (N, C, *spatial') to (N, C, *spatial)."""
+    r = x.ndim
+    op = _spatially(r, k, lambda u: backward(u, _like(u, x, k)))
+    return [(x, map_out(g, r, op, x.shape, along(r, range(r - k, r))))]
+
+
+def _scattered(v, g, x: Jet, k: int) -> list:
+    """Transpose of the max-pooling gather: scatter-add the values' cotangent to the indices."""
+    if g[0] is None:
+        return []
+    r = x.ndim
+    return [(x, map_out(g[0], r, _scatter(v.out[1], k, x.shape), x.shape, along(r, range(r - k, r))))]
 
 
 # The backward ops of average pooling and resizing are what hoad's own VJPs above emit, so a
@@ -293,8 +310,7 @@ def _register_backward(backward, k: int, apply, transpose) -> None:
     rule, vjp = _backward_of(k, apply, transpose)
     name = backward.__name__.split(".")[0].lstrip("_")
     rule.__name__, vjp.__name__ = f"{name}_rule", f"{name}_vjp"
-    RULES.register(backward)(rule)
-    VJPS.register(backward)(vjp)
+    OPS.register(backward, rule=rule, vjp=vjp)
 
 
 for _k, _pool, _backward in ((2, aten.avg_pool2d.default, aten.avg_pool2d_backward.default),
@@ -322,11 +338,3 @@ def _regathered(g: Block, grad: Jet, indices, k: int) -> list:
     return [(grad, map_out(g, r, _gather(idx, k, grad.shape), grad.shape, along(r, range(r - k, r))))]
 
 
-@VJPS.register(aten.max_pool2d_with_indices_backward.default)
-def max_pool2d_backward_vjp(v, g: Block, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    return _regathered(g, grad, indices, 2)
-
-
-@VJPS.register(aten.max_pool3d_with_indices_backward.default)
-def max_pool3d_backward_vjp(v, g: Block, grad: Jet, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    return _regathered(g, grad, indices, 3)

@@ -17,7 +17,7 @@ from hoad.rules.elementwise import log as log_derivatives
 from hoad.rules.linear import _dims, _scatter_along, _select_along
 
 aten = torch.ops.aten
-RULES = RuleTable("reduction")
+OPS = RuleTable("reduction")
 
 
 def _narrow(ctx: Ctx, x: Jet, d: int, start: int, n: int, value: torch.Tensor) -> Jet:
@@ -56,7 +56,6 @@ def _tree_product(ctx: Ctx, x: Jet, d: int) -> Jet:
     return x
 
 
-@RULES.register(aten.prod.dim_int, aten.prod.default)
 @on_0d(reduces=True)
 def prod_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
     out_shape = tuple(ctx.out.shape)
@@ -71,6 +70,24 @@ def prod_rule(ctx: Ctx, x: Jet, dim=None, keepdim: bool = False, dtype=None):
         return chain(ctx, x, _product_derivatives(x.primal, d, ctx.max_order, keep), axis=d, keepdim=keep)
     p = _tree_product(ctx, x, d)
     return {K: reshape_out(b, p.ndim, out_shape) for K, b in p.blocks.items() if K in ctx.keys}
+
+
+@on_0d_vjp(reduces=True)
+def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
+    from hoad.rules.linear import _unsum
+
+    if dim is None:
+        flat = x.primal.reshape(-1)
+        coeff = _exclusive_product(flat, 0).reshape(x.shape) if flat.numel() else flat.reshape(x.shape)
+        spread = _unsum(g, x, None, False)
+    else:
+        d = dim % max(x.ndim, 1)
+        coeff = _exclusive_product(x.primal, d)
+        spread = _unsum(g, x, [d], keepdim)
+    return [(x, scale_out(spread, coeff, x.shape).to(x.primal.dtype))]
+
+
+OPS.register(aten.prod.dim_int, aten.prod.default, rule=prod_rule, vjp=prod_vjp)
 
 
 def _by_derivatives(ctx: Ctx, n: int) -> bool:
@@ -130,7 +147,6 @@ def _select_max(ctx: Ctx, x: Jet, dims: list[int], keepdim: bool, mask: torch.Te
     return {K: sum_out(b, r, dims, keepdim) for K, b in picked.items()}
 
 
-@RULES.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
 @on_0d(reduces=True)
 def amax_rule(ctx: Ctx, x: Jet, dim=(), keepdim: bool = False):
     """Ties share the derivative equally, as torch's backward does."""
@@ -144,7 +160,19 @@ def amax_rule(ctx: Ctx, x: Jet, dim=(), keepdim: bool = False):
     return _select_max(ctx, x, dims, keepdim, weight)
 
 
-@RULES.register(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
+@on_0d_vjp(reduces=True)
+def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
+    dims = _dims(dim, x.ndim)
+    kept = v.out if keepdim else v.out.reshape([1 if a in dims else n for a, n in enumerate(x.shape)])
+    hit = (x.primal == kept).to(x.primal.dtype)
+    weight = hit / hit.sum(dims, keepdim=True) if dims else hit
+    return _max_vjp(g, x, dims, keepdim, weight)
+
+
+OPS.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default, rule=amax_rule,
+             vjp=amax_vjp)
+
+
 @on_0d(reduces=True)
 def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     """(values, indices): the derivative follows the returned index, as torch's backward does."""
@@ -155,14 +183,41 @@ def max_dim_rule(ctx: Ctx, x: Jet, dim: int, keepdim: bool = False):
     return [_select_max(ctx, x, [d], keepdim, one_hot), {}]
 
 
-@RULES.register(aten.mode.default)
+@on_0d_vjp(reduces=True)
+def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
+    if g[0] is None:
+        return []
+    d = dim % max(x.ndim, 1)
+    values, indices = v.out
+    idx = indices if keepdim else indices.unsqueeze(d)
+    one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
+    return _max_vjp(g[0], x, [d], keepdim, one_hot)
+
+
+OPS.register(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim, rule=max_dim_rule,
+             vjp=max_dim_vjp)
+
+
 def mode_rule(ctx: Ctx, x: Jet, dim: int = -1, keepdim: bool = False):
     return max_dim_rule(ctx, x, dim, keepdim)
 
 
-@RULES.register(aten.kthvalue.default)
+def mode_vjp(v, g, x: Jet, dim: int = -1, keepdim: bool = False):
+    return max_dim_vjp(v, g, x, dim, keepdim)
+
+
+OPS.register(aten.mode.default, rule=mode_rule, vjp=mode_vjp)
+
+
 def kthvalue_rule(ctx: Ctx, x: Jet, k: int, dim: int = -1, keepdim: bool = False):
     return max_dim_rule(ctx, x, dim, keepdim)
+
+
+def kthvalue_vjp(v, g, x: Jet, k: int, dim: int = -1, keepdim: bool = False):
+    return max_dim_vjp(v, g, x, dim, keepdim)
+
+
+OPS.register(aten.kthvalue.default, rule=kthvalue_rule, vjp=kthvalue_vjp)
 
 
 def _median_weight(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -172,9 +227,15 @@ def _median_weight(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return hit / hit.sum()
 
 
-@RULES.register(aten.median.default, aten.nanmedian.default)
 def median_rule(ctx: Ctx, x: Jet):
     return _select_max(ctx, x, list(range(x.ndim)), False, _median_weight(x.primal, ctx.out))
+
+
+def median_vjp(v, g: Block, x: Jet):
+    return _max_vjp(g, x, list(range(x.ndim)), False, _median_weight(x.primal, v.out))
+
+
+OPS.register(aten.median.default, aten.nanmedian.default, rule=median_rule, vjp=median_vjp)
 
 
 # ---------------------------------------------------------------------------------- scans
@@ -189,7 +250,6 @@ def _shifted(ctx: Ctx, x: Jet, d: int, s: int) -> Jet:
                linear(ctx, x, lambda b: map_out(b, r, lambda t: shift(t, 0.0), shape, along(r, [d]))))
 
 
-@RULES.register(aten.cumprod.default)
 @on_0d
 def cumprod_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     """A Hillis-Steele scan: log2(n) levels y <- y ⊙ (y moved 2^l places, ones moved in), each a
@@ -206,122 +266,6 @@ def cumprod_rule(ctx: Ctx, x: Jet, dim: int, dtype=None):
     return {K: b.to(ctx.out.dtype) for K, b in y.blocks.items() if K in ctx.keys}
 
 
-def _lower_triangle(n: int, d: int, r: int, device) -> torch.Tensor:
-    """[i >= j] over axes (d, d+1) of an (r+1)-axis tensor, broadcast along the others."""
-    tri = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return tri.reshape([1] * d + [n, n] + [1] * (r - d - 1))
-
-
-def _prefix_weights(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
-    """exp(x_j - y_i) for j <= i, else 0, over axes (i, j) = (d, d+1): each in [0, 1]. 0 where
-    y_i = -inf (every x_j up to i is -inf, a masked prefix: -inf - -inf was NaN; torch's 0)."""
-    n, r = x.shape[d], x.ndim
-    u = x.unsqueeze(d) - y.unsqueeze(d + 1)
-    below = _lower_triangle(n, d, r, x.device) & (y.unsqueeze(d + 1) > -math.inf)
-    return torch.where(below, u, torch.full((), -math.inf, dtype=u.dtype, device=u.device)).exp()
-
-
-@RULES.register(aten.logcumsumexp.default)
-@on_0d
-def logcumsumexp_rule(ctx: Ctx, x: Jet, dim: int):
-    """y_i = log Σ_{j<=i} e^{x_j} = y_i + log s_i with s_i = Σ_{j<=i} e^{x_j - y_i} (= 1 in value),
-    y_i held constant: the chain goes through terms in [0, 1] that never overflow, O(n²) per scan."""
-    d = dim % max(x.ndim, 1)
-    r, n = x.ndim, x.shape[d]
-    wide = list(x.shape[:d]) + [n] + list(x.shape[d:])  # axes (…, i, j, …)
-    inner = ctx.inner(x.primal)
-    spread = Jet(x.primal.unsqueeze(d).expand(wide),
-                 linear(inner, x, lambda b: expand_out(unsqueeze_out(b, r, d), r + 1, wide)))
-    e = _prefix_weights(x.primal, ctx.out, d)
-    terms = Jet(e, chain(inner, spread, [e] * ctx.max_order))
-    s = e.sum(d + 1)
-    s = torch.where(s == 0, torch.ones_like(s), s)  # (a masked prefix: no terms, log's 1/s kept finite)
-    total = Jet(s, linear(inner, terms, lambda b: sum_out(b, r + 1, [d + 1])))
-    return chain(ctx, total, log_derivatives(ctx.max_order, s, None))
-
-
-@RULES.register(aten.cummax.default, aten.cummin.default)
-@on_0d
-def cummax_rule(ctx: Ctx, x: Jet, dim: int):
-    """(values, indices): the values are x gathered at the indices, as torch's backward has it."""
-    values, indices = ctx.out
-    return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
-
-
-# ---------------------------------------------------------------------------------- VJPs
-VJPS = RuleTable("reduction")
-
-
-def _exclusive_product(x: torch.Tensor, d: int) -> torch.Tensor:
-    """Π_{j≠i} x_j along ``d`` for every i, without division (exact where x has zeros)."""
-    n = x.shape[d]
-    ones = torch.ones_like(x.narrow(d, 0, 1))
-    left = torch.cat([ones, x.narrow(d, 0, n - 1)], d).cumprod(d)
-    flipped = x.flip(d)
-    right = torch.cat([ones, flipped.narrow(d, 0, n - 1)], d).cumprod(d).flip(d)
-    return left * right
-
-
-@VJPS.register(aten.prod.dim_int, aten.prod.default)
-@on_0d_vjp(reduces=True)
-def prod_vjp(v, g: Block, x: Jet, dim=None, keepdim: bool = False, dtype=None):
-    from hoad.rules.linear import _unsum
-
-    if dim is None:
-        flat = x.primal.reshape(-1)
-        coeff = _exclusive_product(flat, 0).reshape(x.shape) if flat.numel() else flat.reshape(x.shape)
-        spread = _unsum(g, x, None, False)
-    else:
-        d = dim % max(x.ndim, 1)
-        coeff = _exclusive_product(x.primal, d)
-        spread = _unsum(g, x, [d], keepdim)
-    return [(x, scale_out(spread, coeff, x.shape).to(x.primal.dtype))]
-
-
-def _max_vjp(g: Block, x: Jet, dims: list[int], keepdim: bool, weight: torch.Tensor) -> list:
-    from hoad.rules.linear import _unsum
-
-    return [(x, scale_out(_unsum(g, x, dims, keepdim), weight, x.shape))]
-
-
-@VJPS.register(aten.amax.default, aten.amin.default, aten.max.default, aten.min.default)
-@on_0d_vjp(reduces=True)
-def amax_vjp(v, g: Block, x: Jet, dim=(), keepdim: bool = False):
-    dims = _dims(dim, x.ndim)
-    kept = v.out if keepdim else v.out.reshape([1 if a in dims else n for a, n in enumerate(x.shape)])
-    hit = (x.primal == kept).to(x.primal.dtype)
-    weight = hit / hit.sum(dims, keepdim=True) if dims else hit
-    return _max_vjp(g, x, dims, keepdim, weight)
-
-
-@VJPS.register(aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim)
-@on_0d_vjp(reduces=True)
-def max_dim_vjp(v, g, x: Jet, dim: int, keepdim: bool = False):
-    if g[0] is None:
-        return []
-    d = dim % max(x.ndim, 1)
-    values, indices = v.out
-    idx = indices if keepdim else indices.unsqueeze(d)
-    one_hot = torch.zeros_like(x.primal).scatter(d, idx, 1.0)
-    return _max_vjp(g[0], x, [d], keepdim, one_hot)
-
-
-@VJPS.register(aten.mode.default)
-def mode_vjp(v, g, x: Jet, dim: int = -1, keepdim: bool = False):
-    return max_dim_vjp(v, g, x, dim, keepdim)
-
-
-@VJPS.register(aten.kthvalue.default)
-def kthvalue_vjp(v, g, x: Jet, k: int, dim: int = -1, keepdim: bool = False):
-    return max_dim_vjp(v, g, x, dim, keepdim)
-
-
-@VJPS.register(aten.median.default, aten.nanmedian.default)
-def median_vjp(v, g: Block, x: Jet):
-    return _max_vjp(g, x, list(range(x.ndim)), False, _median_weight(x.primal, v.out))
-
-
-@VJPS.register(aten.cumprod.default)
 @on_0d_vjp
 def cumprod_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
     """The scan of :func:`cumprod_rule` run backwards: a level z = y ⊙ m, m = y moved s places,
@@ -344,7 +288,42 @@ def cumprod_vjp(v, g: Block, x: Jet, dim: int, dtype=None):
     return [(x, g)]
 
 
-@VJPS.register(aten.logcumsumexp.default)
+OPS.register(aten.cumprod.default, rule=cumprod_rule, vjp=cumprod_vjp)
+
+
+def _lower_triangle(n: int, d: int, r: int, device) -> torch.Tensor:
+    """[i >= j] over axes (d, d+1) of an (r+1)-axis tensor, broadcast along the others."""
+    tri = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return tri.reshape([1] * d + [n, n] + [1] * (r - d - 1))
+
+
+def _prefix_weights(x: torch.Tensor, y: torch.Tensor, d: int) -> torch.Tensor:
+    """exp(x_j - y_i) for j <= i, else 0, over axes (i, j) = (d, d+1): each in [0, 1]. 0 where
+    y_i = -inf (every x_j up to i is -inf, a masked prefix: -inf - -inf was NaN; torch's 0)."""
+    n, r = x.shape[d], x.ndim
+    u = x.unsqueeze(d) - y.unsqueeze(d + 1)
+    below = _lower_triangle(n, d, r, x.device) & (y.unsqueeze(d + 1) > -math.inf)
+    return torch.where(below, u, torch.full((), -math.inf, dtype=u.dtype, device=u.device)).exp()
+
+
+@on_0d
+def logcumsumexp_rule(ctx: Ctx, x: Jet, dim: int):
+    """y_i = log Σ_{j<=i} e^{x_j} = y_i + log s_i with s_i = Σ_{j<=i} e^{x_j - y_i} (= 1 in value),
+    y_i held constant: the chain goes through terms in [0, 1] that never overflow, O(n²) per scan."""
+    d = dim % max(x.ndim, 1)
+    r, n = x.ndim, x.shape[d]
+    wide = list(x.shape[:d]) + [n] + list(x.shape[d:])  # axes (…, i, j, …)
+    inner = ctx.inner(x.primal)
+    spread = Jet(x.primal.unsqueeze(d).expand(wide),
+                 linear(inner, x, lambda b: expand_out(unsqueeze_out(b, r, d), r + 1, wide)))
+    e = _prefix_weights(x.primal, ctx.out, d)
+    terms = Jet(e, chain(inner, spread, [e] * ctx.max_order))
+    s = e.sum(d + 1)
+    s = torch.where(s == 0, torch.ones_like(s), s)  # (a masked prefix: no terms, log's 1/s kept finite)
+    total = Jet(s, linear(inner, terms, lambda b: sum_out(b, r + 1, [d + 1])))
+    return chain(ctx, total, log_derivatives(ctx.max_order, s, None))
+
+
 @on_0d_vjp
 def logcumsumexp_vjp(v, g: Block, x: Jet, dim: int):
     """g_x_j = Σ_{i>=j} exp(x_j - y_i) g_i."""
@@ -357,7 +336,38 @@ def logcumsumexp_vjp(v, g: Block, x: Jet, dim: int):
     return [(x, contract([(weights, w_labels), (g, o + f)], o[:d] + [j] + o[d + 1:] + f, target=v.target))]
 
 
-@VJPS.register(aten.cummax.default, aten.cummin.default)
+OPS.register(aten.logcumsumexp.default, rule=logcumsumexp_rule, vjp=logcumsumexp_vjp)
+
+
+@on_0d
+def cummax_rule(ctx: Ctx, x: Jet, dim: int):
+    """(values, indices): the values are x gathered at the indices, as torch's backward has it."""
+    values, indices = ctx.out
+    return [_select_along(ctx, x, dim, indices, tuple(values.shape)), {}]
+
+
 @on_0d_vjp
 def cummax_vjp(v, g, x: Jet, dim: int):
     return [(x, _scatter_along(g[0], x, dim, v.out[1]))] if g[0] is not None else []
+
+
+OPS.register(aten.cummax.default, aten.cummin.default, rule=cummax_rule, vjp=cummax_vjp)
+
+
+# ------------------------------------------------------------------------- the VJPs' helpers
+def _exclusive_product(x: torch.Tensor, d: int) -> torch.Tensor:
+    """Π_{j≠i} x_j along ``d`` for every i, without division (exact where x has zeros)."""
+    n = x.shape[d]
+    ones = torch.ones_like(x.narrow(d, 0, 1))
+    left = torch.cat([ones, x.narrow(d, 0, n - 1)], d).cumprod(d)
+    flipped = x.flip(d)
+    right = torch.cat([ones, flipped.narrow(d, 0, n - 1)], d).cumprod(d).flip(d)
+    return left * right
+
+
+def _max_vjp(g: Block, x: Jet, dims: list[int], keepdim: bool, weight: torch.Tensor) -> list:
+    from hoad.rules.linear import _unsum
+
+    return [(x, scale_out(_unsum(g, x, dims, keepdim), weight, x.shape))]
+
+

@@ -19,13 +19,12 @@ from hoad.rules.combinators import chain, scale_out
 from hoad.rules.elementwise import _polynomial, _power_of
 
 aten = torch.ops.aten
-RULES = RuleTable("elementwise")
-VJPS = RuleTable("elementwise")
+OPS = RuleTable("elementwise")
 
 
 def derivatives(*ops):
-    """Register a scalar-derivative function as the elementwise rule (and VJP) of ``ops`` here."""
-    return elementwise.derivatives(*ops, rules=RULES, vjps=VJPS)
+    """Register a scalar-derivative function as the elementwise rule, VJP and flat mask of ``ops`` here."""
+    return elementwise.derivatives(*ops, table=OPS)
 
 
 # ------------------------------------------------------------------ error function family
@@ -152,15 +151,16 @@ def digamma(n, x, y):
     return [torch.special.polygamma(k, x) for k in range(1, n + 1)]
 
 
-@RULES.register(aten.polygamma.default)
 def polygamma_rule(ctx: Ctx, m: int, x: Jet):
     """The k-th derivative of polygamma(m, ·) is polygamma(m + k, ·)."""
     return chain(ctx, x, [torch.special.polygamma(m + k, x.primal) for k in range(1, ctx.max_order + 1)])
 
 
-@VJPS.register(aten.polygamma.default)
 def polygamma_vjp(v, g: Block, m: int, x: Jet):
     return [(x, scale_out(g, torch.special.polygamma(m + 1, x.primal), x.shape))]
+
+
+OPS.register(aten.polygamma.default, rule=polygamma_rule, vjp=polygamma_vjp)
 
 
 # ------------------------------------------------------------- modified Bessel functions

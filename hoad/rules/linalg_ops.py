@@ -1,10 +1,13 @@
-"""The factorizations' single-output ``hoad_linalg`` operators, with their cotangents.
+"""The ``hoad_linalg`` operators: torch.linalg as single-output ops, with their autograd.
 
-torch's eigh, svd, qr, lu_factor, pinv and matrix_exp as operators of one output each (capture
-routes torch's tuple-returning ops to them, see ``CAPTURE_DECOMPOSITIONS`` in
-:mod:`hoad.rules.linalg`), their fake kernels, and their first-order cotangents in plain torch,
-registered as their autograd formulas. Their derivative rules of every order are in
-:mod:`hoad.rules.factorizations`.
+The adjoint form needs a single-output node for every nonlinear op, while torch's factorizing
+ops return tuples; capture routes them here (:mod:`hoad.passes.linalg_routes`). Each operator
+runs torch's own kernel and has a fake kernel and an autograd formula, so results stay
+differentiable for training: ``inv``, ``solve``, ``logabsdet`` and ``cholesky``, and the
+factorizations' ``eigvalsh``, ``eigvecsh``, ``svdvals``, ``svd_u``, ``svd_vh``, ``qr_q``, ``qr_r``,
+``lu_packed``, ``pinv`` and ``matrix_exp`` (with ``lu_pivots`` and ``lu_permutation``, which
+carry no derivatives), whose first-order cotangents in plain torch are here too. Their derivative
+rules of every order are in :mod:`hoad.rules.linalg` and :mod:`hoad.rules.factorizations`.
 """
 
 from __future__ import annotations
@@ -15,11 +18,106 @@ import torch
 
 
 def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The n x n identity (torch.eye's decomposition counts in uint16 from n = 256, which arange
+    has no CPU kernel for)."""
     idx = torch.arange(n, device=like.device)
     return (idx.unsqueeze(1) == idx).to(like.dtype)
 
 
-# --------------------------------------------------------------------- single-output operators
+def _phi(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The mask of Φ: 1 below the diagonal, 1/2 on it, 0 above."""
+    ones = torch.ones(n, n, dtype=like.dtype, device=like.device)
+    return ones.tril(-1) + 0.5 * _eye(n, like)
+
+
+# ------------------------------------------------------ inverse, solve, log|det| and Cholesky
+@torch.library.custom_op("hoad_linalg::inv", mutates_args=())
+def inv(A: torch.Tensor) -> torch.Tensor:
+    """A⁻¹ over the last two axes (torch.linalg.inv: raises on a singular matrix)."""
+    return torch.linalg.inv(A).contiguous()
+
+
+@torch.library.custom_op("hoad_linalg::solve", mutates_args=())
+def solve(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """X with A X = B: A (…, n, n), B (…, n, k), the same batch axes."""
+    return torch.linalg.solve(A, B).contiguous()
+
+
+@torch.library.custom_op("hoad_linalg::logabsdet", mutates_args=())
+def logabsdet(A: torch.Tensor) -> torch.Tensor:
+    """log|det A| over the last two axes."""
+    return torch.linalg.slogdet(A)[1].contiguous()
+
+
+@torch.library.custom_op("hoad_linalg::cholesky", mutates_args=())
+def cholesky(A: torch.Tensor, upper: bool = False) -> torch.Tensor:
+    """torch.linalg.cholesky (aten.cholesky computes the same but warns that it is deprecated)."""
+    return torch.linalg.cholesky(A, upper=upper).contiguous()
+
+
+@cholesky.register_fake
+def _cholesky_shape(A, upper=False):
+    return torch.empty_like(A, memory_format=torch.contiguous_format)
+
+
+@inv.register_fake
+def _inv_shape(A):
+    return torch.empty_like(A, memory_format=torch.contiguous_format)
+
+
+@solve.register_fake
+def _solve_shape(A, B):
+    return torch.empty_like(B, memory_format=torch.contiguous_format)
+
+
+@logabsdet.register_fake
+def _logabsdet_shape(A):
+    return A.new_empty(A.shape[:-2])
+
+
+# autograd formulas in differentiable ops, so programs that contain these ops train
+def _save_out(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output)
+
+
+def _inv_backward(ctx, g):
+    _A, X = ctx.saved_tensors
+    return -(X.mT @ g @ X.mT)
+
+
+def _solve_backward(ctx, g):
+    A, _B, X = ctx.saved_tensors
+    gB = torch.ops.hoad_linalg.solve(A.mT.contiguous(), g.contiguous())
+    return -(gB @ X.mT), gB
+
+
+def _logabsdet_backward(ctx, g):
+    A, _ = ctx.saved_tensors
+    return g[..., None, None] * torch.ops.hoad_linalg.inv(A).mT
+
+
+def _save_cholesky(ctx, inputs, output):
+    ctx.upper = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _cholesky_backward(ctx, g):
+    """ḡ_A = sym(L⁻ᵀ Φ(Lᵀ ḡ_L) L⁻¹), as :func:`cholesky_vjp`."""
+    (out,) = ctx.saved_tensors
+    L, gL = (out.mT, g.mT) if ctx.upper else (out, g)
+    n = L.shape[-1]
+    Linv = torch.linalg.solve_triangular(L, _eye(n, L), upper=False)
+    Q = Linv.mT @ ((L.mT @ gL) * _phi(n, L)) @ Linv
+    return 0.5 * (Q + Q.mT), None
+
+
+cholesky.register_autograd(_cholesky_backward, setup_context=_save_cholesky)
+inv.register_autograd(_inv_backward, setup_context=_save_out)
+solve.register_autograd(_solve_backward, setup_context=_save_out)
+logabsdet.register_autograd(_logabsdet_backward, setup_context=_save_out)
+
+
+# ------------------------------------------------------------------------- the factorizations
 @torch.library.custom_op("hoad_linalg::eigvalsh", mutates_args=())
 def eigvalsh(A: torch.Tensor, UPLO: str = "L") -> torch.Tensor:
     """Eigenvalues of a symmetric matrix, ascending (torch.linalg.eigh's first output)."""
