@@ -124,3 +124,23 @@ def test_passes_install_as_hoad_passes_only(tmp_path):
             "print(importlib.util.find_spec('passes') is None, d.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "hoad.passes.differentiate"]
+
+
+def test_the_test_map_names_every_module():
+    """tests/README.md maps each module to its tests: a new module of hoad/ or passes/ gets a row,
+    and a row names only modules that exist."""
+    text = (ROOT / "tests" / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    named = set()
+    for row in rows:
+        first = row.split("|")[1]
+        folder = re.match(r"\s*`((?:hoad|passes)(?:/\w+)?)/", first)
+        for name in re.findall(r"`([^`]+)`", first):
+            path = name if "/" in name or folder is None else f"{folder.group(1)}/{name}"
+            if path.endswith(".py"):
+                named.add(path)
+    modules = {str(p.relative_to(ROOT)) for top in ("hoad", "passes") for p in (ROOT / top).rglob("*.py")}
+    covered = {m for m in modules if m in named or f"{m.rsplit('/', 1)[0]}/*" in text.replace("`", "")
+               or m.endswith("__init__.py")}
+    assert not modules - covered, sorted(modules - covered)
+    assert not {n for n in named if n not in modules}, sorted(n for n in named if n not in modules)
