@@ -459,7 +459,9 @@ def test_laplacians_square_their_jets_in_the_kernel(sizes, kind, mode, inductor_
 
 @needs_jets
 @pytest.mark.inductor
-@pytest.mark.parametrize("mode, width", [("forward", 12), ("reverse", 12), ("forward", 20)])
+# (reverse under -m slow: 13 s of the default suite's 10 minutes, for the same kernels as forward)
+@pytest.mark.parametrize("mode, width", [("forward", 12), pytest.param("reverse", 12, marks=pytest.mark.slow),
+                                         ("forward", 20)])
 def test_biharmonics_square_their_direction_pairs_without_storing_them(mode, width):
     """The biharmonic (an Inductor Laplacian of an eager Laplacian program): its fourth-order term
     squares jets that carry a pair of directions, the outer ones through the first layer's shared
@@ -722,6 +724,7 @@ def test_where_mkl_runs_avx512_products_stay_mkl_and_wide_layers_skip_the_jet_ke
 
 
 @needs_jets
+@pytest.mark.slow  # (21 s: the kernels built a second time for AVX2; the default ISA's are tested above)
 def test_jet_kernels_avx2_strips_where_avx512_ones_run_by_default():
     """On Intel CPUs with AVX-512 the jet kernels run 16-column strips; HOAD_JETS_AVX2=1 (read once
     per process) keeps the 8-column AVX2 ones, which AMD's CPUs run: those equal the definition
