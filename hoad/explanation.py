@@ -81,7 +81,8 @@ class Explanation:
                     nodes = ", ".join(f"{d}: {n}" for d, n in nodes.items())
                 stages.append([name, f"{st['seconds'] * 1e3:.1f} ms", nodes])
                 stages += [[f"· {sub}" + ("" if s["changed"] else " (no change)"), f"{s['seconds'] * 1e3:.1f} ms",
-                            s["nodes"]] for sub, s in st.get("rewrites", {}).items()]
+                            ", ".join(f"{d}: {n}" for d, n in s["nodes"].items()) if isinstance(s["nodes"], dict)
+                            else s["nodes"]] for sub, s in st.get("rewrites", {}).items()]
         lines += ["", tabulate(stages, headers=["stage", "time", "ATen calls after"])]
         return "\n".join(lines)
 

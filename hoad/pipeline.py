@@ -29,9 +29,9 @@ from hoad.distributed import share_of
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, first_line
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
-from hoad.passes import over_reverse
+from hoad.passes import clean, over_reverse
 from hoad.passes.capture import REWRITES, Captured, capture
-from hoad.passes.clean import clean, fold_broadcasts, own_outputs
+from hoad.passes.clean import fold_broadcasts, own_outputs
 from hoad.passes.compile import compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
@@ -291,24 +291,41 @@ def _differentiate(b: Build) -> Build:
 
 
 def _prune(b: Build) -> Build:
-    for p in b.candidates.values():
-        p.gm = prune(p.gm)
+    _rewrite_candidates(b, "prune", lambda d: (("prune", prune),))
     return b
 
 
 def _clean(b: Build) -> Build:
-    for p in b.candidates.values():
-        p.gm = clean(p.gm, b.captured.samples(b.config.batch_dim))
+    _rewrite_candidates(b, "clean", lambda d: clean.steps(b.captured.samples(b.config.batch_dim)))
     return b
+
+
+# the lowering's rewrites, in order: each reads the candidate's lowering
+LOWERING: dict[str, Callable] = {"fuse_jet_squares": fuse_jet_squares, "lower_products": lower_products,
+                                 "sink_permutes": sink_permutes}
 
 
 def _lower(b: Build) -> Build:
     """Matrix products as the target's lowering prefers them (hoad::mm, fused reductions)."""
+    _rewrite_candidates(b, "lower", lambda d: [(name, lambda gm, step=step: step(gm, b.lowerings[d]))
+                                               for name, step in LOWERING.items()])
     for d, p in b.candidates.items():
-        lowering = b.lowerings[d]
-        p.gm = sink_permutes(lower_products(fuse_jet_squares(p.gm, lowering), lowering), lowering)
-        p.stats["choices"] = tuple(lowering.made)
+        p.stats["choices"] = tuple(b.lowerings[d].made)
     return b
+
+
+def _rewrite_candidates(b: Build, stage: str, steps_of: Callable[[str], Sequence]) -> None:
+    """Run each candidate's rewrites (``steps_of(direction)``) under the driver; each rewrite's
+    time is summed over the candidates, its node count kept per candidate."""
+    rewrites = b.stats.setdefault(stage, {}).setdefault("rewrites", {})
+    for d, p in b.candidates.items():
+        mine: dict = {}
+        p.gm = rewrite(p.gm, steps_of(d), mine)
+        for name, s in mine.items():
+            into = rewrites.setdefault(name, {"seconds": 0.0, "nodes": {}, "changed": False})
+            into["seconds"] += s["seconds"]
+            into["nodes"][d] = s["nodes"]
+            into["changed"] |= s["changed"]
 
 
 def _hoist(b: Build) -> Build:
@@ -591,9 +608,9 @@ class _WithPrefix:
 PIPELINE: tuple[tuple[str, Callable[[Build], Build], tuple[str, ...]], ...] = (
     ("capture", _capture, ("trace", *(name for name, _ in REWRITES), *SETTLE)),
     ("differentiate", _differentiate, ()),
-    ("prune", _prune, ()),
-    ("clean", _clean, ()),
-    ("lower", _lower, ()),
+    ("prune", _prune, ("prune",)),
+    ("clean", _clean, clean.STEPS),
+    ("lower", _lower, tuple(LOWERING)),
     ("hoist", _hoist, ()),
     ("choose", _choose, ()),
     ("plan", _plan, ()),

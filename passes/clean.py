@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from hoad.passes.graph import depending, pure, shape_of, size_arguments, storage_base, traced_call
+from hoad.passes.rewrite import Rewrite, rewrite
 
 aten = torch.ops.aten
 
@@ -321,11 +322,23 @@ def _laid_out_like(value: torch.Tensor, traced) -> torch.Tensor | None:
     return out.copy_(value)
 
 
-def clean(gm: fx.GraphModule, samples: int | None = None) -> fx.GraphModule:
-    """Fold constants and layout ops and merge duplicates until nothing changes (``samples``: the
-    number under ``batch_dim``, see :func:`fold_constants`)."""
-    gm = fold_constants(gm, samples)
+# clean's steps, by name (hoad.pipeline's PIPELINE lists them)
+STEPS = ("fold_constants", "fold_layout, cse, dce")
+
+
+def steps(samples: int | None = None) -> tuple[Rewrite, ...]:
+    """:data:`STEPS` for the rewrite driver (``samples``: the number under ``batch_dim``, see
+    :func:`fold_constants`)."""
+    return tuple(zip(STEPS, (lambda gm: fold_constants(gm, samples), _tidy)))
+
+
+def _tidy(gm: fx.GraphModule) -> None:
+    """Fold layout ops, merge duplicates and drop dead nodes until none of them changes anything."""
     while fold_layout(gm) | cse(gm) | dce(gm):
         pass
     gm.recompile()
-    return gm
+
+
+def clean(gm: fx.GraphModule, samples: int | None = None) -> fx.GraphModule:
+    """Fold constants, then layout ops, duplicates and dead nodes until nothing changes."""
+    return rewrite(gm, steps(samples))

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-# a rewrite changes the graph it is given, in place (what it returns is not read)
+# a rewrite changes the graph it is given in place, or returns the GraphModule that replaces it
+# (anything else it returns, such as whether it changed something, is not read)
 Rewrite = tuple[str, Callable[[fx.GraphModule], object]]
 
 
@@ -18,7 +19,8 @@ def rewrite(gm: fx.GraphModule, steps: Sequence[Rewrite], stats: dict | None = N
     for name, step in steps:
         before = _wiring(gm) if stats is not None else None
         start = time.perf_counter()
-        step(gm)
+        out = step(gm)
+        gm = out if isinstance(out, fx.GraphModule) else gm
         if stats is not None:
             stats[name] = {"seconds": time.perf_counter() - start, "nodes": calls(gm),
                            "changed": _wiring(gm) != before}

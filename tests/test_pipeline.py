@@ -35,3 +35,17 @@ def test_explain_shows_each_rewrite_and_whether_it_changed_the_graph():
         assert f"\n{name} " in text
         for sub in rewrites:
             assert f"· {sub}" in text or sub == "keep_samples_apart"
+
+
+def test_every_stage_with_rewrites_records_each_by_the_name_pipeline_lists():
+    """prune, clean and lower run their rewrites under the same driver as capture: explain() has
+    each one's time and each candidate's node count after it."""
+    f = lambda x: torch.tanh(x @ x.T).sum()  # noqa: E731
+    build = hoad.explain(hoad.compile(f, order=2, backend="eager"), rand(3, 2, seed=4)).build
+    for name, _, rewrites in PIPELINE:
+        recorded = build.stats[name].get("rewrites", {})
+        assert tuple(recorded) == tuple(r for r in rewrites if r != "keep_samples_apart"), name  # (no batch_dim)
+        for sub in recorded.values():
+            if name != "capture":
+                assert set(sub["nodes"]) == set(build.candidates), (name, sub)
+    assert build.stats["clean"]["rewrites"]["fold_layout, cse, dce"]["changed"]
