@@ -177,6 +177,20 @@ def _path(operands: list[tuple[tuple, list]], out: list) -> list[tuple[int, int]
     return step(list(operands))[2]
 
 
+@functools.lru_cache(maxsize=4096)
+def _path_of(expr: str, shapes: tuple) -> tuple[tuple[int, int], ...]:
+    """The pairwise path for an einsum of operands of these shapes, by :func:`_path` for up to 5
+    operands and opt_einsum's search beyond, remembered: a build asks for the same contractions
+    again and again (an order-5 Taylor jet of 8 elementwise ops: 480 searches, half of its build)."""
+    inputs, out = expr.split("->")
+    operands = inputs.split(",")
+    if 2 < len(operands) <= 5:
+        return tuple(_path([(s, list(ls)) for s, ls in zip(shapes, operands)], list(out)))
+    if len(operands) > 5:
+        return tuple(tuple(step) for step in opt_einsum.contract_path(expr, *shapes, shapes=True)[0])
+    return ((0, 1),) if len(operands) == 2 else ()
+
+
 def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict, samples: set = frozenset(),
             lowering: Lowering = EAGER) -> torch.Tensor:
     """Contract labelled tensors into ``out`` order along a cheap pairwise path."""
@@ -184,19 +198,18 @@ def _einsum(terms: list[tuple[torch.Tensor, list]], out: list, size: dict, sampl
     whole = lowering.einsum(terms, out, size)
     if whole is not None:
         return whole
-    if 2 < len(terms) <= 5:
-        path = _path([(tuple(t.shape), list(ls)) for t, ls in terms], out)
-    elif len(terms) > 5:
-        symbols: dict = {}
-        for _t, ls in terms:
-            for l in ls:
-                symbols.setdefault(l, opt_einsum.get_symbol(len(symbols)))
-        for l in out:
+    symbols: dict = {}
+    for _t, ls in terms:
+        for l in ls:
             symbols.setdefault(l, opt_einsum.get_symbol(len(symbols)))
-        expr = ",".join("".join(symbols[l] for l in ls) for _t, ls in terms) + "->" + "".join(symbols[l] for l in out)
-        path, _info = opt_einsum.contract_path(expr, *[tuple(t.shape) for t, _ls in terms], shapes=True)
-    else:
-        path = [(0, 1)] if len(terms) == 2 else []
+    for l in out:
+        symbols.setdefault(l, opt_einsum.get_symbol(len(symbols)))
+    expr = ",".join("".join(symbols[l] for l in ls) for _t, ls in terms) + "->" + "".join(symbols[l] for l in out)
+    shapes = tuple(tuple(t.shape) for t, _ls in terms)
+    try:
+        path = _path_of(expr, shapes)
+    except TypeError:  # (a symbolic size is no cache key)
+        path = _path_of.__wrapped__(expr, shapes)
     for step, (i, j) in enumerate(path):
         (x, xs), (y, ys) = terms[i], terms[j]
         rest = [terms[k] for k in range(len(terms)) if k not in (i, j)]
