@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, jacfwd, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -121,3 +123,34 @@ def shared_parameter_reference(model, names: list[str], args: tuple, order: int,
     in_dims = (0,) * n + (None,) * len(names)
     with sdpa_kernel(SDPBackend.MATH):  # (torch's fused attention kernels have no forward-mode rule)
         return vmap(blocks, in_dims=in_dims)(*args, *[params[k] for k in names])
+
+
+# --------------------------------------------------- model zoo (test_capture, test_jets)
+def _gru():
+    cell = nn.GRUCell(3, 4).double()
+    return lambda x: cell(x).sin().sum()
+
+
+def _lstm():
+    lstm = nn.LSTM(3, 4, num_layers=2).double()
+    return lambda x: lstm(x[None])[0].sin().sum()
+
+
+def _rnn():
+    rnn = nn.RNN(3, 4, nonlinearity="tanh").double()
+    return lambda x: rnn(x[None])[0].sin().sum()
+
+
+def _mlp():
+    net = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 2), nn.SiLU()).double()
+    return lambda x: net(x).sum()
+
+
+def _norms():  # group_norm's decomposition emits as_strided (of a contiguous value: a view)
+    ln, gn = nn.LayerNorm(3).double(), nn.GroupNorm(1, 3).double()
+    rms = nn.RMSNorm(3).double()
+    bn = nn.BatchNorm1d(3).double().eval()
+    return lambda x: (ln(x).sin() + gn(x).cos() + rms(x) * bn(x)).sum() + F.cosine_similarity(x, x.flip(0)).sum()
+
+
+ZOO = {"mlp": _mlp, "gru-cell": _gru, "lstm": _lstm, "rnn": _rnn, "norms": _norms}

@@ -6,8 +6,7 @@ fresh buffer); against nested torch.func or torch.autograd in float64."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from helpers import assert_close, check, rand
+from helpers import ZOO, assert_close, check, rand
 from torch.func import jacrev
 
 import hoad
@@ -15,37 +14,6 @@ from hoad.binding import bind_layout
 from hoad.passes.capture import _mutates, capture
 
 MODES = ["forward", "reverse"]
-
-
-# ------------------------------------------------------------------------------ model zoo
-def _gru():
-    cell = nn.GRUCell(3, 4).double()
-    return lambda x: cell(x).sin().sum()
-
-
-def _lstm():
-    lstm = nn.LSTM(3, 4, num_layers=2).double()
-    return lambda x: lstm(x[None])[0].sin().sum()
-
-
-def _rnn():
-    rnn = nn.RNN(3, 4, nonlinearity="tanh").double()
-    return lambda x: rnn(x[None])[0].sin().sum()
-
-
-def _mlp():
-    net = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 2), nn.SiLU()).double()
-    return lambda x: net(x).sum()
-
-
-def _norms():  # group_norm's decomposition emits as_strided (of a contiguous value: a view)
-    ln, gn = nn.LayerNorm(3).double(), nn.GroupNorm(1, 3).double()
-    rms = nn.RMSNorm(3).double()
-    bn = nn.BatchNorm1d(3).double().eval()
-    return lambda x: (ln(x).sin() + gn(x).cos() + rms(x) * bn(x)).sum() + F.cosine_similarity(x, x.flip(0)).sum()
-
-
-ZOO = {"mlp": _mlp, "gru-cell": _gru, "lstm": _lstm, "rnn": _rnn, "norms": _norms}
 
 
 def _in_place_ops(fn, x) -> set[str]:
