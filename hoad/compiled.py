@@ -39,9 +39,10 @@ from hoad.distributed import LocalCall, data_parallel_wrappers, enlist, fully_sh
 from hoad.errors import CaptureError, InvalidArgumentError
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body, tied_names, var_positional
 from hoad.options import GRAPH_BREAK, MAX_PROGRAMS, check_options, default_backend, parameters, plain_ints, wrt_entries
-from hoad.pipeline import BUILDS, Config, OperatorSpec, Sized, build, name_of
+from hoad.pipeline import Config, OperatorSpec, Sized, build, name_of
 from hoad.printing import ProgramView
 from hoad.rules import EDITS
+from hoad.tiers import BUILDS
 
 log = logging.getLogger(__name__)
 

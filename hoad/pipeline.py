@@ -7,11 +7,9 @@ stage and rewrite land in ``build.stats`` for :func:`hoad.explain`.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,15 +43,13 @@ from hoad.passes.program import OperatorInputs, Program
 from hoad.passes.prune import prune
 from hoad.passes.rewrite import calls, rewrite
 from hoad.passes.samples import keep_samples_apart
-from hoad.progress import COMPILE_THREAD, Progress
+from hoad.progress import Progress
 from hoad.rules import USER_OPS
 from hoad.source import locate
+from hoad.tiers import Tiered
 
 log = logging.getLogger(__name__)
 
-# Builds run one at a time in the process: tracing (make_fx) and Inductor keep process-wide state.
-# Reentrant: a program called inside another's trace builds inside that build.
-BUILDS = threading.RLock()
 
 
 @dataclass
@@ -471,93 +467,6 @@ def _compile(b: Build) -> Build:
             b.stats["inductor"] = {"seconds": b.main.seconds, "cache_hit": b.main.cache_hit}
     b.run = b.main if b.prefix is None else _WithPrefix(b.main, b.prefix, n_user)
     return b
-
-
-_EXITING = False
-_IN_FLIGHT: set[threading.Thread] = set()   # background compiles not yet over
-
-
-@atexit.register
-def _exiting() -> None:
-    """A process ends after its background compiles: a thread left inside Inductor's native code
-    while the interpreter tears down aborted the process ('terminate called without an active
-    exception', measured on examples/quickstart.py), and a finished compile is in the cache for
-    the next process."""
-    global _EXITING
-    left = [t for t in list(_IN_FLIGHT) if t.is_alive()]
-    if left:
-        log.warning("hoad: waiting for %d background compile%s to finish before the process ends (they fill "
-                    "Inductor's cache for the next run)", len(left), "s" if len(left) > 1 else "")
-    for t in left:
-        t.join()
-    _EXITING = True
-PATIENCE_S = 1.0  # how long a first call waits for a background compile before it runs eagerly
-
-
-class Tiered:
-    """A program that runs eagerly until its compiled twin is ready, then runs that.
-
-    The compile runs on a daemon thread holding :data:`BUILDS` (Inductor keeps process-wide
-    state), so the first calls return at once instead of after Inductor's 5-60 s; calls switch to
-    the compiled program as soon as it exists (one attribute swap: a call in flight finishes on the
-    eager program). A failed compile keeps the eager program, with a warning: a call never fails
-    for it. :meth:`wait` blocks until the compile is over."""
-
-    def __init__(self, eager: Callable, compile: Callable[[], Callable], label: str, stats: dict):
-        self.current, self.label, self.compiled = eager, label, None
-        self.done = threading.Event()
-        self._pending: tuple | None = (compile, stats)   # the compile starts at the first call
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Start the compile (once): at the first call, so a program only ever called under
-        autograd (whose own compiled twin serves those calls) is not compiled for nothing."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        self._start = time.perf_counter()
-        thread = threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True)
-        _IN_FLIGHT.add(thread)
-        thread.start()
-        # a compile that hits Inductor's cache is done in about a second: worth waiting for
-        if not self.done.wait(PATIENCE_S):
-            log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
-                     "for it instead)", self.label)
-
-    def _compile(self, compile: Callable[[], Callable], stats: dict) -> None:
-        try:
-            with BUILDS:
-                compiled = compile()
-        except Exception as e:  # noqa: BLE001 - the eager program goes on serving the calls
-            if not _EXITING:  # (an interpreter shutting down fails a compile in flight: no news)
-                log.warning("hoad: %s stays eager: %s", self.label, e)
-        else:
-            self.compiled = self.current = compiled
-            if hasattr(compiled, "cache_hit"):
-                stats["inductor"] = {"seconds": compiled.seconds, "cache_hit": compiled.cache_hit}
-            log.info("hoad: %s is compiled (%.1f s after its build); calls now run the compiled program",
-                     self.label, time.perf_counter() - self._start)
-        finally:
-            self.done.set()
-            _IN_FLIGHT.discard(threading.current_thread())
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Start the compile if it has not started, and block until it is over (True) or
-        ``timeout`` seconds have passed (False)."""
-        self.start()
-        return self.done.wait(timeout)
-
-    def __call__(self, *tensors):
-        if self._pending is not None:
-            self.start()
-        return self.current(*tensors)
-
-    def __getattr__(self, name: str):  # (a compiled program's attributes, once it exists: graphs, ...)
-        compiled = self.__dict__.get("compiled")
-        if compiled is None:
-            raise AttributeError(name)
-        return getattr(compiled, name)
 
 
 def count_dependence(b: Build, count: int) -> str | None:

@@ -36,8 +36,9 @@ from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache
 from hoad.passes.compile import eager_program, symbolic_inputs
 from hoad.passes.graph import written_inputs
 from hoad.passes.lower import OrientProducts
-from hoad.pipeline import BUILDS, Tiered, in_background
+from hoad.pipeline import in_background
 from hoad.progress import Progress
+from hoad.tiers import BUILDS, Tiered
 
 log = logging.getLogger("hoad")
 aten = torch.ops.aten
