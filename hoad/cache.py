@@ -372,3 +372,50 @@ def _filled(cell) -> bool:
     except ValueError:  # (an empty cell)
         return False
     return True
+
+
+def arguments_changed(cf, key, args: tuple, kwargs: dict) -> str:
+    """The arguments that set this call of the compiled callable ``cf`` apart from the cached call
+    nearest to it (the fewest leaves differing, in the same structure), as ``k=0.7 (was 0.5)``, or
+    "" where none is near."""
+    if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
+        return ""
+    full = [k for k in cf._cache if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
+            and k[2:] == key[2:]]
+    alike = [k for k in full if k[0] == key[0] and len(k[1]) == len(key[1])]
+    if not alike:  # the arguments are arranged otherwise: both calls, as written
+        return (f"({_written(cf, key)}), where it was called with ({_written(cf, full[-1])})"
+                if full else "")
+    differing = lambda k: [i for i, (a, b) in enumerate(zip(k[1], key[1])) if not same_key(a, b)]  # noqa: E731
+    nearest = min(alike, key=lambda k: len(differing(k)))
+    paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+    state = cf.module is not None  # (args[0] is then the module's state)
+    changes = [f"{_leaf_name(cf, paths[i], state)}={shown_leaf(key[1][i])} (was {shown_leaf(nearest[1][i])})"
+               for i in differing(nearest)]
+    if not changes:
+        return ""
+    scalars = [i for i in differing(nearest) if key[1][i][0] == "S"]
+    advice = (" (a Python number is part of the program it is traced into: pass one that changes between calls "
+              "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
+    return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
+
+def _written(cf, key) -> str:
+    """The call a cache key stands for: ``x=tensor (3,) float64, k=0.5; by keyword scale=2.0``."""
+    args, kwargs = pytree.tree_unflatten(list(key[1]), key[0])
+    state = cf.module is not None
+    shown = lambda v: shown_leaf(v) if isinstance(v, tuple) and v and v[0] in ("T", "S") else "…"  # noqa: E731
+    parts = [f"{_leaf_name(cf, (pytree.SequenceKey(0), pytree.SequenceKey(i)), state)}={shown(a)}"
+             for i, a in enumerate(args) if i >= state]
+    keywords = ", ".join(f"{name}={shown(v)}" for name, v in kwargs.items())
+    return ", ".join(parts) + (f"; by keyword {keywords}" if keywords else "")
+
+def _leaf_name(cf, path: tuple, state: bool) -> str:
+    """A leaf of (args, kwargs) as the user wrote it: ``k``, ``x``, ``batch['u']``."""
+    where, rest = path[0].idx, path[2:]
+    if where == 1:  # a keyword
+        return f"{path[1].key}{pytree.keystr(rest)}"
+    i = path[1].idx - state
+    if i < 0:
+        return f"the module state{pytree.keystr(rest)}"
+    name = cf._positional[i] if i < len(cf._positional) else f"argument {i}"
+    return f"{name}{pytree.keystr(rest)}"

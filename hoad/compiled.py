@@ -25,11 +25,10 @@ from hoad.cache import (
     Entry,
     Family,
     ambient,
+    arguments_changed,
     is_nested,
     leaf_key,
     note_a_new_object,
-    same_key,
-    shown_leaf,
     stand_in,
     what_changed,
 )
@@ -188,12 +187,30 @@ class Compiled(Rebuilt):
         return self._call_entry(*args, **kwargs)[0]
 
     def _call_entry(self, *args, **kwargs) -> tuple[Derivatives, Entry]:
-        """The call's results and the program that computed them."""
+        """The call's results and the program that computed them: key -> cache -> build -> run."""
+        nested = self._check_call(args, kwargs)
+        transformed = torch._C._functorch.peek_interpreter_stack() is not None  # under torch.func.grad, vmap
+        if not nested and not transformed:
+            hit = self._fast_hit(args, kwargs)
+            if hit is not None:
+                return hit
+        args, leaves, treedef, extra, key, config = self._key(args, kwargs, nested, transformed)
+        entry = self._cache.get(key)
+        free = entry.read_free() if entry is not None else None
+        if free is None:
+            entry, free = self._build(key, args, kwargs, leaves, treedef, extra, config, nested)
+        if not nested:
+            self._last = entry
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        return entry.result(tensors, free), entry
+
+    def _check_call(self, args: tuple, kwargs: dict) -> bool:
+        """Refuse what no program takes, drop the programs built before a rule was registered or
+        removed; whether the call is inside another hoad program's trace."""
         if self._method:
             raise InvalidArgumentError(
                 f"{getattr(self.fn, '__name__', 'this function')} takes `self`: decorate a method of a class and "
                 "call it on an instance (m.method(x)), or pass a bound method or a module to hoad.compile")
-        nested = get_proxy_mode() is not None  # inside another hoad.compile's trace
         if self._edits != EDITS[0]:  # a rule was registered or removed: every program may change
             with BUILDS:  # (not while another thread builds into these tables)
                 if self._cache:
@@ -212,22 +229,28 @@ class Compiled(Rebuilt):
                                                "(torch.nested.to_padded_tensor) or call once per component")
                 raise InvalidArgumentError(f"input {name!r} is a {str(a.layout).removeprefix('torch.')} tensor; hoad "
                                            "traces dense (strided) tensors: pass t.to_dense()")
-        transformed = torch._C._functorch.peek_interpreter_stack() is not None  # under torch.func.grad, vmap
-        if (not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args)
-                and all(type(v) is torch.Tensor for v in kwargs.values())):
-            # fast path: tensors only, no pytree needed (~20 us per call less); keyword ones are
-            # leaves after the positional ones in the order given, as pytree flattens them
-            key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)
-            if kwargs:
-                key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
-            entry = self._cache.get(key)
-            if entry is not None:
-                free = entry.read_free()
-                if free is not None:
-                    self._last = entry
-                    return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
-        else:
-            key = None
+        return get_proxy_mode() is not None  # inside another hoad.compile's trace
+
+    def _fast_hit(self, args: tuple, kwargs: dict) -> tuple[Derivatives, Entry] | None:
+        """A call of tensors only whose program is cached and current, keyed without a pytree
+        (~20 us per call less): keyword tensors are leaves after the positional ones in the
+        order given, as pytree flattens them."""
+        if self.module is not None or not all(type(a) is torch.Tensor for a in args) or \
+                not all(type(v) is torch.Tensor for v in kwargs.values()):
+            return None
+        key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)
+        if kwargs:
+            key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
+        entry = self._cache.get(key)
+        free = entry.read_free() if entry is not None else None
+        if free is None:
+            return None
+        self._last = entry
+        return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
+
+    def _key(self, args: tuple, kwargs: dict, nested: bool, transformed: bool) -> tuple:
+        """The call's leaves (the module's state first), its cache key and the config to build it
+        with: ``(args, leaves, treedef, extra, key, config)``."""
         extra: tuple = ()
         if self.module is not None:
             args = (self._state(),) + args
@@ -235,7 +258,13 @@ class Compiled(Rebuilt):
             if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
                 extra += (self._expanded_wrt(),)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
-        key = key or (treedef, tuple(leaf_key(leaf) for leaf in leaves), extra, ambient())
+        if not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args) \
+                and all(type(v) is torch.Tensor for v in kwargs.values()):
+            key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)  # (as _fast_hit keys it)
+            if kwargs:
+                key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
+        else:
+            key = (treedef, tuple(leaf_key(leaf) for leaf in leaves), extra, ambient())
         config = self.config
         if transformed and not nested and config.backend != "eager":
             # compiled kernels take plain tensors and hoad's kernels have no functorch rules: the
@@ -246,47 +275,49 @@ class Compiled(Rebuilt):
             # the outer program differentiates this program's ops: an eager twin made for it
             config = dataclasses.replace(config, backend="eager", nestable=True)
             key = ("nested", key)
-        entry = self._cache.get(key)
-        free = entry.read_free() if entry is not None else None
-        if free is None:
-            with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
-                entry = self._cache.get(key)  # another thread may have built it meanwhile
-                free = entry.read_free() if entry is not None else None
-                if free is None and entry is not None:
-                    twin = self._twins.get((key, entry.values_now()))
-                    free = twin.read_free() if twin is not None else None
-                    if free is not None:  # built before for these Python values (train/eval, say)
-                        entry = self._cache[key] = twin
-                    else:
-                        self._forget(entry)
-                if free is None:
-                    family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
-                    entry = family.entry if family is not None and family.entry is not None else None
-                    if entry is not None:  # one program for every number of samples
-                        entry.check_samples(family.samples(leaves))
-                        self._keep(key, entry)
-                    else:
-                        if family is not None and family.first is not None and family.tried is None:
-                            config = dataclasses.replace(config, sized=family.first)
-                        entry = self._new_signature(key, args, kwargs, config, nested,
-                                                    family.tried if family is not None else None)
-                        if not nested and config.batch_dim is not None:
-                            self._remember(treedef, leaves, extra, entry, config.sized is not None)
-                    self._twins[(key, entry.values)] = entry
-                    while len(self._twins) > MAX_PROGRAMS:
-                        del self._twins[next(iter(self._twins))]
-                    free = entry.read_free()
-                    if free is None:
-                        raise InvalidArgumentError(
-                            f"{name_of(self.fn)}: {entry.why} between the trace and the check that follows it: "
-                            "the program keeps what the trace read, and a value that is not the same at two reads "
-                            "in a row (a property computed anew at each read, a counter, another thread's writes) "
-                            "cannot be checked at later calls. Keep such a value in a tensor (read afresh at "
-                            "every call) or compute it once before the first call")
-        if not nested:
-            self._last = entry
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        return entry.result(tensors, free), entry
+        return args, leaves, treedef, extra, key, config
+
+    def _build(self, key, args: tuple, kwargs: dict, leaves: list, treedef, extra: tuple, config: Config,
+               nested: bool) -> tuple[Entry, list]:
+        """The program for ``key`` and the free tensors it reads now, under :data:`BUILDS`: one
+        another thread built meanwhile, a twin built for these Python values, the program of the
+        call's family (every number of samples), or a new build."""
+        with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
+            entry = self._cache.get(key)  # another thread may have built it meanwhile
+            free = entry.read_free() if entry is not None else None
+            if free is not None:
+                return entry, free
+            if entry is not None:
+                twin = self._twins.get((key, entry.values_now()))
+                free = twin.read_free() if twin is not None else None
+                if free is not None:  # built before for these Python values (train/eval, say)
+                    self._cache[key] = twin
+                    return twin, free
+                self._forget(entry)
+            family = None if nested or config.batch_dim is None else self._family(treedef, leaves, extra)
+            entry = family.entry if family is not None and family.entry is not None else None
+            if entry is not None:  # one program for every number of samples
+                entry.check_samples(family.samples(leaves))
+                self._keep(key, entry)
+            else:
+                if family is not None and family.first is not None and family.tried is None:
+                    config = dataclasses.replace(config, sized=family.first)
+                entry = self._new_signature(key, args, kwargs, config, nested,
+                                            family.tried if family is not None else None)
+                if not nested and config.batch_dim is not None:
+                    self._remember(treedef, leaves, extra, entry, config.sized is not None)
+            self._twins[(key, entry.values)] = entry
+            while len(self._twins) > MAX_PROGRAMS:
+                del self._twins[next(iter(self._twins))]
+            free = entry.read_free()
+            if free is None:
+                raise InvalidArgumentError(
+                    f"{name_of(self.fn)}: {entry.why} between the trace and the check that follows it: "
+                    "the program keeps what the trace read, and a value that is not the same at two reads "
+                    "in a row (a property computed anew at each read, a counter, another thread's writes) "
+                    "cannot be checked at later calls. Keep such a value in a tensor (read afresh at "
+                    "every call) or compute it once before the first call")
+            return entry, free
 
     def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool,
                        per_count: str | None = None) -> Entry:
@@ -303,7 +334,7 @@ class Compiled(Rebuilt):
         elif not nested and any(not is_nested(k) for k in self._cache):
             level = logging.WARNING if self.config.backend == "inductor" else logging.INFO
             why = what_changed(key, [k for k in self._cache if not is_nested(k)])
-            changed = "" if why else self._arguments_changed(key, args, kwargs)
+            changed = "" if why else arguments_changed(self, key, args, kwargs)
             if why:
                 log.log(level, "hoad: %s called after %s; compiling program %d for it (kept: changing it back "
                                "compiles nothing).", name, why, len(self._cache) + 1)
@@ -337,51 +368,6 @@ class Compiled(Rebuilt):
             note_a_new_object(self, key, entry)
         self._keep(key, entry)
         return entry
-
-    def _arguments_changed(self, key, args: tuple, kwargs: dict) -> str:
-        """The arguments that set this call apart from the cached call nearest to it (the fewest
-        leaves differing, in the same structure), as ``k=0.7 (was 0.5)``, or "" where none is near."""
-        if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
-            return ""
-        full = [k for k in self._cache if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
-                and k[2:] == key[2:]]
-        alike = [k for k in full if k[0] == key[0] and len(k[1]) == len(key[1])]
-        if not alike:  # the arguments are arranged otherwise: both calls, as written
-            return (f"({self._written(key)}), where it was called with ({self._written(full[-1])})"
-                    if full else "")
-        differing = lambda k: [i for i, (a, b) in enumerate(zip(k[1], key[1])) if not same_key(a, b)]  # noqa: E731
-        nearest = min(alike, key=lambda k: len(differing(k)))
-        paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
-        state = self.module is not None  # (args[0] is then the module's state)
-        changes = [f"{self._leaf_name(paths[i], state)}={shown_leaf(key[1][i])} (was {shown_leaf(nearest[1][i])})"
-                   for i in differing(nearest)]
-        if not changes:
-            return ""
-        scalars = [i for i in differing(nearest) if key[1][i][0] == "S"]
-        advice = (" (a Python number is part of the program it is traced into: pass one that changes between calls "
-                  "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
-        return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
-
-    def _written(self, key) -> str:
-        """The call a cache key stands for: ``x=tensor (3,) float64, k=0.5; by keyword scale=2.0``."""
-        args, kwargs = pytree.tree_unflatten(list(key[1]), key[0])
-        state = self.module is not None
-        shown = lambda v: shown_leaf(v) if isinstance(v, tuple) and v and v[0] in ("T", "S") else "…"  # noqa: E731
-        parts = [f"{self._leaf_name((pytree.SequenceKey(0), pytree.SequenceKey(i)), state)}={shown(a)}"
-                 for i, a in enumerate(args) if i >= state]
-        keywords = ", ".join(f"{name}={shown(v)}" for name, v in kwargs.items())
-        return ", ".join(parts) + (f"; by keyword {keywords}" if keywords else "")
-
-    def _leaf_name(self, path: tuple, state: bool) -> str:
-        """A leaf of (args, kwargs) as the user wrote it: ``k``, ``x``, ``batch['u']``."""
-        where, rest = path[0].idx, path[2:]
-        if where == 1:  # a keyword
-            return f"{path[1].key}{pytree.keystr(rest)}"
-        i = path[1].idx - state
-        if i < 0:
-            return f"the module state{pytree.keystr(rest)}"
-        name = self._positional[i] if i < len(self._positional) else f"argument {i}"
-        return f"{name}{pytree.keystr(rest)}"
 
     def _forget(self, entry: Entry) -> None:
         """Drop a program whose free tensors or Python values changed (every key it serves, and
