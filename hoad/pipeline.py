@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from hoad.algebra import EAGER, Target
 from hoad.algebra.multiindex import key_name
@@ -530,7 +531,9 @@ PIPELINE: tuple[tuple[str, Callable[[Build], Build], tuple[str, ...]], ...] = (
 def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt_leaves: list[int], config: Config,
           roots: dict | None = None) -> Build:
     b = Build(fn, layout, tensors, wrt_leaves, config, roots=dict(roots or {"fn": fn}))
-    with Progress(f"{name_of(fn)}'s order-{config.order} program") as progress:
+    # (graph modules regenerate their Python code when first run or read, not at every rewrite's
+    # recompile(): 14 code generations a build were a fifth of it)
+    with Progress(f"{name_of(fn)}'s order-{config.order} program") as progress, _use_lazy_graph_module(True):
         for name, stage, _rewrites in PIPELINE:
             progress.stage(name)
             start = time.perf_counter()
