@@ -83,7 +83,10 @@ def first_call() -> dict:
     seconds = time.perf_counter() - start
     check = compare(answer, reference(p))
     return {"status": "ok" if check.ok else "WRONG", "seconds": seconds, "config": hoad_config(cf, option),
-            "error": check.error, "note": check.note, "cache": hoad.cache_dir()}
+            "error": check.error, "note": check.note,
+            # (whether the cache was the temporary empty one, not its path: no machine paths in results)
+            "cache": "temporary" if os.path.basename(os.path.dirname(hoad.cache_dir())).startswith("hoad-cache-")
+            else "given"}
 
 
 def step_memory(workload_id: str, way_name: str, dtype_name: str) -> dict:
