@@ -399,6 +399,7 @@ def arguments_changed(cf, key, args: tuple, kwargs: dict) -> str:
               "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
     return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
 
+
 def _written(cf, key) -> str:
     """The call a cache key stands for: ``x=tensor (3,) float64, k=0.5; by keyword scale=2.0``."""
     args, kwargs = pytree.tree_unflatten(list(key[1]), key[0])
@@ -408,6 +409,7 @@ def _written(cf, key) -> str:
              for i, a in enumerate(args) if i >= state]
     keywords = ", ".join(f"{name}={shown(v)}" for name, v in kwargs.items())
     return ", ".join(parts) + (f"; by keyword {keywords}" if keywords else "")
+
 
 def _leaf_name(cf, path: tuple, state: bool) -> str:
     """A leaf of (args, kwargs) as the user wrote it: ``k``, ``x``, ``batch['u']``."""

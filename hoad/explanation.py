@@ -77,14 +77,16 @@ class Explanation:
                 nodes = st.get("nodes")
                 if nodes is None:  # Inductor's compile: no ATen graph of its own
                     nodes = "(kernels from the cache)" if st.get("cache_hit") else "(kernels compiled)"
-                elif isinstance(nodes, dict):
-                    nodes = ", ".join(f"{d}: {n}" for d, n in nodes.items())
-                stages.append([name, f"{st['seconds'] * 1e3:.1f} ms", nodes])
+                stages.append([name, f"{st['seconds'] * 1e3:.1f} ms", _per_candidate(nodes)])
                 stages += [[f"· {sub}" + ("" if s["changed"] else " (no change)"), f"{s['seconds'] * 1e3:.1f} ms",
-                            ", ".join(f"{d}: {n}" for d, n in s["nodes"].items()) if isinstance(s["nodes"], dict)
-                            else s["nodes"]] for sub, s in st.get("rewrites", {}).items()]
+                            _per_candidate(s["nodes"])] for sub, s in st.get("rewrites", {}).items()]
         lines += ["", tabulate(stages, headers=["stage", "time", "ATen calls after"])]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _per_candidate(nodes):
+    """A node count, or one per candidate program (``forward: 12, reverse: 14``)."""
+    return ", ".join(f"{d}: {n}" for d, n in nodes.items()) if isinstance(nodes, dict) else nodes

@@ -36,7 +36,6 @@ from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import differentiate
 from hoad.passes.dynamic import difference, generalize
-from hoad.passes.graph import written_inputs
 from hoad.passes.hoist import Prefix, hoist
 from hoad.passes.lower import fuse_jet_squares, lower_products, sink_permutes
 from hoad.passes.memory import memory_plan
@@ -50,7 +49,6 @@ from hoad.source import locate
 from hoad.tiers import Tiered
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -148,7 +146,7 @@ class Build:
     sample_leaves: list[int] = field(default_factory=list)
     # what the API reads at call time, so that it walks no graph: the inputs the program writes
     # into (in place), user ops of hoad.extend in it, the plan against the memory budget
-    written: list[int] = field(default_factory=list)
+    written: set[int] = field(default_factory=set)
     user_ops: list = field(default_factory=list)
     budget: Budget | None = None
     stats: dict = field(default_factory=dict)
@@ -181,7 +179,7 @@ def _capture(b: Build) -> Build:
         b.captured = capture(b.fn, b.layout, b.tensors, b.wrt_leaves, name_free=name_free,
                              batched=b.config.batch_dim is not None, stats=rewrites)
     b.tensors = list(b.tensors) + b.captured.free
-    b.written = written_inputs(b.captured.gm)
+    b.written = b.captured.written
     b.user_ops = list(dict.fromkeys(n.target for n in b.captured.gm.graph.nodes if n.target in USER_OPS))
     _check_stores(b, rebound)
     if b.config.batch_dim is not None:

@@ -98,6 +98,8 @@ class Captured:
     ddp: list = field(default_factory=list)
     # a function returning several tensors: the program returns them joined (OutputTree)
     out_tree: OutputTree | None = None
+    # positions of the inputs the program writes into (copy_: a running statistic)
+    written: set[int] = field(default_factory=set)
 
     def samples(self, batch_dim: int | None) -> int | None:
         """The number of samples under ``batch_dim`` where there are several (the count the
@@ -198,7 +200,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
         node._rename(name)
         node.target = name
     gm.recompile()
-    written = {id(free[i - len(fresh)]) for i in written_inputs(gm) if i >= len(fresh)}
+    writes = written_inputs(gm)
+    written = {id(free[i - len(fresh)]) for i in writes if i >= len(fresh)}
     for t, _value in state.value_reads:
         if id(t) in written:  # read after the function's own update: no value before a call tells it
             raise CaptureError(
@@ -207,7 +210,8 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 "BatchNorm(momentum=None) does in training mode with num_batches_tracked); the program would keep "
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
     return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=state.strided_reads > 0,
-                    values=list(state.value_reads), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None)
+                    values=list(state.value_reads), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None,
+                    written=writes)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:
