@@ -44,8 +44,10 @@ everything else here is layout.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
+import platform
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -347,8 +349,39 @@ def safe_tiling():
         TilingSelect.select_tiling = stock
 
 
+# ------------------------------------------------------------------------------ ISA probes
+@contextlib.contextmanager
+def remembered_isa_probes():
+    """Inductor's first CPU compile in a process checks each vector ISA the CPU has by building a
+    tiny library once (cached, under a name keyed by compiler, flags and torch version) and then,
+    in every process, loading it in a child Python: six children, 1.3 s of a warm-cache first call
+    (an order-3 MLP's program loaded from the cache in 2.4 s, 1.3 of it these probes). A load
+    that succeeded is remembered beside the library, per machine, and not tried again; a failed
+    one is tried every time, as before. The compiled programs and their cache keys are unchanged."""
+    from torch._inductor import cpu_vec_isa
+
+    stock = cpu_vec_isa.VecISA._probe_load
+
+    def probe_load(self, output_path: str) -> bool:
+        loaded = f"{output_path}.loads-on-{hashlib.sha256(platform.node().encode()).hexdigest()[:12]}"
+        if os.path.exists(loaded):
+            return True
+        ok = stock(self, output_path)
+        if ok:
+            with contextlib.suppress(OSError):  # (a read-only cache probes again next time)
+                open(loaded, "w").close()
+        return ok
+
+    cpu_vec_isa.VecISA._probe_load = probe_load
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA._probe_load = stock
+
+
 @contextlib.contextmanager
 def hoad_inductor():
-    """Inductor as every compile of hoad's runs it: :func:`cephes_tanh` and :func:`safe_tiling`."""
-    with cephes_tanh(), safe_tiling():
+    """Inductor as every compile of hoad's runs it: :func:`cephes_tanh`, :func:`safe_tiling` and
+    :func:`remembered_isa_probes`."""
+    with cephes_tanh(), safe_tiling(), remembered_isa_probes():
         yield
