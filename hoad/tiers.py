@@ -5,6 +5,7 @@ state)."""
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import threading
 import time
@@ -23,23 +24,48 @@ _EXITING = False
 _IN_FLIGHT: set[threading.Thread] = set()   # background compiles not yet over
 
 
-@atexit.register
+class _Abandoned(BaseException):
+    """Raised inside a background compile whose wait at exit the user interrupted (Ctrl-C)."""
+
+
 def _exiting() -> None:
     """A process ends after its background compiles: a thread left inside Inductor's native code
     while the interpreter tears down aborted the process ('terminate called without an active
     exception', measured on examples/quickstart.py), and a finished compile is in the cache for
-    the next process."""
+    the next process. Ctrl-C during the wait abandons the compiles: each stops at its next Python
+    line (:class:`_Abandoned`), within seconds, and the process ends cleanly.
+
+    This runs among threading's own exit calls, before concurrent.futures refuses new work:
+    waiting later, from an atexit handler, let every compile in flight fail with "cannot schedule
+    new futures after interpreter shutdown" (Inductor submits to its pools), so the process waited
+    for nothing and the next one started cold."""
     global _EXITING
     left = [t for t in list(_IN_FLIGHT) if t.is_alive()]
     if left:
-        log.warning("hoad: waiting for %d background compile%s to finish before the process ends (they fill "
-                    "Inductor's cache for the next run)", len(left), "s" if len(left) > 1 else "")
-    for t in left:
-        t.join()
+        log.warning("hoad: finishing %d background compile%s before the process ends, so that the next run "
+                    "finds %s in Inductor's cache (Ctrl-C abandons %s)", len(left), "s" if len(left) > 1 else "",
+                    "them" if len(left) > 1 else "it", "them" if len(left) > 1 else "it")
+    try:
+        for t in left:
+            t.join()
+    except KeyboardInterrupt:
+        _EXITING = True
+        log.warning("hoad: background compile abandoned; the next run compiles again")
+        for t in left:
+            if t.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_Abandoned))
+        for t in left:
+            t.join(60)
     _EXITING = True
 
 
-PATIENCE_S = 1.0  # how long a first call waits for a background compile before it runs eagerly
+# threading runs these exit calls last-registered first: importing the executors' modules now
+# puts their shutdown (registered at their import) after this wait.
+import concurrent.futures.process  # noqa: E402,F401
+import concurrent.futures.thread  # noqa: E402,F401
+
+threading._register_atexit(_exiting)  # (CPython's hook for exactly this: the executors use it)
+atexit.register(_exiting)  # (a no-op by then, unless threading's hook did not run)
 
 
 class Tiered:
@@ -68,15 +94,17 @@ class Tiered:
         thread = threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True)
         _IN_FLIGHT.add(thread)
         thread.start()
-        # a compile that hits Inductor's cache is done in about a second: worth waiting for
-        if not self.done.wait(PATIENCE_S):
-            log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
+        # no wait for it, even from a warm cache: loading a compiled program takes 1-2 s (an order-3
+        # MLP's 1.15 s, a training program's 2 s), which an eager first call never costs
+        log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
                      "for it instead)", self.label)
 
     def _compile(self, compile: Callable[[], Callable], stats: dict) -> None:
         try:
             with BUILDS:
                 compiled = compile()
+        except _Abandoned:
+            return
         except Exception as e:  # noqa: BLE001 - the eager program goes on serving the calls
             if not _EXITING:  # (an interpreter shutting down fails a compile in flight: no news)
                 log.warning("hoad: %s stays eager: %s", self.label, e)

@@ -155,3 +155,67 @@ def test_a_first_kernel_build_runs_beside_the_programs(monkeypatch):
     release.set()
     assert kernels.wait_for_build(30)
     assert started and kernels.avx2_available() is True
+
+
+_EXIT_SCRIPT = r'''
+import logging
+import torch
+import hoad
+logging.basicConfig(level=logging.INFO)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+lap = hoad.laplacian(lambda X: net(X).squeeze(-1), batch_dim=0, backend="inductor")
+lap(torch.rand(16, 2, dtype=torch.float64)).laplacian.sum().backward()
+print("FIRST STEP DONE", flush=True)
+'''
+
+
+def test_a_process_ends_after_its_background_compile_is_over(tmp_path):
+    """A training script whose work ends while Inductor still compiles its AOTAutograd program
+    waits for the compile at exit, and the compile finishes there, filling the cache for the next
+    process. (Waiting from an atexit handler, after concurrent.futures had shut its executors,
+    failed the compile in flight: "cannot schedule new futures after interpreter shutdown".)"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HOAD_CACHE_DIR=str(tmp_path), HOAD_DGEMM="0", OMP_NUM_THREADS="1",
+               HOAD_COMPILE="background")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "FIRST STEP DONE" in done.stdout, done.stderr[-3000:]
+    err = done.stderr
+    assert "finishing 1 background compile" in err, err[-3000:]
+    assert "for autograd is compiled" in err and "stays eager" not in err, err[-3000:]
+
+
+def test_ctrl_c_at_exit_abandons_the_background_compile_cleanly(tmp_path):
+    """Ctrl-C during the exit wait stops the compile at its next Python line: the process ends
+    within seconds, with status 0 and no abort from a thread left inside Inductor."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, HOAD_CACHE_DIR=str(tmp_path), HOAD_DGEMM="0", OMP_NUM_THREADS="1",
+               HOAD_COMPILE="background")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    child = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in child.stderr:
+        seen.append(line)
+        if "finishing 1 background compile" in line:
+            interrupted = time.perf_counter()
+            child.send_signal(signal.SIGINT)
+            break
+    else:
+        child.wait(60)
+        pytest.fail("the process ended without waiting for its compile:\n" + "".join(seen)[-3000:])
+    out, err = child.communicate(timeout=120)
+    waited = time.perf_counter() - interrupted
+    assert child.returncode == 0 and "FIRST STEP DONE" in out, err[-3000:]
+    assert "background compile abandoned" in err and "terminate called" not in err, err[-3000:]
+    assert waited < 60, f"the process took {waited:.0f} s to end after Ctrl-C"
