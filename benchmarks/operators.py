@@ -454,7 +454,8 @@ def _folx_operator(p: OperatorProblem):
 def load_jet():
     """Import torch-jet (jet-for-pytorch). It declares Python >= 3.12 for one PEP 695 statement,
     ``type PyTree[Leaf] = ...`` in jet/utils.py; on an older Python that module is compiled with
-    the statement replaced by an equivalent ``typing.Union`` alias (in memory, nothing is written)."""
+    the statement replaced by an equivalent ``typing.Union`` alias (in memory, nothing is written);
+    a torch-jet without the statement (its trees before 1.0.0) is imported as it is."""
     if sys.version_info >= (3, 12) or "jet.utils" in sys.modules:
         import jet
 
@@ -471,7 +472,7 @@ def load_jet():
             path = self.get_filename(fullname)
             source = self.get_data(path).decode("utf-8")
             source, count = re.subn(r"^type PyTree\[Leaf\] = \(.*?^\)\n", alias, source, flags=re.S | re.M)
-            if count != 1:
+            if count != 1 and re.search(r"^type \w", source, flags=re.M):
                 raise ImportError(f"torch-jet's {path} no longer has the PyTree alias this loader rewrites "
                                   "for Python < 3.12")
             return compile(source, path, "exec", dont_inherit=True)

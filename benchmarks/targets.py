@@ -444,6 +444,7 @@ class FromWorkloads:
 OPERATOR_IDS = tuple(w.id for w in workloads.OPERATOR_WORKLOADS)
 TRAIN_IDS = tuple(w.id for w in workloads.TRAIN_WORKLOADS)
 SHARED_PARAM_IDS = tuple(w.id for w in workloads.WORKLOADS if w.id.startswith("per-sample-params/"))
+JET_IDS = tuple(w.id for w in workloads.JET_WORKLOADS)
 
 
 def _train_lines(records: dict[str, dict | None], ids: tuple[str, ...]) -> list[Measured]:
@@ -506,6 +507,11 @@ TARGETS: list[Target] = [
                               "faster of vmap(grad|hessian) and torch.compile of it",
                               Goal(1 if i.endswith("/grad") else 0.5)) for i in SHARED_PARAM_IDS),
            FromWorkloads(baselines=("torch.func", "torch.compile")), workloads=SHARED_PARAM_IDS),
+    # every column but hoad's: torch-jet eager and compiled, and folx where it has the operator
+    Target(18, 44, tuple(Line(f"{workloads.get(i).label} (inductor, batch_dim=0)",
+                              "faster of torch-jet, torch-jet compiled" + (", folx" if "laplacian" in i else ""),
+                              Goal(0.5)) for i in JET_IDS),
+           FromWorkloads(), workloads=JET_IDS),
 ]
 
 

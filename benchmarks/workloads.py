@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks import operators, shared_params
+from benchmarks import jets, operators, shared_params
 
 DT = torch.float64
 
@@ -329,6 +329,7 @@ WORKLOADS: list[Workload] = [
     *(OPERATOR_WORKLOADS := _operator_workloads()),
     *(TRAIN_WORKLOADS := _train_workloads()),
     *shared_params.workloads(Workload),
+    *(JET_WORKLOADS := jets.workloads(Workload)),
 ]
 
 
