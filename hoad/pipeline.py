@@ -31,7 +31,7 @@ from hoad.lowering.kernels import in_background
 from hoad.passes import clean, over_reverse
 from hoad.passes.capture import REWRITES, Captured, capture
 from hoad.passes.clean import fold_broadcasts, own_outputs
-from hoad.passes.compile import compile_program, eager_program
+from hoad.passes.compile import cache_job, compile_program, eager_program
 from hoad.passes.cost import estimate
 from hoad.passes.decompositions import decomposition_table
 from hoad.passes.differentiate import differentiate
@@ -458,8 +458,10 @@ def _compile(b: Build) -> Build:
     _name_outputs(p)
     examples = dense + list(hoisted)
     if b.config.backend == "inductor" and in_background() and cpu_codegen_problem(examples) is None:
-        b.main = Tiered(eager_program(p.gm), lambda: compile_program(p, "inductor", examples, samples),
-                        f"{name_of(b.fn)}'s order-{p.order} program", b.stats)
+        label = f"{name_of(b.fn)}'s order-{p.order} program"
+        b.main = Tiered(eager_program(p.gm), lambda: compile_program(p, "inductor", examples, samples), label,
+                        b.stats, job=lambda: cache_job(p.gm, examples, f"the order-{p.order} {p.direction} program",
+                                                       samples))
     else:
         b.main = compile_program(p, b.config.backend, example_inputs=examples, samples=samples)
         if hasattr(b.main, "cache_hit"):

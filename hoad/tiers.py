@@ -1,12 +1,26 @@
-"""Tiered execution: a program runs eagerly until its Inductor twin, compiled on a background
-thread, is ready; and the one lock every build holds (make_fx and Inductor keep process-wide
-state)."""
+"""Tiered execution: a program runs eagerly until its Inductor twin, compiled in the background,
+is ready; and the one lock every build holds (make_fx and Inductor keep process-wide state).
+
+A background compile runs Inductor twice: first in a process of its own (``python -m
+hoad.warm``), which fills Inductor's on-disk cache, then in this process, where the same compile
+is a cache hit (1-2 s). The user's work keeps this process's interpreter to itself meanwhile:
+compiling on a thread here, a PINN's eager training steps ran at 5-9 ms instead of 2.5 (the
+compile holds the interpreter lock for most of its 10-20 s, and took longer for sharing it). And a
+process whose work ends first does not wait: the child finishes on its own and the next run finds
+the program in the cache.
+"""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +35,16 @@ BUILDS = threading.RLock()
 
 
 _EXITING = False
-_IN_FLIGHT: set[threading.Thread] = set()   # background compiles not yet over
+_EXIT = threading.Event()   # set as the process ends: a compile not yet in this process never starts here
+_REGISTRY = threading.Lock()  # orders _EXIT against a compile entering _IN_FLIGHT
+_IN_FLIGHT: set[threading.Thread] = set()   # compiles running in this process
+_CHILDREN: dict[subprocess.Popen, str] = {}   # compiles running in a process of their own, with labels
+
+# A background compile runs Inductor in a child first (False: only in this process, as the tests
+# of the exit wait need). A compile whose program does not pickle, or whose child fails, runs here.
+CHILD_COMPILES = True
+
+Job = tuple  # (module, function, arguments): a compile a child runs to fill Inductor's cache
 
 
 class _Abandoned(BaseException):
@@ -29,18 +52,28 @@ class _Abandoned(BaseException):
 
 
 def _exiting() -> None:
-    """A process ends after its background compiles: a thread left inside Inductor's native code
-    while the interpreter tears down aborted the process ('terminate called without an active
-    exception', measured on examples/quickstart.py), and a finished compile is in the cache for
-    the next process. Ctrl-C during the wait abandons the compiles: each stops at its next Python
-    line (:class:`_Abandoned`), within seconds, and the process ends cleanly.
+    """A process ends after the compiles running in it, but not after those running in children.
+
+    A thread left inside Inductor's native code while the interpreter tears down aborted the
+    process ('terminate called without an active exception', measured on examples/quickstart.py),
+    and a finished compile is in the cache for the next process. Ctrl-C during the wait abandons
+    them: each stops at its next Python line (:class:`_Abandoned`), within seconds, and the process
+    ends cleanly. A compile still in a child goes on there and fills the cache for the next run.
 
     This runs among threading's own exit calls, before concurrent.futures refuses new work:
     waiting later, from an atexit handler, let every compile in flight fail with "cannot schedule
     new futures after interpreter shutdown" (Inductor submits to its pools), so the process waited
     for nothing and the next one started cold."""
     global _EXITING
-    left = [t for t in list(_IN_FLIGHT) if t.is_alive()]
+    with _REGISTRY:
+        if _EXIT.is_set():  # (registered twice: threading's exit calls, and atexit where those did not run)
+            return
+        _EXIT.set()
+        left = [t for t in _IN_FLIGHT if t.is_alive()]
+        children = [(child.pid, label) for child, label in _CHILDREN.items() if child.poll() is None]
+    for pid, label in children:
+        log.warning("hoad: Inductor goes on compiling %s in process %d after this one ends; it fills the cache "
+                    "for the next run", label, pid)
     if left:
         log.warning("hoad: finishing %d background compile%s before the process ends, so that the next run "
                     "finds %s in Inductor's cache (Ctrl-C abandons %s)", len(left), "s" if len(left) > 1 else "",
@@ -57,6 +90,46 @@ def _exiting() -> None:
         for t in left:
             t.join(60)
     _EXITING = True
+
+
+def _in_a_child(job: Callable[[], Job], label: str) -> None:
+    """Run ``job`` in a process of its own (``python -m hoad.warm``) and wait for it, or until
+    this process ends (the child then goes on). It only fills Inductor's cache: a failure is
+    logged and left to the compile in this process, which reports its own."""
+    try:
+        payload = pickle.dumps(job())
+    except Exception as e:  # noqa: BLE001 - whatever does not pickle compiles in this process
+        log.info("hoad: %s compiles in this process (its program does not pickle: %s)", label, e)
+        return
+    fd, path = tempfile.mkstemp(prefix="hoad-compile-", suffix=".job")
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    output = path[: -len(".job")] + ".log"
+    env = dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0")
+    start = time.perf_counter()
+    with _REGISTRY:
+        if _EXIT.is_set():
+            os.remove(path)
+            return
+        with open(output, "wb") as out:  # (a file, not a pipe: the child may outlive this process)
+            child = subprocess.Popen([sys.executable, "-m", "hoad.warm", path], stdin=subprocess.DEVNULL,
+                                     stdout=out, stderr=out, env=env, start_new_session=True)
+        _CHILDREN[child] = label
+    while child.poll() is None:
+        if _EXIT.wait(0.1):
+            return  # (the child finishes on its own)
+    with _REGISTRY:
+        del _CHILDREN[child]
+    if child.returncode == 0:
+        log.info("hoad: a child process compiled %s into Inductor's cache in %.1f s", label,
+                 time.perf_counter() - start)
+    else:
+        with open(output, errors="replace") as f:
+            tail = f.read()[-2000:]
+        log.info("hoad: compiling %s in a child process failed (exit status %d), so it compiles in this one: %s",
+                 label, child.returncode, tail)
+    with contextlib.suppress(OSError):
+        os.remove(output)
 
 
 # threading runs these exit calls last-registered first: importing the executors' modules now
@@ -77,10 +150,12 @@ class Tiered:
     eager program). A failed compile keeps the eager program, with a warning: a call never fails
     for it. :meth:`wait` blocks until the compile is over."""
 
-    def __init__(self, eager: Callable, compile: Callable[[], Callable], label: str, stats: dict):
+    def __init__(self, eager: Callable, compile: Callable[[], Callable], label: str, stats: dict,
+                 job: Callable[[], Job] | None = None):
         self.current, self.label, self.compiled = eager, label, None
         self.done = threading.Event()
-        self._pending: tuple | None = (compile, stats)   # the compile starts at the first call
+        # the compile starts at the first call; ``job`` gives the same compile for a child process
+        self._pending: tuple | None = (compile, stats, job)
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -92,15 +167,20 @@ class Tiered:
             return
         self._start = time.perf_counter()
         thread = threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True)
-        _IN_FLIGHT.add(thread)
         thread.start()
         # no wait for it, even from a warm cache: loading a compiled program takes 1-2 s (an order-3
         # MLP's 1.15 s, a training program's 2 s), which an eager first call never costs
         log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
                      "for it instead)", self.label)
 
-    def _compile(self, compile: Callable[[], Callable], stats: dict) -> None:
+    def _compile(self, compile: Callable[[], Callable], stats: dict, job: Callable[[], Job] | None) -> None:
         try:
+            if job is not None and CHILD_COMPILES:
+                _in_a_child(job, self.label)
+            with _REGISTRY:
+                if _EXIT.is_set():
+                    return
+                _IN_FLIGHT.add(threading.current_thread())
             with BUILDS:
                 compiled = compile()
         except _Abandoned:

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from hoad.errors import CompileError, ExecutionError
 from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache_dir
-from hoad.passes.compile import eager_program, symbolic_inputs
+from hoad.passes.compile import described, eager_program, like, symbolic_inputs
 from hoad.passes.graph import written_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import in_background
@@ -124,9 +124,11 @@ class Trainable:
             if tier is None:
                 with self._starting:  # (not BUILDS, which a compile in flight holds)
                     if needs not in self._compiling:
-                        self._compiling[needs] = Tiered(self.eager, functools.partial(
-                            self._compile, [t.detach().requires_grad_(t.requires_grad) for t in inputs]),
-                            f"{self.label} for autograd", {})
+                        examples = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+                        self._compiling[needs] = Tiered(
+                            self.eager, functools.partial(self._compile, examples), f"{self.label} for autograd", {},
+                            job=lambda: ("hoad.training", "compile_for_cache",
+                                         (self.gm, described(examples), self.label, self.samples)))
                     self._compiling[needs].start()
                 tier = self._compiling[needs]
             if tier.compiled is not None:
@@ -140,6 +142,7 @@ class Trainable:
         return run
 
     def _compile(self, inputs: Sequence[torch.Tensor]) -> Callable:
+        from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx
 
         problem = cpu_codegen_problem(inputs)
@@ -152,6 +155,7 @@ class Trainable:
         gm = fx.GraphModule(self.gm, copy.deepcopy(self.gm.graph))  # compile_fx changes what it gets
         log.info("hoad: compiling %s for autograd (forward and backward) with Inductor", self.label)
         start = time.perf_counter()
+        hits_before = counters["inductor"]["fxgraph_cache_hit"]
         try:
             with Progress(f"{self.label} for autograd") as progress, hoad_inductor():
                 progress.stage("compile (forward and backward)")
@@ -162,11 +166,22 @@ class Trainable:
         except Exception as e:  # noqa: BLE001 - any failure becomes one error naming the way out
             raise CompileError(f"Inductor failed to compile {self.label} for autograd ({type(e).__name__}: {e}); "
                                "backend='eager' trains through the same program without compiling it") from e
-        log.info("hoad: compiled %s for autograd in %.1f s", self.label, time.perf_counter() - start)
+        log.info("hoad: compiled %s for autograd in %.1f s (%s)", self.label, time.perf_counter() - start,
+                 "cache hit" if counters["inductor"]["fxgraph_cache_hit"] > hits_before else "cache miss")
         return run
 
     def _private(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.clone() if i in self.written else t for i, t in enumerate(inputs)]
+
+
+def compile_for_cache(gm: fx.GraphModule, descriptions: Sequence[tuple], label: str, samples: Sequence[int]) -> None:
+    """The AOTAutograd compile of :meth:`Trainable.compiled` in a process of its own
+    (:mod:`hoad.warm`), for the cache entries the compile in the caller's process then finds."""
+    inputs = like(descriptions)
+    # the backward too: AOTAutograd compiles it at the first backward where no size is a symbol,
+    # which would then compile from an empty cache in the middle of the user's step
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        Trainable(gm, label, samples=samples)._compile(inputs)
 
 
 class _Guard(torch.autograd.Function):

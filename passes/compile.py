@@ -78,6 +78,10 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     problem = cpu_codegen_problem(example_inputs)
     if problem is not None:
         raise CompileError(problem)
+    # an inference program: calls that need autograd run Trainable's AOTAutograd program. (The
+    # inputs as given made Inductor compile a training program, which also returns the values its
+    # backward would save, wherever a parameter requiring grad reached a program for every count.)
+    example_inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example_inputs]
     fake = None
     if samples:
         example_inputs, fake = symbolic_inputs(example_inputs, samples)
@@ -119,6 +123,32 @@ def inductor_program(gm: fx.GraphModule, example_inputs: list[torch.Tensor], lab
     hit = counters["inductor"]["fxgraph_cache_hit"] > hits_before
     log.info("hoad: compiled %s in %.1f s (%s, cache %s)", label, seconds, "cache hit" if hit else "cache miss", where)
     return _Compiled(artifact, seconds, hit)
+
+
+def described(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """What a compile needs of its example inputs, and pickles: their layouts, not their values."""
+    return [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t.requires_grad) for t in tensors]
+
+
+def like(descriptions: Sequence[tuple]) -> list[torch.Tensor]:
+    """Uninitialised tensors as :func:`described` describes them."""
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
+            for shape, stride, dtype, device, grad in descriptions]
+
+
+def compile_for_cache(gm: fx.GraphModule, class_name: str, descriptions: Sequence[tuple], label: str,
+                      samples: Sequence[int]) -> None:
+    """:func:`inductor_program` of ``gm`` in a process of its own (:mod:`hoad.warm`), for the
+    cache entry the compile in the caller's process then finds. The key of that entry reads the
+    program's class name, which pickling loses."""
+    inductor_program(fx.GraphModule(gm, gm.graph, class_name=class_name), like(descriptions), label,
+                     samples=samples)
+
+
+def cache_job(gm: fx.GraphModule, examples: Sequence[torch.Tensor], label: str, samples: Sequence[int]) -> tuple:
+    """The :data:`hoad.tiers.Job` that compiles ``gm`` as :func:`inductor_program` does."""
+    return ("hoad.passes.compile", "compile_for_cache",
+            (gm, type(gm).__name__, described(examples), label, tuple(samples)))
 
 
 def symbolic_inputs(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple[list[torch.Tensor], object]:

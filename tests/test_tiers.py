@@ -159,9 +159,12 @@ def test_a_first_kernel_build_runs_beside_the_programs(monkeypatch):
 
 _EXIT_SCRIPT = r'''
 import logging
+import sys
 import torch
 import hoad
+import hoad.tiers
 logging.basicConfig(level=logging.INFO)
+hoad.tiers.CHILD_COMPILES = sys.argv[1] == "child"
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
 lap = hoad.laplacian(lambda X: net(X).squeeze(-1), batch_dim=0, backend="inductor")
@@ -170,40 +173,81 @@ print("FIRST STEP DONE", flush=True)
 '''
 
 
-def test_a_process_ends_after_its_background_compile_is_over(tmp_path):
-    """A training script whose work ends while Inductor still compiles its AOTAutograd program
-    waits for the compile at exit, and the compile finishes there, filling the cache for the next
-    process. (Waiting from an atexit handler, after concurrent.futures had shut its executors,
-    failed the compile in flight: "cannot schedule new futures after interpreter shutdown".)"""
+def _exit_env(tmp_path, mode="background"):
     import os
+
+    env = dict(os.environ, HOAD_CACHE_DIR=str(tmp_path), HOAD_DGEMM="0", OMP_NUM_THREADS="1", HOAD_COMPILE=mode)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    return env
+
+
+def _script(tmp_path, where: str, mode: str = "background"):
     import subprocess
     import sys
 
-    env = dict(os.environ, HOAD_CACHE_DIR=str(tmp_path), HOAD_DGEMM="0", OMP_NUM_THREADS="1",
-               HOAD_COMPILE="background")
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, where], env=_exit_env(tmp_path, mode),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "FIRST STEP DONE" in done.stdout, done.stderr[-3000:]
-    err = done.stderr
+    return done.stderr
+
+
+@pytest.mark.slow  # (13 s; the Ctrl-C test below waits at exit the same way)
+def test_a_process_ends_after_the_background_compile_running_in_it(tmp_path):
+    """A training script whose work ends while Inductor still compiles its AOTAutograd program in
+    the process waits for the compile at exit, and the compile finishes there. (Waiting from an
+    atexit handler, after concurrent.futures had shut its executors, failed the compile in flight:
+    "cannot schedule new futures after interpreter shutdown".)"""
+    err = _script(tmp_path, "here")
     assert "finishing 1 background compile" in err, err[-3000:]
     assert "for autograd is compiled" in err and "stays eager" not in err, err[-3000:]
+
+
+def test_a_compile_in_a_child_outlives_the_process_and_fills_the_cache(tmp_path):
+    """By default the compile runs in a child first: the script ends without waiting for it, the
+    child goes on, and the next process compiles from the cache it filled."""
+    import os
+    import re
+    import time
+
+    err = _script(tmp_path, "child")
+    assert "finishing" not in err, err[-3000:]
+    pid = int(re.search(r"goes on compiling .* in process (\d+)", err).group(1))
+    deadline = time.monotonic() + 600
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}"), "the child compile did not end"
+    err = _script(tmp_path, "child", mode="wait")
+    assert re.search(r"compiled the order-2 reverse program for autograd in [0-9.]+ s \(cache hit\)", err), \
+        err[-3000:]
+
+
+def test_a_child_that_fails_leaves_the_compile_to_this_process(background, caplog):
+    """A child's failure only costs its time: the compile then runs in this process."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hoad")
+    tier = Tiered(lambda x: x + 1, lambda: (lambda x: x + 2), "a planted program", {},
+                  job=lambda: ("os", "_exit", (3,)))
+    assert tier(torch.zeros(())) in (1, 2)
+    assert tier.wait(120)
+    assert tier.current is tier.compiled and tier(torch.zeros(())) == 2
+    assert "in a child process failed (exit status 3)" in caplog.text
+    unpicklable = Tiered(lambda x: x, lambda: (lambda x: x), "a lambda's program", {},
+                         job=lambda: ("os", "_exit", (lambda: 0,)))
+    assert unpicklable.wait(60) and unpicklable.compiled is not None
+    assert "does not pickle" in caplog.text
 
 
 def test_ctrl_c_at_exit_abandons_the_background_compile_cleanly(tmp_path):
     """Ctrl-C during the exit wait stops the compile at its next Python line: the process ends
     within seconds, with status 0 and no abort from a thread left inside Inductor."""
-    import os
     import signal
     import subprocess
     import sys
     import time
 
-    env = dict(os.environ, HOAD_CACHE_DIR=str(tmp_path), HOAD_DGEMM="0", OMP_NUM_THREADS="1",
-               HOAD_COMPILE="background")
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    child = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, "here"], env=_exit_env(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in child.stderr:
         seen.append(line)
