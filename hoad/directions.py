@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 
 from hoad.errors import InvalidArgumentError
-from hoad.methods import in_class_body
+from hoad.methods import unbound_method
 from hoad.options import GRAPH_BREAK
 
 
@@ -134,7 +134,7 @@ def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: d
     if clash:
         raise InvalidArgumentError(f"{name}: randomization= draws its own directions; it cannot be combined with "
                                    f"{', '.join(f'{k}=' for k in clash)}")
-    if in_class_body(u):
+    if unbound_method(u):
         raise InvalidArgumentError(f"{name}(randomization=...) on a method: build the operator over the bound "
                                    "method instead (self.lap = hoad.laplacian(self.u, randomization=...) in __init__)")
     return Resampled(u, wrt, batch_dim, randomization, generator, make)
@@ -174,7 +174,7 @@ class PerPoint:
 
     def __init__(self, name: str, u: Callable, wrt, batch_dim, given, columns: bool, make: Callable,
                  higher: tuple = ()):
-        if in_class_body(u):
+        if unbound_method(u):
             raise InvalidArgumentError(f"{name} with directions per point on a method: build the operator over the "
                                        f"bound method instead (self.op = {name}(self.u, ...) in __init__)")
         self.name, self.u, self.wrt, self.batch_dim = name, u, wrt, batch_dim

@@ -40,6 +40,12 @@ def in_class_body(fn) -> bool:
     return len(parts) >= 2 and parts[-2] != "<locals>"
 
 
+def unbound_method(fn) -> bool:
+    """Whether ``fn`` is a function of a class body not bound to an instance (``Net.u``, or a
+    decorator's argument in the body); a bound method (``net.u``) is not."""
+    return in_class_body(fn) and not inspect.ismethod(fn)
+
+
 class Rebuilt:
     """Copies (``copy.deepcopy``, pickle) are built afresh from the constructor's arguments,
     copied with the object, when first used: a deep copy of a module holding

@@ -128,3 +128,26 @@ def test_per_point_operators_refuse_what_they_cannot_mean():
         hoad.taylor(u, order=3, directions=V, higher=(V, V, V))
     with pytest.raises(hoad.InvalidArgumentError, match="one coefficient per direction"):
         hoad.taylor(u, order=3, directions=V, higher=(rand(3, 3, seed=717),))(X[0])
+
+
+def test_per_point_operators_take_a_bound_method_and_refuse_an_unbound_one():
+    """Curves and drawn directions over ``net.u`` work as over a function; over ``Net.u`` (a
+    decorator in the class body) they are refused, naming the bound form."""
+
+    class Net:
+        def __init__(self, w):
+            self.w = w
+
+        def u(self, x):
+            return (x * self.w).tanh().sum(-1)
+
+    net, x, V, V2 = Net(rand(3, seed=720)), rand(3, seed=721), rand(2, 3, seed=722), rand(2, 3, seed=723)
+    jets = hoad.taylor(net.u, order=2, directions=V, higher=(V2,))(x)
+    want = [torch.stack(d) for d in zip(*[_curve_derivatives(net.u, x, (V[s], V2[s]), 2) for s in range(2)])]
+    assert_close(jets[2], want[1], "order 2 along the curves of a bound method")
+    with pytest.raises(hoad.InvalidArgumentError, match="build the operator over the bound method"):
+        hoad.taylor(Net.u, order=2, directions=V, higher=(V2,))
+    drawn = hoad.laplacian(net.u, randomization=("normal", 4), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(drawn(x).laplacian).all()
+    with pytest.raises(hoad.InvalidArgumentError, match="build the operator over the bound method"):
+        hoad.laplacian(Net.u, randomization=("normal", 4))
