@@ -39,6 +39,7 @@ _EXIT = threading.Event()   # set as the process ends: a compile not yet in this
 _REGISTRY = threading.Lock()  # orders _EXIT against a compile entering _IN_FLIGHT
 _IN_FLIGHT: set[threading.Thread] = set()   # compiles running in this process
 _CHILDREN: dict[subprocess.Popen, str] = {}   # compiles running in a process of their own, with labels
+_STARTING: set[threading.Event] = set()  # compiles not yet in a child or in _IN_FLIGHT: set once they are
 
 # A background compile runs Inductor in a child first (False: only in this process, as the tests
 # of the exit wait need). A compile whose program does not pickle, or whose child fails, runs here.
@@ -69,16 +70,20 @@ def _exiting() -> None:
         if _EXIT.is_set():  # (registered twice: threading's exit calls, and atexit where those did not run)
             return
         _EXIT.set()
+        starting = list(_STARTING)
+    for ready in starting:  # (a compile just started reaches its child or this process within a second)
+        ready.wait(30)
+    with _REGISTRY:
         left = [t for t in _IN_FLIGHT if t.is_alive()]
         children = [(child.pid, label) for child, label in _CHILDREN.items() if child.poll() is None]
     for pid, label in children:
         log.warning("hoad: Inductor goes on compiling %s in process %d after this one ends; it fills the cache "
                     "for the next run", label, pid)
-    if left:
-        log.warning("hoad: finishing %d background compile%s before the process ends, so that the next run "
-                    "finds %s in Inductor's cache (Ctrl-C abandons %s)", len(left), "s" if len(left) > 1 else "",
-                    "them" if len(left) > 1 else "it", "them" if len(left) > 1 else "it")
     try:
+        if left:
+            log.warning("hoad: finishing %d background compile%s before the process ends, so that the next run "
+                        "finds %s in Inductor's cache (Ctrl-C abandons %s)", len(left), "s" if len(left) > 1 else "",
+                        "them" if len(left) > 1 else "it", "them" if len(left) > 1 else "it")
         for t in left:
             t.join()
     except KeyboardInterrupt:
@@ -92,15 +97,16 @@ def _exiting() -> None:
     _EXITING = True
 
 
-def _in_a_child(job: Callable[[], Job], label: str) -> None:
+def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> bool:
     """Run ``job`` in a process of its own (``python -m hoad.warm``) and wait for it, or until
-    this process ends (the child then goes on). It only fills Inductor's cache: a failure is
-    logged and left to the compile in this process, which reports its own."""
+    this process ends (the child then goes on); whether a child ran. It only fills Inductor's
+    cache: a failure is logged and left to the compile in this process, which reports its own.
+    ``ready`` is set once the child runs: an ending process waits for that much."""
     try:
         payload = pickle.dumps(job())
     except Exception as e:  # noqa: BLE001 - whatever does not pickle compiles in this process
         log.info("hoad: %s compiles in this process (its program does not pickle: %s)", label, e)
-        return
+        return False
     fd, path = tempfile.mkstemp(prefix="hoad-compile-", suffix=".job")
     with os.fdopen(fd, "wb") as f:
         f.write(payload)
@@ -108,16 +114,14 @@ def _in_a_child(job: Callable[[], Job], label: str) -> None:
     env = dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0")
     start = time.perf_counter()
     with _REGISTRY:
-        if _EXIT.is_set():
-            os.remove(path)
-            return
         with open(output, "wb") as out:  # (a file, not a pipe: the child may outlive this process)
             child = subprocess.Popen([sys.executable, "-m", "hoad.warm", path], stdin=subprocess.DEVNULL,
                                      stdout=out, stderr=out, env=env, start_new_session=True)
         _CHILDREN[child] = label
+    ready.set()
     while child.poll() is None:
         if _EXIT.wait(0.1):
-            return  # (the child finishes on its own)
+            return True  # (the child finishes on its own)
     with _REGISTRY:
         del _CHILDREN[child]
     if child.returncode == 0:
@@ -130,6 +134,7 @@ def _in_a_child(job: Callable[[], Job], label: str) -> None:
                  label, child.returncode, tail)
     with contextlib.suppress(OSError):
         os.remove(output)
+    return True
 
 
 # threading runs these exit calls last-registered first: importing the executors' modules now
@@ -166,21 +171,25 @@ class Tiered:
         if pending is None:
             return
         self._start = time.perf_counter()
-        thread = threading.Thread(target=self._compile, args=pending, name=COMPILE_THREAD, daemon=True)
+        ready = threading.Event()
+        with _REGISTRY:
+            _STARTING.add(ready)
+        thread = threading.Thread(target=self._compile, args=(*pending, ready), name=COMPILE_THREAD, daemon=True)
         thread.start()
         # no wait for it, even from a warm cache: loading a compiled program takes 1-2 s (an order-3
         # MLP's 1.15 s, a training program's 2 s), which an eager first call never costs
         log.info("hoad: %s runs eagerly while Inductor compiles it in the background (HOAD_COMPILE=wait waits "
                      "for it instead)", self.label)
 
-    def _compile(self, compile: Callable[[], Callable], stats: dict, job: Callable[[], Job] | None) -> None:
+    def _compile(self, compile: Callable[[], Callable], stats: dict, job: Callable[[], Job] | None,
+                 ready: threading.Event) -> None:
         try:
-            if job is not None and CHILD_COMPILES:
-                _in_a_child(job, self.label)
+            in_a_child = job is not None and CHILD_COMPILES and _in_a_child(job, self.label, ready)
             with _REGISTRY:
-                if _EXIT.is_set():
-                    return
-                _IN_FLIGHT.add(threading.current_thread())
+                if in_a_child and _EXIT.is_set():
+                    return  # (the child fills the cache; this process is ending)
+                _IN_FLIGHT.add(threading.current_thread())  # (an ending process waits for it)
+            ready.set()
             with BUILDS:
                 compiled = compile()
         except _Abandoned:
@@ -195,8 +204,11 @@ class Tiered:
             log.info("hoad: %s is compiled (%.1f s after its build); calls now run the compiled program",
                      self.label, time.perf_counter() - self._start)
         finally:
+            ready.set()
+            with _REGISTRY:
+                _STARTING.discard(ready)
+                _IN_FLIGHT.discard(threading.current_thread())
             self.done.set()
-            _IN_FLIGHT.discard(threading.current_thread())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Start the compile if it has not started, and block until it is over (True) or
