@@ -44,6 +44,9 @@ _STARTING: set[threading.Event] = set()  # compiles not yet in a child or in _IN
 # A background compile runs Inductor in a child first (False: only in this process, as the tests
 # of the exit wait need). A compile whose program does not pickle, or whose child fails, runs here.
 CHILD_COMPILES = True
+# children compiling at a time: each imports torch and runs Inductor (hundreds of MB and a core), so
+# a model whose programs start compiling together has them take turns on a small machine
+CHILD_SLOTS = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
 
 Job = tuple  # (module, function, arguments): a compile a child runs to fill Inductor's cache
 
@@ -101,7 +104,8 @@ def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> b
     """Run ``job`` in a process of its own (``python -m hoad.warm``) and wait for it, or until
     this process ends (the child then goes on); whether a child ran. It only fills Inductor's
     cache: a failure is logged and left to the compile in this process, which reports its own.
-    ``ready`` is set once the child runs: an ending process waits for that much."""
+    ``ready`` is set once the child runs: an ending process waits for that much. Children take
+    turns (:data:`CHILD_SLOTS`), except once the process ends."""
     try:
         payload = pickle.dumps(job())
     except Exception as e:  # noqa: BLE001 - whatever does not pickle compiles in this process
@@ -112,16 +116,25 @@ def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> b
         f.write(payload)
     output = path[: -len(".job")] + ".log"
     env = dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0")
-    start = time.perf_counter()
-    with _REGISTRY:
-        with open(output, "wb") as out:  # (a file, not a pipe: the child may outlive this process)
-            child = subprocess.Popen([sys.executable, "-m", "hoad.warm", path], stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=out, env=env, start_new_session=True)
-        _CHILDREN[child] = label
-    ready.set()
-    while child.poll() is None:
-        if _EXIT.wait(0.1):
-            return True  # (the child finishes on its own)
+    slot = False
+    while not slot:
+        slot = CHILD_SLOTS.acquire(timeout=0.1)
+        if not slot and _EXIT.is_set():
+            break  # (the process is ending: this one starts beside the others, and outlives it)
+    try:
+        start = time.perf_counter()
+        with _REGISTRY:
+            with open(output, "wb") as out:  # (a file, not a pipe: the child may outlive this process)
+                child = subprocess.Popen([sys.executable, "-m", "hoad.warm", path], stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=out, env=env, start_new_session=True)
+            _CHILDREN[child] = label
+        ready.set()
+        while child.poll() is None:
+            if _EXIT.wait(0.1):
+                return True  # (the child finishes on its own)
+    finally:
+        if slot:
+            CHILD_SLOTS.release()
     with _REGISTRY:
         del _CHILDREN[child]
     if child.returncode == 0:

@@ -263,3 +263,21 @@ def test_ctrl_c_at_exit_abandons_the_background_compile_cleanly(tmp_path):
     assert child.returncode == 0 and "FIRST STEP DONE" in out, err[-3000:]
     assert "background compile abandoned" in err and "terminate called" not in err, err[-3000:]
     assert waited < 60, f"the process took {waited:.0f} s to end after Ctrl-C"
+
+
+def test_children_take_turns(background, tmp_path, monkeypatch):
+    """With one slot, a second program's child starts when the first one's has ended."""
+    import hoad.tiers as tiers
+
+    monkeypatch.setattr(tiers, "CHILD_SLOTS", threading.BoundedSemaphore(1))
+    log = tmp_path / "order"
+    tiers_ = [Tiered(lambda x: x, lambda: (lambda x: x), f"program {k}", {},
+                     job=lambda k=k: ("subprocess", "run", (["sh", "-c", f"echo start {k} >> {log}; sleep 1; "
+                                                                         f"echo end {k} >> {log}"],)))
+              for k in range(2)]
+    for tier in tiers_:
+        tier.start()
+    assert all(tier.wait(120) for tier in tiers_)
+    lines = log.read_text().split()
+    assert lines[0::2] == ["start", "end", "start", "end"], lines
+    assert lines[1] == lines[3] and lines[5] == lines[7] and lines[1] != lines[5], lines
