@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from hoad.errors import CompileError, ExecutionError
 from hoad.lowering.inductor import cpu_codegen_problem, hoad_inductor, use_cache_dir
-from hoad.passes.compile import described, eager_program, like, symbolic_inputs
+from hoad.passes.compile import described, eager_program, graph_state, like, rebuilt, symbolic_inputs
 from hoad.passes.graph import written_inputs
 from hoad.passes.lower import OrientProducts
 from hoad.pipeline import in_background
@@ -128,7 +128,7 @@ class Trainable:
                         self._compiling[needs] = Tiered(
                             self.eager, functools.partial(self._compile, examples), f"{self.label} for autograd", {},
                             job=lambda: ("hoad.training", "compile_for_cache",
-                                         (self.gm, described(examples), self.label, self.samples)))
+                                         (graph_state(self.gm), described(examples), self.label, self.samples)))
                     self._compiling[needs].start()
                 tier = self._compiling[needs]
             if tier.compiled is not None:
@@ -157,7 +157,10 @@ class Trainable:
         start = time.perf_counter()
         hits_before = counters["inductor"]["fxgraph_cache_hit"]
         try:
-            with Progress(f"{self.label} for autograd") as progress, hoad_inductor():
+            # the backward now too, not at the first backward (AOTAutograd's default where no size is
+            # a symbol): that compile ran in the user's step, from an empty cache on a first run
+            with Progress(f"{self.label} for autograd") as progress, hoad_inductor(), \
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 progress.stage("compile (forward and backward)")
                 # cpp_wrapper pinned off: a process that turned it on (torch._inductor.config) got a
                 # program whose outputs carried no autograd graph, so every gradient was silently zero
@@ -174,14 +177,11 @@ class Trainable:
         return [t.clone() if i in self.written else t for i, t in enumerate(inputs)]
 
 
-def compile_for_cache(gm: fx.GraphModule, descriptions: Sequence[tuple], label: str, samples: Sequence[int]) -> None:
-    """The AOTAutograd compile of :meth:`Trainable.compiled` in a process of its own
-    (:mod:`hoad.warm`), for the cache entries the compile in the caller's process then finds."""
-    inputs = like(descriptions)
-    # the backward too: AOTAutograd compiles it at the first backward where no size is a symbol,
-    # which would then compile from an empty cache in the middle of the user's step
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        Trainable(gm, label, samples=samples)._compile(inputs)
+def compile_for_cache(state: tuple, descriptions: Sequence[tuple], label: str, samples: Sequence[int]) -> None:
+    """The AOTAutograd compile of :meth:`Trainable.compiled` for the program in ``state``
+    (:func:`~hoad.passes.compile.graph_state`) in a process of its own (:mod:`hoad.warm`), for the
+    cache entries the compile in the caller's process then finds."""
+    Trainable(rebuilt(state), label, samples=samples)._compile(like(descriptions))
 
 
 class _Guard(torch.autograd.Function):

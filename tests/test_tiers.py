@@ -281,3 +281,26 @@ def test_children_take_turns(background, tmp_path, monkeypatch):
     lines = log.read_text().split()
     assert lines[0::2] == ["start", "end", "start", "end"], lines
     assert lines[1] == lines[3] and lines[5] == lines[7] and lines[1] != lines[5], lines
+
+
+@pytest.mark.parametrize("name", ["mlp", "lstm", "norms"])
+def test_a_program_crosses_to_a_child_unchanged(name):
+    """What a child compiles is the program, node for node (graph_state, pickled, rebuilt): the
+    same code, and the same values, so the caches the child fills are the ones this process reads."""
+    import pickle
+
+    from helpers import ZOO
+
+    from hoad.passes.compile import graph_state, rebuilt
+
+    f, x = ZOO[name](), rand(2, 3, seed=31)
+    cf = hoad.compile(f, order=2, backend="eager")
+    cf(x)
+    gm = cf._last.build.program.gm
+    again = rebuilt(pickle.loads(pickle.dumps(graph_state(gm))))
+    assert again.code == gm.code and type(again).__name__ == type(gm).__name__
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    real = [rand(*t.shape, seed=32 + i) if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype)
+            for i, t in enumerate(inputs)]
+    for a, b in zip(gm(*real), again(*real)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
