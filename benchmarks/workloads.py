@@ -172,18 +172,19 @@ def _seed_workloads() -> list[Workload]:
 
 
 # --------------------------------------------------------------------- 2. tanh MLP 16-64-64-1
-def _tanh_mlp_weights():
+def _tanh_mlp_weights(dim: int = 16):
     g = _generator()
-    return (torch.randn(16, 64, generator=g, dtype=DT) / 4, torch.randn(64, generator=g, dtype=DT),
+    return (torch.randn(dim, 64, generator=g, dtype=DT) / math.sqrt(dim), torch.randn(64, generator=g, dtype=DT),
             torch.randn(64, 64, generator=g, dtype=DT) / 8, torch.randn(64, generator=g, dtype=DT),
             torch.randn(64, 1, generator=g, dtype=DT) / 8)
 
 
-def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callable[[], Problem]:
-    """A scalar energy of x in R^16; ``points=None`` is one point, else a batch of samples."""
+def tanh_mlp(order: int, points: int | None, laplacian: bool = False, dim: int = 16) -> Callable[[], Problem]:
+    """A scalar energy of x in R^dim (tanh MLP dim-64-64-1); ``points=None`` is one point, else a
+    batch of samples."""
 
     def build(device: str = "cpu", dtype: torch.dtype = DT) -> Problem:
-        W1, b1, W2, b2, W3 = _on(device, dtype, *_tanh_mlp_weights())
+        W1, b1, W2, b2, W3 = _on(device, dtype, *_tanh_mlp_weights(dim))
 
         def energy(x):  # one sample (16,) -> (), or a batch (B, 16) -> (B,)
             h = torch.tanh(x @ W1 + b1)
@@ -202,8 +203,8 @@ def tanh_mlp(order: int, points: int | None, laplacian: bool = False) -> Callabl
 
             return energy, _to_jax(x)
 
-        x = torch.randn(16, generator=_generator(1), dtype=DT) if points is None else \
-            torch.randn(points, 16, generator=_generator(1), dtype=DT)
+        x = torch.randn(dim, generator=_generator(1), dtype=DT) if points is None else \
+            torch.randn(points, dim, generator=_generator(1), dtype=DT)
         (x,) = _on(device, dtype, x)
         return Problem(energy, (x,), order, per_sample=points is not None, laplacian=laplacian, jax=in_jax)
 
@@ -330,6 +331,10 @@ WORKLOADS: list[Workload] = [
     *(TRAIN_WORKLOADS := _train_workloads()),
     *shared_params.workloads(Workload),
     *(JET_WORKLOADS := jets.workloads(Workload)),
+    # issue 45: orders 3-6 at a point, where the dense blocks outgrow their unique entries
+    *(Workload(f"higher-orders/{dim}-64-64-1/order{k}", "10. higher orders of a tanh MLP at a point (issue 45)",
+               f"order {k}, tanh MLP {dim}-64-64-1, one point", tanh_mlp(k, None, dim=dim))
+      for dim, orders in ((8, (3, 4, 5, 6)), (16, (3, 4, 5))) for k in orders),
 ]
 
 
