@@ -235,18 +235,25 @@ class Compiled(Rebuilt):
         """A call of tensors only whose program is cached and current, keyed without a pytree
         (~20 us per call less): keyword tensors are leaves after the positional ones in the
         order given, as pytree flattens them."""
-        if self.module is not None or not all(type(a) is torch.Tensor for a in args) or \
-                not all(type(v) is torch.Tensor for v in kwargs.values()):
+        key = self._tensor_key(args, kwargs)
+        if key is None:
             return None
-        key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)
-        if kwargs:
-            key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
         entry = self._cache.get(key)
         free = entry.read_free() if entry is not None else None
         if free is None:
             return None
         self._last = entry
         return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
+
+    def _tensor_key(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The key of a call of tensors only, without a pytree; None for any other call."""
+        if self.module is not None or not all(type(a) is torch.Tensor for a in args) or \
+                not all(type(v) is torch.Tensor for v in kwargs.values()):
+            return None
+        key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)
+        if kwargs:
+            key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
+        return key
 
     def _key(self, args: tuple, kwargs: dict, nested: bool, transformed: bool) -> tuple:
         """The call's leaves (the module's state first), its cache key and the config to build it
@@ -258,12 +265,8 @@ class Compiled(Rebuilt):
             if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
                 extra += (self._expanded_wrt(),)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
-        if not nested and not transformed and self.module is None and all(type(a) is torch.Tensor for a in args) \
-                and all(type(v) is torch.Tensor for v in kwargs.values()):
-            key = tuple((a.shape, a.dtype, a.device) for a in args) + (ambient(),)  # (as _fast_hit keys it)
-            if kwargs:
-                key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
-        else:
+        key = None if nested or transformed else self._tensor_key(args, kwargs)  # (as _fast_hit keys it)
+        if key is None:
             key = (treedef, tuple(leaf_key(leaf) for leaf in leaves), extra, ambient())
         config = self.config
         if transformed and not nested and config.backend != "eager":
