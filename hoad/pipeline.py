@@ -458,10 +458,9 @@ def _compile(b: Build) -> Build:
     _name_outputs(p)
     examples = dense + list(hoisted)
     if b.config.backend == "inductor" and in_background() and cpu_codegen_problem(examples) is None:
-        label = f"{name_of(b.fn)}'s order-{p.order} program"
-        b.main = Tiered(eager_program(p.gm), lambda: compile_program(p, "inductor", examples, samples), label,
-                        b.stats, job=lambda: cache_job(p.gm, examples, f"the order-{p.order} {p.direction} program",
-                                                       samples))
+        b.main = Tiered(eager_program(p.gm), lambda: compile_program(p, "inductor", examples, samples),
+                        f"{name_of(b.fn)}'s order-{p.order} program", b.stats,
+                        job=lambda: cache_job(p, examples, samples))
     else:
         b.main = compile_program(p, b.config.backend, example_inputs=examples, samples=samples)
         if hasattr(b.main, "cache_hit"):

@@ -199,9 +199,10 @@ def compile_for_cache(state: tuple, descriptions: Sequence[tuple], label: str, s
     inductor_program(rebuilt(state), like(descriptions), label, samples=samples)
 
 
-def cache_job(gm: fx.GraphModule, examples: Sequence[torch.Tensor], label: str, samples: Sequence[int]) -> tuple:
-    """The :data:`hoad.tiers.Job` that compiles ``gm`` as :func:`inductor_program` does."""
-    return ("hoad.passes.compile", "compile_for_cache", (graph_state(gm), described(examples), label, tuple(samples)))
+def cache_job(program, examples: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple:
+    """The :data:`hoad.tiers.Job` that compiles ``program`` as :func:`compile_program` does."""
+    return ("hoad.passes.compile", "compile_for_cache",
+            (graph_state(program.gm), described(examples), _label(program), tuple(samples)))
 
 
 def symbolic_inputs(tensors: Sequence[torch.Tensor], samples: Sequence[int]) -> tuple[list[torch.Tensor], object]:
@@ -240,12 +241,16 @@ def compile_program(program, backend: str, example_inputs=None, samples: Sequenc
     if backend == "eager":
         return eager_program(program.gm)
     if backend == "inductor":
-        label = f"the order-{program.order} {program.direction} program"
+        label = _label(program)
         compiled = inductor_program(program.gm, example_inputs, label, samples=samples)
         if _on_cuda(example_inputs) and graphs_suit(program.gm, label):
             compiled.graphs = CudaGraphs(compiled.artifact, label)
         return compiled
     raise HoadError(f"unknown backend {backend!r}")
+
+
+def _label(program) -> str:
+    return f"the order-{program.order} {program.direction} program"
 
 
 def _on_cuda(tensors) -> bool:
