@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from hoad.distributed import is_data_parallel
 from hoad.errors import CaptureError
+from hoad.numbers import TracedFloat, is_number_tensor
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class CallLayout:
     static: tuple
     names: tuple[str, ...]           # a readable name per tensor leaf
     places: tuple[Place | None, ...]  # per tensor leaf: the argument it is, if it is one itself (not nested)
+    numbers: tuple[int, ...] = ()     # tensor leaves that stand for float arguments (hoad.numbers)
 
     def leaf(self, place: Place) -> int | None:
         """The tensor-leaf index of an argument, or None if the call has no such tensor leaf."""
@@ -79,8 +81,8 @@ class CallLayout:
 
         def flat_fn(*ts):
             leaves = list(self.static)
-            for slot, t in zip(self.tensor_slots, ts):
-                leaves[slot] = t
+            for i, (slot, t) in enumerate(zip(self.tensor_slots, ts)):
+                leaves[slot] = TracedFloat(t) if i in self.numbers else t
             args, kwargs = pytree.tree_unflatten(leaves, self.treedef)
             return fn(*args, **kwargs)
 
@@ -96,9 +98,11 @@ def bind_layout(fn: Callable, args: tuple, kwargs: dict, state: bool = False,
     """
     leaves_with_path, treedef = pytree.tree_flatten_with_path((args, kwargs))
     params = list(names) if names is not None else positional_names(fn)
-    slots, leaf_names, static, tensors, places = [], [], [], [], []
+    slots, leaf_names, static, tensors, places, numbers = [], [], [], [], [], []
     for i, (path, leaf) in enumerate(leaves_with_path):
         if isinstance(leaf, torch.Tensor):
+            if is_number_tensor(leaf):
+                numbers.append(len(tensors))
             slots.append(i)
             if state and path[0].idx == 0 and path[1].idx == 0:
                 leaf_names.append(str(path[2].key))
@@ -113,7 +117,7 @@ def bind_layout(fn: Callable, args: tuple, kwargs: dict, state: bool = False,
         else:
             static.append(leaf)
     leaf_names = _unique([_identifier(n) for n in leaf_names])
-    return CallLayout(treedef, tuple(slots), tuple(static), tuple(leaf_names), tuple(places)), tensors
+    return CallLayout(treedef, tuple(slots), tuple(static), tuple(leaf_names), tuple(places), tuple(numbers)), tensors
 
 
 def _place(path) -> Place | None:

@@ -374,10 +374,28 @@ def _filled(cell) -> bool:
     return True
 
 
-def arguments_changed(cf, key, args: tuple, kwargs: dict) -> str:
+def floats_changed(keys: list, key, constants: set[int]) -> list[int]:
+    """The leaf positions at which ``key`` differs from one of ``keys`` (a call of the same
+    structure, with the same settings) in the values of float arguments alone, none of them one
+    that stays a constant (``constants``): the floats to trace as program inputs (hoad.numbers).
+    [] where no cached call differs so."""
+    if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
+        return []
+    for k in keys:
+        if not (isinstance(k, tuple) and len(k) == 4 and k[0] == key[0] and k[2:] == key[2:]
+                and len(k[1]) == len(key[1])):
+            continue
+        differing = [i for i, (a, b) in enumerate(zip(k[1], key[1])) if not same_key(a, b)]
+        floats = [i for i in differing if k[1][i][:2] == key[1][i][:2] == ("S", float) and i not in constants]
+        if differing and floats == differing:
+            return differing
+    return []
+
+
+def arguments_changed(cf, key, args: tuple, kwargs: dict, advice: bool = True) -> str:
     """The arguments that set this call of the compiled callable ``cf`` apart from the cached call
     nearest to it (the fewest leaves differing, in the same structure), as ``k=0.7 (was 0.5)``, or
-    "" where none is near."""
+    "" where none is near; with ``advice``, what keeps a changed Python number in the program."""
     if not (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], pytree.TreeSpec)):
         return ""
     full = [k for k in cf._cache if isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], pytree.TreeSpec)
@@ -394,10 +412,23 @@ def arguments_changed(cf, key, args: tuple, kwargs: dict) -> str:
                for i in differing(nearest)]
     if not changes:
         return ""
+    said = ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
     scalars = [i for i in differing(nearest) if key[1][i][0] == "S"]
-    advice = (" (a Python number is part of the program it is traced into: pass one that changes between calls "
-              "as a tensor, read afresh at every call, to keep one program)") if scalars else ""
-    return ", ".join(changes[:3]) + (f" and {len(changes) - 3} more" if len(changes) > 3 else "") + advice
+    if not advice or not scalars:
+        return said
+    # (a float argument is traced as a program input at its second value, hoad.numbers, unless the
+    # function needs the value in Python: then the trace said why)
+    reasons = [(_leaf_name(cf, paths[i], state), cf._constants[(key[0], i)]) for i in scalars
+               if (key[0], i) in getattr(cf, "_constants", {})]
+    if reasons:
+        name, reason = reasons[0]
+        return (f"{said} ({name} stays part of the program: {getattr(cf.fn, '__name__', 'the function')} {reason}; "
+                f"each value compiles a "
+                f"program of its own. Pass it as a tensor, or keep its value out of Python conditions and "
+                f"conversions, to keep one program)")
+    return (f"{said} (a Python number is part of the program it is traced into; a float argument whose value "
+            "alone changes becomes a program input, other numbers stay constants: pass one that changes between "
+            "calls as a tensor, read afresh at every call, to keep one program)")
 
 
 def _written(cf, key) -> str:

@@ -26,6 +26,7 @@ from hoad.cache import (
     Family,
     ambient,
     arguments_changed,
+    floats_changed,
     is_nested,
     leaf_key,
     note_a_new_object,
@@ -35,8 +36,9 @@ from hoad.cache import (
 from hoad.chunking import joined, split
 from hoad.derivatives import Derivatives, each_output
 from hoad.distributed import LocalCall, data_parallel_wrappers, enlist, fully_sharded, gathered, has_dtensors
-from hoad.errors import CaptureError, InvalidArgumentError
+from hoad.errors import CaptureError, InvalidArgumentError, first_line
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body, tied_names, var_positional
+from hoad.numbers import Refused, number_tensor, watching
 from hoad.options import GRAPH_BREAK, MAX_PROGRAMS, check_options, default_backend, parameters, plain_ints, wrt_entries
 from hoad.pipeline import Config, OperatorSpec, Sized, build, name_of
 from hoad.printing import ProgramView
@@ -44,6 +46,22 @@ from hoad.rules import EDITS
 from hoad.tiers import BUILDS
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Call:
+    """A call as its program sees it (:meth:`Compiled._key`): the arguments with the float
+    arguments traced as inputs (``floats``, leaf positions) as 0-d tensors, the pytree leaves
+    (a module's state first), the cache key and the config to build with."""
+
+    args: tuple
+    kwargs: dict
+    leaves: list
+    treedef: pytree.TreeSpec
+    extra: tuple
+    key: Hashable
+    config: Config
+    floats: tuple[int, ...] = ()
 
 
 class Compiled(Rebuilt):
@@ -97,6 +115,10 @@ class Compiled(Rebuilt):
         # values change so that changing them back (net.eval(), then net.train()) traces nothing
         self._twins: dict[tuple, Entry] = {}
         self._sample_leaves: dict[Hashable, list[int]] = {}
+        # float arguments traced as program inputs, by call structure (hoad.numbers), and those
+        # that stay constants, with the reason the trace gave
+        self._numbers: dict[pytree.TreeSpec, frozenset[int]] = {}
+        self._constants: dict[tuple[pytree.TreeSpec, int], str] = {}
         self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: Entry | None = None
         self._sharded: list | None = None  # FSDP2 states the function reaches (hoad.distributed.gathered)
@@ -194,11 +216,18 @@ class Compiled(Rebuilt):
             hit = self._fast_hit(args, kwargs)
             if hit is not None:
                 return hit
-        args, leaves, treedef, extra, key, config = self._key(args, kwargs, nested, transformed)
-        entry = self._cache.get(key)
+        call = self._key(args, kwargs, nested, transformed)
+        entry = self._cache.get(call.key)
         free = entry.read_free() if entry is not None else None
         if free is None:
-            entry, free = self._build(key, args, kwargs, leaves, treedef, extra, config, nested)
+            with BUILDS:  # (threads that called at once with other values: the first value's program
+                # makes the next one trace the float as an input, and the rest find that program)
+                call = self._key(args, kwargs, nested, transformed)
+                lifted = self._lift_changed_floats(call) if not nested and not transformed else ""
+                if lifted:
+                    call = self._key(args, kwargs, nested, transformed)  # the changed floats now as inputs
+                entry, free, call = self._build_lifting(call, args, kwargs, nested, transformed, lifted)
+        leaves = call.leaves
         if not nested:
             self._last = entry
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -255,9 +284,9 @@ class Compiled(Rebuilt):
             key += tuple((name, v.shape, v.dtype, v.device) for name, v in kwargs.items())
         return key
 
-    def _key(self, args: tuple, kwargs: dict, nested: bool, transformed: bool) -> tuple:
-        """The call's leaves (the module's state first), its cache key and the config to build it
-        with: ``(args, leaves, treedef, extra, key, config)``."""
+    def _key(self, args: tuple, kwargs: dict, nested: bool, transformed: bool) -> Call:
+        """The call as the program sees it: its leaves (the module's state first; the float
+        arguments traced as inputs as 0-d tensors), its cache key and the config to build it with."""
         extra: tuple = ()
         if self.module is not None:
             args = (self._state(),) + args
@@ -265,6 +294,13 @@ class Compiled(Rebuilt):
             if any(w is parameters for w in self.wrt):  # a parameter frozen or unfrozen changes the blocks
                 extra += (self._expanded_wrt(),)
         leaves, treedef = pytree.tree_flatten((args, kwargs))
+        floats = tuple(i for i in sorted(self._numbers.get(treedef, ())) if type(leaves[i]) is float)
+        if floats:
+            device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+            for i in floats:
+                leaves[i] = number_tensor(leaves[i], device)
+            args, kwargs = pytree.tree_unflatten(leaves, treedef)
+            extra += (("floats as inputs", floats),)
         key = None if nested or transformed else self._tensor_key(args, kwargs)  # (as _fast_hit keys it)
         if key is None:
             key = (treedef, tuple(leaf_key(leaf) for leaf in leaves), extra, ambient())
@@ -278,13 +314,58 @@ class Compiled(Rebuilt):
             # the outer program differentiates this program's ops: an eager twin made for it
             config = dataclasses.replace(config, backend="eager", nestable=True)
             key = ("nested", key)
-        return args, leaves, treedef, extra, key, config
+        return Call(args, kwargs, leaves, treedef, extra, key, config, floats)
+
+    def _lift_changed_floats(self, call: Call) -> str:
+        """Where this call differs from a cached one only in the values of float arguments not yet
+        traced as inputs, those become inputs (the next trace hands the function a
+        :class:`~hoad.numbers.TracedFloat` for each), unless a trace refused one before: the
+        changes, as ``k=0.7 (was 0.5); compiling program 2 with it as program input, ...``; else ""."""
+        changed = floats_changed(list(self._cache), call.key, {i for t, i in self._constants if t == call.treedef})
+        if not changed:
+            return ""
+        self._numbers[call.treedef] = self._numbers.get(call.treedef, frozenset()) | frozenset(changed)
+        said = arguments_changed(self, call.key, call.args, call.kwargs, advice=False)
+        one = len(changed) == 1
+        return (f"{said}; compiling program {len(self._cache) + 1} with {'it' if one else 'them'} as program "
+                f"input{'' if one else 's'}, so that other values compile nothing")
+
+    def _build_lifting(self, call: Call, args: tuple, kwargs: dict, nested: bool, transformed: bool,
+                       lifted: str = "") -> tuple[Entry, list, Call]:
+        """:meth:`_build` for ``call`` (``lifted``: the float arguments just made inputs, as
+        changed, and the program it builds). Where floats are traced as inputs and the trace
+        refuses one (the function needs its value in Python), they stay constants from then on,
+        with the reason kept for the warning, and the call is built with them baked in. Returns
+        the program, the free tensors it reads now and the call it was built for."""
+        if not call.floats:
+            return (*self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra, call.config,
+                                 nested), call)
+        note = f"hoad: {getattr(self.fn, '__name__', 'function')} called with {lifted}" if lifted else None
+        with watching() as refusals:
+            try:
+                entry, free = self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra,
+                                          call.config, nested, note)
+                if not refusals:
+                    return entry, free, call
+                with BUILDS:  # refused, and the refusal caught by the function: the program is void
+                    self._forget(entry, why=False)
+                    for k in [k for k, e in self._twins.items() if e is entry]:
+                        del self._twins[k]
+            except (Refused, Exception) as e:  # noqa: BLE001 - any failure: the floats go back to constants
+                if not refusals:
+                    refusals.append(f"its trace failed with them as inputs ({type(e).__name__}: {first_line(e)})")
+        for i in call.floats:
+            self._constants[(call.treedef, i)] = refusals[0]
+        self._numbers[call.treedef] = self._numbers[call.treedef] - frozenset(call.floats)
+        call = self._key(args, kwargs, nested, transformed)
+        return (*self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra, call.config,
+                             nested), call)
 
     def _build(self, key, args: tuple, kwargs: dict, leaves: list, treedef, extra: tuple, config: Config,
-               nested: bool) -> tuple[Entry, list]:
+               nested: bool, note: str | None = None) -> tuple[Entry, list]:
         """The program for ``key`` and the free tensors it reads now, under :data:`BUILDS`: one
         another thread built meanwhile, a twin built for these Python values, the program of the
-        call's family (every number of samples), or a new build."""
+        call's family (every number of samples), or a new build (``note``: what to log for it)."""
         with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
             entry = self._cache.get(key)  # another thread may have built it meanwhile
             free = entry.read_free() if entry is not None else None
@@ -306,7 +387,7 @@ class Compiled(Rebuilt):
                 if family is not None and family.first is not None and family.tried is None:
                     config = dataclasses.replace(config, sized=family.first)
                 entry = self._new_signature(key, args, kwargs, config, nested,
-                                            family.tried if family is not None else None)
+                                            family.tried if family is not None else None, note)
                 if not nested and config.batch_dim is not None:
                     self._remember(treedef, leaves, extra, entry, config.sized is not None)
             self._twins[(key, entry.values)] = entry
@@ -323,11 +404,14 @@ class Compiled(Rebuilt):
             return entry, free
 
     def _new_signature(self, key, args: tuple, kwargs: dict, config: Config, nested: bool,
-                       per_count: str | None = None) -> Entry:
+                       per_count: str | None = None, note: str | None = None) -> Entry:
         """Compile for a signature not seen before, keeping at most MAX_PROGRAMS (least recent out).
-        ``per_count``: why this function's program depends on its number of samples, if it does."""
+        ``per_count``: why this function's program depends on its number of samples, if it does;
+        ``note``: what to log instead of the reason found here."""
         name = getattr(self.fn, "__name__", "function")
-        if config.sized is not None:
+        if note is not None:
+            log.info("%s", note)
+        elif config.sized is not None:
             log.info("hoad: %s called with another number of samples; building one program for every number",
                      name)
         elif per_count is not None:
@@ -372,11 +456,14 @@ class Compiled(Rebuilt):
         self._keep(key, entry)
         return entry
 
-    def _forget(self, entry: Entry) -> None:
+    def _forget(self, entry: Entry, why: bool = True) -> None:
         """Drop a program whose free tensors or Python values changed (every key it serves, and
-        the sample-count families, which may hold it or a graph traced with the old values)."""
+        the sample-count families, which may hold it or a graph traced with the old values);
+        ``why``: say so (a program voided for another reason is said where it is voided)."""
         name = getattr(self.fn, "__name__", "the function")
-        if entry.expected:
+        if not why:
+            pass
+        elif entry.expected:
             log.info("hoad: %s: %s; tracing it again", name, entry.why)
         else:
             log.warning("hoad: %s was traced with Python values it may read, and %s; tracing it again (keep values "

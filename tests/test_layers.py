@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a module's layer: it may import from its own layer and those below (higher numbers are above)
 LAYERS = {
     "hoad.errors": 0, "hoad.source": 0, "hoad.budget": 0, "hoad.binding": 0, "hoad.guards": 0, "hoad.distributed": 0,
-    "hoad.progress": 0, "hoad.tiers": 0,
+    "hoad.progress": 0, "hoad.tiers": 0, "hoad.numbers": 0,
     "hoad.algebra": 1,
     "hoad.rules": 2, "hoad.lowering": 2,
     "hoad.passes": 3,

@@ -835,7 +835,8 @@ def test_a_torchscript_module_inside_the_function(how):
 def test_a_new_program_for_a_python_number_names_it(caplog):
     """A retrace for another Python number named no argument ("a new signature (tensors (3,)
     float64)", the same tensors as before): the log names the argument, its new and old value, and
-    says to pass it as a tensor; a call whose arguments are arranged otherwise shows both calls."""
+    says that it becomes a program input (hoad.numbers); a call whose arguments are arranged
+    otherwise shows both calls."""
     import logging
 
     class Boltzmann(nn.Module):
@@ -854,6 +855,6 @@ def test_a_new_program_for_a_python_number_names_it(caplog):
         m.energy(x, 2.0, shift=0.5)
     said = [r.getMessage() for r in caplog.records if "compiling program" in r.getMessage()]
     assert len(said) == 2, said
-    assert "called with beta=2.0 (was 1.0)" in said[0] and "as a tensor" in said[0], said[0]
+    assert "energy called with beta=2.0 (was 1.0); compiling program 2 with it as program input" in said[0], said[0]
     assert ("called with (x=tensor (3,) float64, beta=2.0; by keyword shift=0.5), where it was called with "
-            "(x=tensor (3,) float64, beta=2.0)") in said[1], said[1]
+            "(x=tensor (3,) float64, beta=1.0)") in said[1], said[1]  # (the call beta=2.0 made it an input)
