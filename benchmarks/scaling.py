@@ -8,11 +8,18 @@ thread, as ``torchrun`` would start it. Three patterns (issue 42), each timed at
 - ``per-sample Hessians`` (weak scaling): ``hoad.compile(u, order=2, batch_dim=0)`` of the same
   MLP on 4096 points per rank, passed as a DTensor sharded along the samples;
 - ``split Hessian`` (strong scaling): the Hessian of a 10-64-64-5 classifier's cross-entropy on
-  256 samples in its 5189 parameters, the blocks dealt to the ranks (``split_blocks=True``).
+  256 samples in its 5189 parameters, the blocks dealt to the ranks (``split_blocks=True``), the
+  reverse program at every rank count.
+
+``pinn step alone`` is the control: the same step with each rank training its own
+model, no DDP. On a machine whose cores are shared (a VM), two ranks that never talk already lose
+time to each other, and the control says how much.
 
 Per pattern: the median time per step of the slowest rank, after warm-up (compiles included
 there, not in the figure), the efficiency (1-rank time over n-rank time for weak scaling; the
 speed-up over n for strong scaling), written to ``benchmarks/results/<stamp>-scaling.json``.
+``--rounds`` alternates the rank counts (1, 2, 1, 2, ...) and takes each figure's median over
+the rounds, so a slow minute of the machine does not land on one count alone.
 Inductor programs (the default backend); the machine must be otherwise idle.
 """
 
@@ -30,7 +37,7 @@ import time
 
 from benchmarks.env import ONE_THREAD, REPO
 
-PATTERNS = ("pinn step", "per-sample Hessians", "split Hessian")
+PATTERNS = ("pinn step", "pinn step alone", "per-sample Hessians", "split Hessian")
 STRONG = {"split Hessian"}
 
 
@@ -45,12 +52,14 @@ def _tanh_net(sizes, seed: int):
     return nn.Sequential(*layers[:-1]).double()
 
 
-def _pinn_step(rank: int, world: int, quick: bool):
+def _pinn_step(rank: int, world: int, quick: bool, communicate: bool = True):
     import torch
 
     import hoad
 
-    model = torch.nn.parallel.DistributedDataParallel(_tanh_net((16, 64, 64, 1), 0), find_unused_parameters=True)
+    model = _tanh_net((16, 64, 64, 1), 0)
+    if communicate:
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     lap = hoad.laplacian(lambda X: model(X).squeeze(-1), batch_dim=0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     X = torch.rand(256, 16, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
@@ -62,6 +71,12 @@ def _pinn_step(rank: int, world: int, quick: bool):
         opt.step()
 
     return step, 3, 20 if quick else 100
+
+
+def _pinn_alone(rank: int, world: int, quick: bool):
+    """The PINN step on each rank's own model, no DDP: what the machine itself gives two ranks
+    that never talk (the control for the pattern above)."""
+    return _pinn_step(rank, world, quick, communicate=False)
 
 
 def _per_sample(rank: int, world: int, quick: bool):
@@ -99,7 +114,10 @@ def _split(rank: int, world: int, quick: bool):
 
     names = [n for n, _ in net.named_parameters()]
     params = [p.detach() for p in net.parameters()]
-    cf = hoad.compile(loss, order=2, wrt=tuple(range(len(params))), split_blocks=world > 1)
+    # mode="reverse" at every count, so that the ranks share out the same program: split_blocks
+    # builds the reverse program, and mode="auto" picks forward-over-reverse for one rank here,
+    # 1.6x slower than reverse (3.6 against 2.2 s, 2026-11-29): 1 rank against 2 compared two programs
+    cf = hoad.compile(loss, order=2, wrt=tuple(range(len(params))), split_blocks=world > 1, mode="reverse")
 
     def step():
         cf(*params)
@@ -107,7 +125,8 @@ def _split(rank: int, world: int, quick: bool):
     return step, 1, 2 if quick else 5
 
 
-BUILDERS = {"pinn step": _pinn_step, "per-sample Hessians": _per_sample, "split Hessian": _split}
+BUILDERS = {"pinn step": _pinn_step, "pinn step alone": _pinn_alone, "per-sample Hessians": _per_sample,
+            "split Hessian": _split}
 
 
 def _rank(rank: int, world: int, port: int, quick: bool, patterns: list[str], out: str) -> None:
@@ -164,6 +183,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps per pattern")
     parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default 1,2)")
     parser.add_argument("--only", help="comma-separated patterns: " + ", ".join(PATTERNS))
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every rank count, alternated (default 3)")
     args = parser.parse_args(argv)
     patterns = [p.strip() for p in args.only.split(",")] if args.only else list(PATTERNS)
     unknown = set(patterns) - set(PATTERNS)
@@ -173,7 +193,12 @@ def main(argv: list[str]) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if max(worlds) > cores:
         parser.error(f"{max(worlds)} ranks need as many cores, this machine gives {cores}")
-    results = {world: measure(world, args.quick, patterns) for world in worlds}
+    runs: dict[int, list[dict[str, float]]] = {world: [] for world in worlds}
+    for _ in range(args.rounds):
+        for world in worlds:
+            runs[world].append(measure(world, args.quick, patterns))
+    results = {world: {name: statistics.median(r[name] for r in runs[world]) for name in patterns}
+               for world in worlds}
     base = results[worlds[0]]
     rows = []
     print(f"{'pattern':<22} " + " ".join(f"{f'{w} rank' + ('s' if w > 1 else ''):>12}" for w in worlds)
@@ -183,12 +208,13 @@ def main(argv: list[str]) -> int:
         # weak: the same time per step at every count is 100%; strong: n ranks n times faster is 100%
         efficiency = base[name] / last if name not in STRONG else base[name] / last / (worlds[-1] / worlds[0])
         rows.append({"pattern": name, "seconds": {w: results[w][name] for w in worlds}, "efficiency": efficiency,
+                     "rounds": {w: [r[name] for r in runs[w]] for w in worlds},
                      "scaling": "strong" if name in STRONG else "weak"})
         print(f"{name:<22} " + " ".join(f"{results[w][name] * 1e3:>9.2f} ms" for w in worlds)
               + f" {efficiency:>10.0%}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = REPO / "benchmarks" / "results" / f"{stamp}-scaling.json"
-    path.write_text(json.dumps({"quick": args.quick, "cores": cores, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"quick": args.quick, "cores": cores, "rounds": args.rounds, "rows": rows}, indent=1))
     print(f"wrote {path.relative_to(REPO)}")
     return 0
 
