@@ -55,7 +55,8 @@ class Explanation:
         ordered, canonical = self.symmetry()
         extras = "".join([", batch_dim=0" if p.batch_dim is not None else "", ", diagonal" if p.diagonal else ""])
         lines = [f"hoad program: order {p.order}, wrt ({', '.join(p.wrt_names)}), output shape {tuple(p.out_shape)}, "
-                 f"direction {p.direction} (mode={b.config.mode}), backend {b.config.backend}{extras}",
+                 f"direction {p.stats.get('label', p.direction)} (mode={b.config.mode}), backend {b.config.backend}"
+                 f"{extras}",
                  f"Schwarz symmetry: {canonical} canonical blocks instead of {ordered} ordered ones"
                  + (f" ({len(p.zeros)} of them {'a structural zero' if len(p.zeros) == 1 else 'structural zeros'}, "
                     "not computed)" if p.zeros else ""),
@@ -64,7 +65,8 @@ class Explanation:
                           headers=["order", "block", "dense entries", "unique entries", "stored entries", "saved"])]
         costs = b.stats.get("costs", {})
         if costs:
-            rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == p.direction else ""]
+            chosen = p.stats.get("label", p.direction)
+            rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == chosen else ""]
                     for d, c in costs.items()]
             lines += ["", tabulate(rows, headers=["direction", "FLOPs", "bytes", "ATen calls", "score", ""])]
         memory = b.stats.get("memory")
