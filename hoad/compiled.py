@@ -114,7 +114,7 @@ class Compiled(Rebuilt):
         # programs by key and the Python values they were traced with (Guard), kept when those
         # values change so that changing them back (net.eval(), then net.train()) traces nothing
         self._twins: dict[tuple, Entry] = {}
-        self._sample_leaves: dict[Hashable, list[int]] = {}
+        self._sample_leaves: dict[Hashable, tuple[list[int], int]] = {}
         # float arguments traced as program inputs, by call structure (hoad.numbers), and those
         # that stay constants, with the reason the trace gave
         self._numbers: dict[pytree.TreeSpec, frozenset[int]] = {}
@@ -486,12 +486,19 @@ class Compiled(Rebuilt):
         """The calls that differ from this one only in the number of samples (dim 0 of every input
         that holds them, all equal: see ``Build.sample_leaves``), or None when this call has none or
         fewer than 2 samples."""
-        rows = self._sample_leaves.get((treedef, extra))
-        if rows is None:
+        known = self._sample_leaves.get((treedef, extra))
+        if known is None:
             return None
-        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None for i in rows}
+        rows, lead = known
+        counts = {leaves[i].shape[0] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim else None
+                  for i in rows[:lead]}
         if len(counts) != 1 or None in counts or next(iter(counts)) < 2:
             return None
+        # the other tensors that had a row per sample (labels) count as such where they still do; one
+        # whose dim 0 matched the first count by chance keys its own families at other counts
+        count = next(iter(counts))
+        rows = rows[:lead] + [i for i in rows[lead:] if isinstance(leaves[i], torch.Tensor) and leaves[i].ndim
+                              and leaves[i].shape[0] == count]
         fkey = (treedef, tuple((None,) + tuple(leaf.shape[1:]) + (leaf.dtype, leaf.device) if i in rows
                                else leaf_key(leaf) for i, leaf in enumerate(leaves)), extra)
         return self._families.setdefault(fkey, Family(rows))
@@ -499,7 +506,7 @@ class Compiled(Rebuilt):
     def _remember(self, treedef, leaves: list, extra, entry: Entry, tried: bool) -> None:
         """After a build: the leaves that hold the samples in this call structure, and the family's
         program."""
-        self._sample_leaves.setdefault((treedef, extra), list(entry.build.sample_leaves))
+        self._sample_leaves.setdefault((treedef, extra), (list(entry.build.sample_leaves), entry.build.sample_wrt))
         family = self._family(treedef, leaves, extra)
         if family is None:
             return

@@ -183,7 +183,8 @@ class PerPoint:
 
     def seeds(self, x: torch.Tensor) -> torch.Tensor:
         """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples), and the
-        curves' higher coefficients after them along a new first axis (``(K, B, S, *x)``)."""
+        curves' higher coefficients after them along a new axis after the samples' (``(B, K, S,
+        *x)``: the samples lead, so that one program serves every number of them)."""
         rows = self._rows(self.given, x, "directions" if not self.columns else "factor", self.columns)
         if not self.higher:
             return rows
@@ -192,7 +193,7 @@ class PerPoint:
             if h.shape != rows.shape:
                 raise InvalidArgumentError(f"{self.name}: higher[{k}] (V_{k + 2}) has shape {tuple(h.shape)}, and "
                                            f"the directions {tuple(rows.shape)}: one coefficient per direction")
-        return torch.stack([rows, *more])
+        return torch.stack([rows, *more], dim=1 if self.batch_dim is not None else 0)
 
     def _rows(self, given, x: torch.Tensor, what: str, columns: bool) -> torch.Tensor:
         v = given(x) if callable(given) and not isinstance(given, torch.Tensor) else given
@@ -225,6 +226,8 @@ class PerPoint:
         """u at x + Σ_s t_s v_s (curves: + Σ_s Σ_k t_sᵏ/k! V_k,s)."""
         x = _point_of(self.u, self.wrt, args, kwargs)
         lead, count = hoad_t.shape[:-1], hoad_t.shape[-1]
+        if self.higher and lead:  # (B, K, S, *x): the coefficients' axis first
+            hoad_seeds = hoad_seeds.movedim(len(lead), 0)
         rows = hoad_seeds.reshape(-1, *lead, count, math.prod(x.shape[len(lead):]))
         power, step = hoad_t, 0
         for k in range(rows.shape[0]):  # t, t²/2, t³/6, ...

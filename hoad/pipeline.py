@@ -146,6 +146,7 @@ class Build:
     # under batch_dim, the inputs that hold the samples in dim 0: the wrt inputs other than
     # parameters, or where wrt names parameters only, the call's tensors with a row per sample
     sample_leaves: list[int] = field(default_factory=list)
+    sample_wrt: int = 0  # how many of them lead: the rest are other tensors that had a row per sample
     # what the API reads at call time, so that it walks no graph: the inputs the program writes
     # into (in place), user ops of hoad.extend in it, the plan against the memory budget
     written: set[int] = field(default_factory=set)
@@ -201,9 +202,13 @@ def _capture(b: Build) -> Build:
                     "that every sample shares is a module's parameter or buffer: hold it in a torch.nn.Module and "
                     "name it in wrt by its name, as in wrt=['layer.weight'])")
         b.shared = frozenset(shared)
-        b.sample_leaves = [leaf for k, leaf in enumerate(b.wrt_leaves) if k not in b.shared] or [
-            i for i, t in enumerate(b.tensors[:b.n_user]) if t.ndim and t.shape[0] == out[0]
-            and not isinstance(b.layout.places[i], StateEntry)]
+        rows = [i for i, t in enumerate(b.tensors[:b.n_user]) if t.ndim and t.shape[0] == out[0]
+                and not isinstance(b.layout.places[i], StateEntry)]
+        wrt_rows = [leaf for k, leaf in enumerate(b.wrt_leaves) if k not in b.shared]
+        # the wrt inputs first (the count a later call is read from), then the call's other tensors
+        # with a row per sample (a loss's labels): their counts change together
+        b.sample_leaves = wrt_rows + [i for i in rows if i not in wrt_rows] if wrt_rows else rows
+        b.sample_wrt = len(wrt_rows) or len(rows)
     _settle(b.captured, b.config, rewrites)
     return b
 
@@ -368,7 +373,8 @@ def _weigh_evaluated_jets(b: Build) -> None:
     the 8 programs measured (both ways)."""
     twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves,
                  dataclasses.replace(b.config, target=dataclasses.replace(b.target, lazy=False)), roots=b.roots)
-    twin.captured, twin.shared, twin.sample_leaves = b.captured, b.shared, b.sample_leaves
+    twin.captured, twin.shared, twin.sample_leaves, twin.sample_wrt = b.captured, b.shared, b.sample_leaves, \
+        b.sample_wrt
     try:
         for stage in (_differentiate, _prune, _clean, _lower, _hoist):
             twin = stage(twin)

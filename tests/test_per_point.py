@@ -111,6 +111,27 @@ def test_taylor_jets_along_curves(mode):
             assert_close(g, torch.stack(w), f"sample {b}, order {k}")
 
 
+def test_curves_and_directions_per_point_keep_one_program_for_every_count():
+    """Their points and seeds have a row per sample too, beside the shift they differentiate: each
+    count was a program of its own (4 counts, 4 programs); the curves' coefficients also led their
+    seeds ahead of the samples."""
+    V, V2 = rand(2, 3, seed=716), rand(2, 3, seed=717)
+    curves = hoad.taylor(u, order=3, batch_dim=0, directions=V, higher=(V2,))
+    lines = hoad.taylor(u, order=3, batch_dim=0, directions=lambda P: V * P.sum(-1)[:, None, None])
+    for count in (6, 9, 4, 13):
+        X = rand(count, 3, seed=718 + count)
+        got, per = curves(X), lines(X)
+        for b in (0, count - 1):
+            ref = zip(*[_curve_derivatives(u, X[b], (V[s], V2[s]), 3) for s in range(2)])
+            for k, w in enumerate(ref, start=1):
+                assert_close(got[k][b], torch.stack(w), f"{count} samples, sample {b}, order {k}")
+            line = zip(*[_curve_derivatives(u, X[b], (V[s] * X[b].sum(),), 3) for s in range(2)])
+            for k, w in enumerate(line, start=1):
+                assert_close(per[k][b], torch.stack(w), f"{count} samples, sample {b}, order {k} per point")
+    for op in (curves, lines):
+        assert len({id(e) for e in op.operator.compiled._cache.values()}) == 2
+
+
 def test_per_point_operators_refuse_what_they_cannot_mean():
     X = rand(5, 3, seed=709)
     with pytest.raises(hoad.InvalidArgumentError, match="factor per point must be \\(5, 3, S\\)"):

@@ -361,6 +361,40 @@ def test_one_program_serves_every_number_of_samples(backend):
     assert "one program for every number of samples: the shapes shown are those of 6 samples" in str(cf.graph)
 
 
+def test_per_sample_tensors_beside_the_wrt_input_keep_one_program():
+    """A per-sample loss with its labels (and a per-sample weight) as arguments: the labels were
+    keyed by their full shape, so every count was a family of its own and built its own program
+    (4 counts, 4 programs). Every tensor with a row per sample now counts as one."""
+    W = rand(4, 3, seed=385)
+
+    def loss(x, y, w):
+        return torch.nn.functional.cross_entropy(torch.tanh(x @ W), y, reduction="none") * w
+
+    cf = hoad.compile(loss, order=2, batch_dim=0, backend="eager")
+    for count in (16, 9, 23, 40):
+        g = torch.Generator().manual_seed(count)
+        X, y, w = rand(count, 4, seed=386 + count), torch.randint(0, 3, (count,), generator=g), rand(count, seed=count)
+        ref = vmap(hessian(lambda x, y, w: loss(x[None], y[None], w[None])[0]))(X, y, w)
+        assert_close(cf(X, y, w)[0, 0], ref, f"{count} samples")
+    assert len({id(e) for e in cf._cache.values()}) == 2, "one program for 16 samples, one for every number"
+
+
+def test_a_shared_tensor_sized_like_the_first_count_keeps_working():
+    """A tensor every sample shares whose dim 0 equals the first count by chance is taken for a
+    per-sample one at that count only: the other counts share one program, and every result is
+    right."""
+    M = rand(6, 3, seed=390)  # 6 rows, as the first call's 6 samples
+
+    def f(x, M):
+        return torch.tanh(x @ M.T).sum(-1)
+
+    cf = hoad.compile(f, order=2, batch_dim=0, backend="eager")
+    for count in (6, 9, 4, 13):
+        X = rand(count, 3, seed=391 + count)
+        assert_close(cf(X, M)[0, 0], vmap(hessian(lambda x: f(x[None], M)[0]))(X), f"{count} samples")
+    assert len({id(e) for e in cf._cache.values()}) <= 3
+
+
 def test_points_of_a_sample_keep_one_program_and_chunk():
     """nn.Linear on (B, N, d) points: the check that the function uses its count only as a size
     compared a fresh trace with the program after its samples were kept apart (torch's B·N rows
