@@ -338,13 +338,11 @@ class Compiled(Rebuilt):
         with the reason kept for the warning, and the call is built with them baked in. Returns
         the program, the free tensors it reads now and the call it was built for."""
         if not call.floats:
-            return (*self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra, call.config,
-                                 nested), call)
+            return (*self._build(call, nested), call)
         note = f"hoad: {getattr(self.fn, '__name__', 'function')} called with {lifted}" if lifted else None
         with watching() as refusals:
             try:
-                entry, free = self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra,
-                                          call.config, nested, note)
+                entry, free = self._build(call, nested, note)
                 if not refusals:
                     return entry, free, call
                 with BUILDS:  # refused, and the refusal caught by the function: the program is void
@@ -358,14 +356,14 @@ class Compiled(Rebuilt):
             self._constants[(call.treedef, i)] = refusals[0]
         self._numbers[call.treedef] = self._numbers[call.treedef] - frozenset(call.floats)
         call = self._key(args, kwargs, nested, transformed)
-        return (*self._build(call.key, call.args, call.kwargs, call.leaves, call.treedef, call.extra, call.config,
-                             nested), call)
+        return (*self._build(call, nested), call)
 
-    def _build(self, key, args: tuple, kwargs: dict, leaves: list, treedef, extra: tuple, config: Config,
-               nested: bool, note: str | None = None) -> tuple[Entry, list]:
-        """The program for ``key`` and the free tensors it reads now, under :data:`BUILDS`: one
+    def _build(self, call: Call, nested: bool, note: str | None = None) -> tuple[Entry, list]:
+        """The program for ``call`` and the free tensors it reads now, under :data:`BUILDS`: one
         another thread built meanwhile, a twin built for these Python values, the program of the
         call's family (every number of samples), or a new build (``note``: what to log for it)."""
+        key, args, kwargs, leaves, treedef, extra, config = (call.key, call.args, call.kwargs, call.leaves,
+                                                             call.treedef, call.extra, call.config)
         with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
             entry = self._cache.get(key)  # another thread may have built it meanwhile
             free = entry.read_free() if entry is not None else None
@@ -461,11 +459,9 @@ class Compiled(Rebuilt):
         the sample-count families, which may hold it or a graph traced with the old values);
         ``why``: say so (a program voided for another reason is said where it is voided)."""
         name = getattr(self.fn, "__name__", "the function")
-        if not why:
-            pass
-        elif entry.expected:
+        if why and entry.expected:
             log.info("hoad: %s: %s; tracing it again", name, entry.why)
-        else:
+        elif why:
             log.warning("hoad: %s was traced with Python values it may read, and %s; tracing it again (keep values "
                         "that change between calls in tensors: a tensor is read afresh at every call)", name, entry.why)
         for key in [k for k, e in self._cache.items() if e is entry]:

@@ -74,6 +74,13 @@ def _is_number(x) -> bool:
     return type(x) in (int, float, bool)
 
 
+def _beside(tensors: list) -> torch.dtype:
+    """The dtype a Python float takes among these tensors: the first floating or complex one's,
+    the default dtype beside integer tensors alone, float64 (its own precision) beside none."""
+    like = next((x.dtype for x in tensors if x.dtype.is_floating_point or x.dtype.is_complex), None)
+    return like if like is not None else torch.get_default_dtype() if tensors else torch.float64
+
+
 class TracedFloat:
     """A float argument during a trace: arithmetic on it is arithmetic on the program input
     ``tensor`` (0-d, float64), with the dtypes a Python float gives; its value is refused."""
@@ -94,12 +101,7 @@ class TracedFloat:
     # ------------------------------------------------------------------ arithmetic
     def _with(self, other, op, reflected: bool = False):
         if isinstance(other, torch.Tensor):
-            t = self.tensor
-            if other.dtype.is_floating_point or other.dtype.is_complex:
-                t = t.to(other.dtype)  # as a Python float meets a tensor: in the tensor's dtype
-            else:  # an integer or bool tensor: both in the default dtype, as with a Python float
-                dtype = torch.get_default_dtype()
-                t, other = t.to(dtype), other.to(dtype)
+            t = self.tensor.to(_beside([other]))
             return op(other, t) if reflected else op(t, other)
         if type(other) is TracedFloat:
             other = other.tensor
@@ -150,15 +152,11 @@ class TracedFloat:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """A torch function given a traced float (torch.exp(t), x.pow(t), clamp(x, max=t)): called
-        with the program input in the dtype of the first floating tensor beside it (the default
-        dtype beside integer tensors). One that needs a Python number reads the input's value,
-        which the trace refuses as data-dependent."""
+        with the program input in the dtype a float takes beside its tensors (:func:`_beside`). One
+        that needs a Python number reads the input's value, which the trace refuses as
+        data-dependent."""
         kwargs = kwargs or {}
-        tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        like = next((x.dtype for x in tensors if x.dtype.is_floating_point), None)
-        if like is None:  # beside integer tensors, the default dtype, as a Python float's result has
-            complex_ = any(x.dtype.is_complex for x in tensors)
-            like = torch.float64 if not tensors or complex_ else torch.get_default_dtype()
+        like = _beside([x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)])
         swap = lambda x: x.tensor.to(like) if type(x) is TracedFloat else x  # noqa: E731
         args, kwargs = torch.utils._pytree.tree_map(swap, (args, kwargs))
         return func(*args, **kwargs)
