@@ -119,6 +119,7 @@ class HoadOption:
     backend: str
     samples: str  # "dense" (not per-sample) | "batch_dim" | "summed" (Σ_b f(X_b), diagonal blocks read off)
     diagonal: bool = False  # pure derivatives only (a Laplacian needs no mixed ∂²/∂x_i∂x_j)
+    packed: bool = False  # unique entries of one input's blocks (timed as res.packed: no dense block)
 
 
 def hoad_options(p: Problem) -> Iterator[HoadOption]:
@@ -128,7 +129,7 @@ def hoad_options(p: Problem) -> Iterator[HoadOption]:
     for diagonal in ((True, False) if p.laplacian else (False,)):
         for samples in (("batch_dim", "summed") if p.per_sample else ("dense",)):
             for backend in ("inductor", "eager"):
-                yield HoadOption(backend, samples, diagonal)
+                yield HoadOption(backend, samples, diagonal, p.packed)
 
 
 class Hoad:
@@ -180,6 +181,8 @@ class Hoad:
         kwargs = dict(order=p.order, wrt=p.wrt, backend=option.backend, mode="auto")
         if option.diagonal:
             kwargs["diagonal"] = True
+        if option.packed:
+            kwargs["packed"] = True
         if option.samples == "batch_dim":
             return hoad.compile(p.fn, batch_dim=0, **kwargs)
         if option.samples == "summed":
@@ -208,7 +211,11 @@ def hoad_answer(p: Problem, cf: hoad.Compiled, option: HoadOption, every_order: 
     blocks = {}
     for k in orders:
         for K in canonical(len(p.wrt), k):
-            block = res[tuple(p.wrt[i] for i in K)]
+            key = tuple(p.wrt[i] for i in K)
+            if option.packed and not every_order:  # the unique entries as computed (checked densely)
+                blocks[K] = res.packed(key)[0]
+                continue
+            block = res[key]
             if samples == "summed":  # res.value is Σ_b f(X_b): the output without its batch axis
                 block = per_sample_blocks(block, res.value.ndim, p.sample.ndim - 1, k)
             if p.laplacian:  # pure derivatives hold the Hessian's diagonal itself
@@ -220,9 +227,9 @@ def hoad_answer(p: Problem, cf: hoad.Compiled, option: HoadOption, every_order: 
 
 def hoad_config(cf: hoad.Compiled, option: HoadOption) -> str:
     """The config label: backend/mode, then how per-sample blocks were obtained."""
-    config = f"{option.backend}/{chosen_mode(cf)}"
+    config = f"{option.backend}/{chosen_mode(cf.compiled if option.packed else cf)}"  # (packed: its jet program)
     config += {"dense": "", "batch_dim": ", batch_dim=0", "summed": ", Σ_b"}[option.samples]
-    return config + (", diagonal" if option.diagonal else "")
+    return config + (", diagonal" if option.diagonal else "") + (", packed" if option.packed else "")
 
 
 def per_sample_blocks(block: torch.Tensor, out_ndim: int, sample_ndim: int, order: int) -> torch.Tensor:

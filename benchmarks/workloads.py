@@ -43,6 +43,8 @@ class Problem:
     laplacian: bool = False
     # builds the same function and arguments in JAX: () -> (jax_fn, jax_args)
     jax: Callable[[], tuple[Callable, tuple]] | None = None
+    # hoad computes the unique entries of each block (hoad.compile(..., packed=True))
+    packed: bool = False
 
     @property
     def sample(self) -> torch.Tensor:
@@ -179,7 +181,8 @@ def _tanh_mlp_weights(dim: int = 16):
             torch.randn(64, 1, generator=g, dtype=DT) / 8)
 
 
-def tanh_mlp(order: int, points: int | None, laplacian: bool = False, dim: int = 16) -> Callable[[], Problem]:
+def tanh_mlp(order: int, points: int | None, laplacian: bool = False, dim: int = 16,
+             packed: bool = False) -> Callable[[], Problem]:
     """A scalar energy of x in R^dim (tanh MLP dim-64-64-1); ``points=None`` is one point, else a
     batch of samples."""
 
@@ -206,7 +209,8 @@ def tanh_mlp(order: int, points: int | None, laplacian: bool = False, dim: int =
         x = torch.randn(dim, generator=_generator(1), dtype=DT) if points is None else \
             torch.randn(points, dim, generator=_generator(1), dtype=DT)
         (x,) = _on(device, dtype, x)
-        return Problem(energy, (x,), order, per_sample=points is not None, laplacian=laplacian, jax=in_jax)
+        return Problem(energy, (x,), order, per_sample=points is not None, laplacian=laplacian, jax=in_jax,
+                       packed=packed)
 
     return build
 
@@ -335,6 +339,10 @@ WORKLOADS: list[Workload] = [
     *(Workload(f"higher-orders/{dim}-64-64-1/order{k}", "10. higher orders of a tanh MLP at a point (issue 45)",
                f"order {k}, tanh MLP {dim}-64-64-1, one point", tanh_mlp(k, None, dim=dim))
       for dim, orders in ((8, (3, 4, 5, 6)), (16, (3, 4, 5))) for k in orders),
+    # the same with packed=True: unique entries from jets along lattice directions (hoad.packed)
+    *(Workload(f"higher-orders/{dim}-64-64-1/order{k}/packed", "10. higher orders of a tanh MLP at a point (issue 45)",
+               f"order {k}, tanh MLP {dim}-64-64-1, one point, packed", tanh_mlp(k, None, dim=dim, packed=True))
+      for dim, orders in ((8, (4, 5, 6)), (16, (4, 5))) for k in orders),
 ]
 
 

@@ -8,13 +8,13 @@ from typing import Any
 
 from hoad.compiled import Compiled
 from hoad.errors import InvalidArgumentError, OutputError
-from hoad.options import check_options, plain_ints, refuse_unknown
+from hoad.options import Options, check_options, plain_ints, refuse_unknown
 
 
 def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 0, *, backend: str | None = None,
             mode: str = "auto", batch_dim: int | None = None, diagonal: bool = False,
             chunk_size: int | None = None, memory_budget: float | None = None, split_blocks: Any = None,
-            **unknown) -> Compiled | Callable[[Callable], Compiled]:
+            packed: bool = False, **unknown) -> Compiled | Callable[[Callable], Compiled]:
     """Compile ``fn`` into a callable returning its value and all derivatives up to ``order``.
 
     ``wrt`` selects the inputs to differentiate: an argnum, an argument name, or a tuple (or list) of them;
@@ -46,6 +46,10 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``split_blocks=True`` (or a process group): under ``torch.distributed``, the top order's
     canonical blocks are dealt to the group's ranks, balanced by size; each rank computes and
     holds its own (``res.owner(key)``), and ``res.gather()`` (called on every rank) brings them all.
+    ``packed=True`` (one wrt input x) computes each block ∂ᵏf/∂xᵏ as its C(n+k-1, k) unique entries,
+    never forming the nᵏ dense ones (:mod:`hoad.packed`): ``res.packed(key)`` returns them as computed,
+    ``res[key]`` expands the dense block when read. It pays where nᵏ far outgrows C(n+k-1, k): order 6
+    at n = 8 took 0.13x the dense program's time, order 5 at n = 16 0.36x; order 4 is faster dense.
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
                    memory_budget=memory_budget, split_blocks=split_blocks)
@@ -54,6 +58,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
         raise OutputError(f"{getattr(fn, '__name__', 'the function')} is a generator or coroutine function: it "
                           "yields or awaits instead of returning; hoad differentiates a function that returns one "
                           "tensor")
+    if packed is not False:
+        return _packed(fn, order, wrt, packed, options)
     if fn is None:
         order, wrt, options["batch_dim"], options["chunk_size"] = plain_ints(order, wrt, batch_dim, chunk_size)
         check_options(order, wrt, **options)  # at decoration time; Compiled checks the direct call
@@ -64,3 +70,20 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
         raise InvalidArgumentError(f"hoad.compile expects a function, got {type(fn).__name__}{hint}")
     return Compiled(fn, order, wrt, **options)
 
+
+def _packed(fn, order, wrt, packed, options: dict):
+    """hoad.compile(..., packed=True): the program of unique entries (:class:`hoad.packed.Packed`)."""
+    from hoad.packed import Packed
+
+    if packed is not True:
+        raise InvalidArgumentError(f"packed must be True or False, got {packed!r}")
+    refused = [name for name, default in (("diagonal", False), ("split_blocks", None)) if options[name] != default]
+    if refused:
+        raise InvalidArgumentError(
+            f"packed=True computes the unique entries of every block of one input; it does not combine with "
+            f"{' or '.join(f'{n}=' for n in refused)} (diagonal=True already stores one entry per pure derivative)")
+    kept = Options(options["batch_dim"], options["backend"], options["mode"], options["chunk_size"],
+                   options["memory_budget"])
+    if fn is None:
+        return lambda f: Packed(f, order, wrt, options=kept)
+    return Packed(fn, order, wrt, options=kept)

@@ -1,0 +1,244 @@
+"""hoad.compile(..., packed=True): the unique entries of each block of one input, computed from
+Taylor jets along lattice directions (hoad.packed), against nested torch.func and hoad's dense
+program."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import jacfwd, jacrev, vmap
+
+import hoad
+import hoad.packed as hp
+from hoad.derivatives import index_map
+from tests.helpers import assert_close, rand, reference
+
+
+def _check_packed(f, args, wrt=0, order=3, **options):
+    """Every block of orders 1..order, dense and packed, against torch.func (permuted keys included)."""
+    res = hoad.compile(f, order=order, wrt=wrt, packed=True, **options)(*args)
+    argnum = wrt if isinstance(wrt, int) else 0
+    ref = reference(f, args, (argnum,), order)
+    assert_close(res.value, f(*args), "value")
+    n = args[argnum].numel()
+    for k in range(1, order + 1):
+        key = (wrt,) * k
+        assert_close(res[key], ref[(0,) * k], f"block {k}")
+        values, index = res.packed(key)
+        dense = ref[(0,) * k].reshape(res.value.shape + (n,) * k)
+        want = dense[(Ellipsis,) + tuple(index.T)]
+        assert values.shape == res.value.shape + (math.comb(n + k - 1, k),)
+        assert_close(values, want, f"packed {k}")
+    return res
+
+
+# ------------------------------------------------------------------------------ the map
+@pytest.mark.parametrize("n, d", [(1, 3), (3, 1), (4, 3), (5, 4), (3, 6)])
+def test_ranks_and_lattice_follow_the_index_map_order(n, d):
+    index = index_map(n, d)
+    assert index.tolist() == [list(c) for c in itertools.combinations_with_replacement(range(n), d)]
+    assert hp._rank(index.numpy(), n).tolist() == list(range(len(index)))
+    counts = hp.lattice(n, d)
+    assert counts.shape == (math.comb(n + d - 1, d), n) and bool((counts.sum(1) == d).all())
+    assert all(sorted(sum(([v] * int(c) for v, c in enumerate(row)), [])) == list(r)
+               for row, r in zip(counts.tolist(), index.tolist()))
+
+
+@pytest.mark.parametrize("n, d", [(2, 3), (3, 4), (4, 2), (3, 5)])
+def test_the_map_recovers_every_coefficient_of_a_polynomial(n, d):
+    """u a random polynomial of degree d in n variables: the map takes its exact directional
+    derivatives along the lattice to its exact coefficients, at every order k <= d."""
+    g = torch.Generator().manual_seed(n * 10 + d)
+    J = hp.lattice(n, d)
+    for k in range(1, d + 1):
+        I = torch.from_numpy(hp._counts(n, k)).to(torch.float64)  # (M, n) target multi-indices
+        c = torch.randn(len(I), dtype=torch.float64, generator=g)  # ∂ⁱu for |i| = k
+        fact = torch.tensor([math.prod(math.factorial(int(a)) for a in i) for i in I], dtype=torch.float64)
+        # d^k/dt^k of Σ_i c_i/i! (t j)^i = k! Σ_i c_i/i! j^i
+        along = math.factorial(k) * ((J[:, None, :] ** I[None]).prod(-1) * (c / fact)).sum(-1)
+        got = hp.interpolation(n, d, k) @ along
+        torch.testing.assert_close(got, c, rtol=1e-12, atol=1e-12)
+
+
+def test_the_map_is_sparse():
+    gamma = hp.interpolation(8, 6, 6)
+    assert gamma.shape == (1716, 1716) and gamma.values().numel() < 0.06 * 1716 ** 2
+
+
+# ------------------------------------------------------------------------------ programs
+@pytest.mark.parametrize("order", [1, 2, 3, 4, 5])
+def test_packed_blocks_of_an_mlp_match_torch_func(order):
+    W1, b1, W2 = rand(8, 4, seed=1) / 2, rand(8, seed=2) / 10, rand(3, 8, seed=3) / 3
+    _check_packed(lambda x: W2 @ torch.tanh(W1 @ x + b1), (rand(4, seed=4),), order=order)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.exp(x).prod(),
+    lambda x: (torch.sin(x) * torch.cos(x.flip(0))).sum() + torch.log1p(x.square()).sum() ** 2,
+    lambda x: torch.softmax(x, 0) @ torch.arange(1.0, 5.0, dtype=torch.float64),
+    lambda x: torch.stack([x.norm(), (x[:2] * x[2:]).sum(), torch.sigmoid(x).prod()]),
+], ids=["prod-exp", "dag", "softmax", "stacked"])
+def test_packed_elementwise_reductions_and_dags(fn):
+    _check_packed(fn, (rand(4, seed=7) / 2 + 0.3,), order=4)
+
+
+def test_a_matrix_input_a_second_argument_and_a_name():
+    """x (2, 3) flattened to 6 entries; w another argument, not differentiated; wrt by name."""
+    w = rand(3, seed=8)
+
+    def f(w, x):
+        return (torch.tanh(x @ w) ** 2).sum() + x.prod()
+
+    res = _check_packed(f, (w, rand(2, 3, seed=9)), wrt=1, order=3)
+    named = hoad.compile(f, order=3, wrt="x", packed=True)(w, rand(2, 3, seed=9))
+    torch.testing.assert_close(named["x", "x", "x"], res[1, 1, 1], rtol=0, atol=0)
+    assert named.wrt == ["x"]
+
+
+def test_orders_above_the_polynomial_degree_are_zero_and_structural_zeros_come_packed():
+    x = rand(3, seed=10)
+    res = _check_packed(lambda x: (x ** 2).sum() * x[0], (x,), order=5)  # cubic: orders 4, 5 vanish
+    assert float(res[0, 0, 0, 0].abs().max()) < 1e-10
+    linear = hoad.compile(lambda x: 2 * x.sum(), order=3, packed=True)(x)
+    assert linear.is_structural_zero((0, 0)) and linear.packed((0, 0, 0))[0].shape == (10,)
+    assert torch.equal(linear[0, 0], torch.zeros(3, 3, dtype=torch.float64))
+
+
+def test_packed_equals_the_unique_entries_of_the_dense_program():
+    W = rand(5, 5, seed=11) / 3
+
+    def f(x):
+        return torch.tanh(W @ torch.tanh(W @ x)).sum()
+
+    x = rand(5, seed=12)
+    dense = hoad.compile(f, order=4)(x)
+    packed = hoad.compile(f, order=4, packed=True)(x)
+    for k in range(1, 5):
+        a, ia = dense.packed((0,) * k)
+        b, ib = packed.packed((0,) * k)
+        assert torch.equal(ia, ib)
+        assert_close(b, a, f"order {k}")
+
+
+def test_per_sample_packed_blocks_under_batch_dim():
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    X = rand(5, 2, 3, seed=13)
+    res = hoad.compile(lambda X: net(X.flatten(1)), order=3, batch_dim=0, packed=True)(X)
+    single = lambda x: net(x.reshape(-1))  # noqa: E731
+    assert_close(res[0], vmap(jacrev(single))(X))
+    assert_close(res[0, 0, 0], vmap(jacfwd(jacfwd(jacrev(single))))(X))
+    values, index = res.packed((0, 0))
+    assert values.shape == (5, 2, 21) and index.shape == (21, 2)
+
+
+def test_training_through_packed_blocks():
+    """Gradients w.r.t. the parameters flow through the jets and the map."""
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    x = rand(3, seed=14)
+    params = [p for name, p in net.named_parameters() if name != "2.bias"]
+    res = hoad.compile(lambda x: net(x).squeeze(-1), order=3, packed=True)(x)
+    values, _ = res.packed((0, 0, 0))
+    got = torch.autograd.grad(values.square().sum() + res[0, 0].sum(), params)
+
+    def loss():
+        u = lambda x: net(x).squeeze(-1)  # noqa: E731
+        third = jacfwd(jacfwd(jacrev(u)))(x)
+        return third[tuple(index_map(3, 3).T)].square().sum() + jacfwd(jacrev(u))(x).sum()
+
+    want = torch.autograd.grad(loss(), params)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_a_decorated_method():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1).double()
+
+        @hoad.compile(order=4, wrt="x", packed=True)
+        def energy(self, x):
+            return torch.cosh(self.lin(x)).sum()
+
+    m = Model()
+    assert repr(Model.energy) == "<hoad.compile(Model.energy, order=4, wrt='x', packed=True)>"
+    x = rand(3, seed=15)
+    res = m.energy(x)
+    u = lambda x: torch.cosh(m.lin(x)).sum()  # noqa: E731
+    assert_close(res["x", "x", "x", "x"], jacfwd(jacfwd(jacfwd(jacrev(u))))(x))
+
+
+def test_threads_calling_one_packed_program_at_mixed_shapes():
+    """8 threads x 6 calls, each at one of three input sizes: every result right (the lattice, the
+    maps and the dense expansions are shared between them)."""
+    cf = hoad.compile(lambda x: torch.tanh(x).prod() + x.square().sum() ** 2, order=3, packed=True)
+    points = {n: rand(n, seed=20 + n) / 2 for n in (2, 3, 4)}
+    refs = {n: reference(lambda x: torch.tanh(x).prod() + x.square().sum() ** 2, (x,), (0,), 3)
+            for n, x in points.items()}
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(6):
+                n = (2, 3, 4)[(t + i) % 3]
+                res = cf(points[n])
+                for k in (1, 2, 3):
+                    assert_close(res[(0,) * k], refs[n][(0,) * k], f"thread {t} n={n} order {k}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_explain_shows_each_orders_dense_and_computed_entries():
+    cf = hoad.compile(lambda x: torch.tanh(x).prod(), order=3, packed=True)
+    text = str(cf.explain(rand(4, seed=30)))
+    assert "every block of x (4 entries) as its unique entries" in text and "20 lattice directions" in text, text
+    head = text.split("hoad program:")[0]
+    rows = {line.split()[0]: line.split()[-2:] for line in head.splitlines() if "(x" in line}
+    assert rows == {"1": ["4", "4"], "2": ["16", "10"], "3": ["64", "20"]}, rows
+    assert "hoad program: order 3" in text  # the jet program's own explanation follows
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(wrt=(0, 1)), "one input"),
+    (dict(wrt=hoad.parameters), "one argnum"),
+    (dict(diagonal=True), "diagonal="),
+    (dict(packed="yes"), "True or False"),
+    (dict(order=0), "order must be"),
+])
+def test_packed_refusals_name_the_way_out(options, fragment):
+    def f(x, y):
+        return (x * y).sum()
+
+    kwargs = {"order": 2, "packed": True, **options}
+    with pytest.raises(hoad.InvalidArgumentError, match=fragment):
+        hoad.compile(f, **kwargs)(rand(2), rand(2))
+
+
+@pytest.mark.inductor
+def test_packed_under_inductor():
+    W = rand(6, 3, seed=16) / 2
+
+    def f(x):
+        return torch.tanh(W @ x).sum()
+
+    _check_packed(f, (rand(3, seed=17),), order=4, backend="inductor")
+
+
+def test_the_rank_table_counts_every_multiset():
+    for n, d in ((4, 3), (6, 2)):
+        table = hp._rank_table(n, d)
+        assert int(table[0, n]) == math.comb(n + d - 1, d)
+        assert np.all(np.diff(table, axis=1) > 0)
