@@ -46,10 +46,11 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``split_blocks=True`` (or a process group): under ``torch.distributed``, the top order's
     canonical blocks are dealt to the group's ranks, balanced by size; each rank computes and
     holds its own (``res.owner(key)``), and ``res.gather()`` (called on every rank) brings them all.
-    ``packed=True`` (one wrt input x) computes each block ∂ᵏf/∂xᵏ as its C(n+k-1, k) unique entries,
-    never forming the nᵏ dense ones (:mod:`hoad.packed`): ``res.packed(key)`` returns them as computed,
-    ``res[key]`` expands the dense block when read. It pays where nᵏ far outgrows C(n+k-1, k): order 6
-    at n = 8 took 0.13x the dense program's time, order 5 at n = 16 0.36x; order 4 is faster dense.
+    ``packed=True`` computes the unique entries of the symmetric tensor over the wrt inputs' n entries
+    (C(n+k-1, k) of nᵏ at order k), never forming a dense block (:mod:`hoad.packed`): ``res.packed(key)``
+    returns a block of one input's unique entries, ``res[key]`` gathers any block, dense, when read.
+    It pays where nᵏ far outgrows C(n+k-1, k): order 6 at n = 8 took 0.13x the dense program's time,
+    order 5 at n = 16 0.36x; order 4 is faster dense.
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
                    memory_budget=memory_budget, split_blocks=split_blocks)

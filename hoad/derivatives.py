@@ -211,11 +211,9 @@ class Derivatives(Mapping):
         index = index_map(n, k, self.value.device)
         flat = (index * torch.tensor([n ** (k - 1 - j) for j in range(k)], device=index.device)).sum(-1)
         lead = tuple(self.value.shape)
-        computed = getattr(self._blocks, "packed", None)  # (hoad.packed.PackedBlocks)
+        computed = getattr(self._blocks, "packed_of", None)  # (hoad.packed.PackedBlocks)
         if computed is not None:
-            if K in computed:
-                return computed[K], index
-            return self.value.new_zeros(lead + (index.shape[0],)), index
+            return computed(K), index
         return self._block(K).reshape(lead + (n ** k,))[..., flat], index
 
     def is_structural_zero(self, key) -> bool:

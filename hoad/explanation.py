@@ -14,6 +14,9 @@ from tabulate import tabulate
 from hoad.algebra.multiindex import all_multi_indices
 from hoad.budget import human
 
+# dense over unique entries of the top order (nᵏ / C(n+k-1, k)) from which packed=True pays
+PACKED_PAYS = 50
+
 
 class Explanation:
     """What :func:`hoad.explain` shows: a build's direction, stages, costs and memory plan."""
@@ -43,6 +46,22 @@ class Explanation:
                 rows.append([len(K), key, dense, unique, 0, "structural zero"])
         return rows
 
+    def packed_hint(self) -> list[str]:
+        """A line pointing to ``packed=True`` where the top order's dense entries are
+        :data:`PACKED_PAYS` times its unique ones or more (measured: a tanh MLP at a point, order 6
+        at n = 8 and order 5 at n = 16 ran 7.8x and 2.7x faster packed; 41x, order 5 at n = 8, ran
+        1.5x slower)."""
+        p = self.program
+        if p.diagonal:
+            return []
+        n, k = sum(math.prod(s) for s in p.slot_shapes), p.order
+        unique = math.comb(n + k - 1, k)
+        if k < 3 or n ** k < PACKED_PAYS * unique:
+            return []
+        return ["", f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
+                    "computes the unique entries alone, from Taylor jets; at this ratio it was the faster "
+                    "(docs/guide.md)"]
+
     def symmetry(self) -> tuple[int, int]:
         """(ordered blocks a naive nesting computes, canonical blocks hoad computes)."""
         p = self.program
@@ -63,6 +82,7 @@ class Explanation:
                  "",
                  tabulate(self.blocks_table(),
                           headers=["order", "block", "dense entries", "unique entries", "stored entries", "saved"])]
+        lines += self.packed_hint()
         costs = b.stats.get("costs", {})
         if costs:
             chosen = p.stats.get("label", p.direction)

@@ -34,9 +34,11 @@ import torch
 import torch._dynamo
 from tabulate import tabulate
 
+from hoad.algebra.multiindex import all_multi_indices
 from hoad.derivatives import Derivatives, ResultSpec
+from hoad.directions import _point_of, _signature
 from hoad.errors import InvalidArgumentError
-from hoad.operators import DIRECTIONS, _check_wrt, _Operator, leafwise
+from hoad.operators import DIRECTIONS, _Operator, leafwise
 from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int
 
 
@@ -141,42 +143,115 @@ def lattice(n: int, d: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _dense_positions(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """(nᵏ,): for each entry of a dense block, read row-major, its position on the packed axis."""
-    every = np.stack(np.unravel_index(np.arange(n ** k), (n,) * k), axis=-1)
+def _dense_positions(sizes: tuple[int, ...], offsets: tuple[int, ...], n: int, device: torch.device) -> torch.Tensor:
+    """(Π sizes,): for each entry of a dense block whose slot t runs over the ``sizes[t]`` coordinates
+    from ``offsets[t]`` of the n joined ones, read row-major, its position on the packed axis."""
+    every = np.stack(np.unravel_index(np.arange(math.prod(sizes)), sizes), axis=-1) + np.array(offsets)
     return torch.from_numpy(_rank(np.sort(every, axis=-1), n)).to(device)
 
 
 # ------------------------------------------------------------------------------ results
 class PackedBlocks(Mapping):
-    """A packed result's blocks by canonical multi-index (0,)*k: the unique entries ``packed[K]``
-    (*lead, M), expanded to the dense block when read (once)."""
+    """A packed result's blocks by canonical multi-index. ``by_order[k]`` holds the unique entries
+    of order k over the wrt inputs' coordinates joined in wrt order (*lead, C(n+k-1, k)); a block
+    is gathered from them, dense, when read (once)."""
 
-    def __init__(self, packed: dict, lead: tuple, slot: tuple):
-        self.packed, self._lead, self._slot = packed, lead, slot
+    def __init__(self, by_order: dict, value: torch.Tensor, slots: list, keys: list):
+        self.by_order, self._value, self._slots, self._keys = by_order, value, slots, keys
+        self._lead = tuple(value.shape)
+        self._sizes = [math.prod(s) for s in slots]
+        self._offsets = [sum(self._sizes[:p]) for p in range(len(slots))]
         self._dense: dict = {}
         self._lock = threading.Lock()
+
+    def packed_of(self, K) -> torch.Tensor:
+        """The unique entries of a block of one input, (p, …, p): the joined entries on its coordinates."""
+        values = self.by_order.get(len(K))
+        n, k = self._sizes[K[0]], len(K)
+        if values is None:  # (the order's jets are structurally zero)
+            return self._value.new_zeros(self._lead + (math.comb(n + k - 1, k),))
+        if len(self._slots) == 1:
+            return values
+        return values[..., _block_positions(n, k, self._offsets[K[0]], sum(self._sizes), values.device)]
 
     def __getitem__(self, K):
         with self._lock:
             if K not in self._dense:
-                values = self.packed[K]
-                n, k = math.prod(self._slot), len(K)
-                positions = _dense_positions(n, k, values.device)
-                self._dense[K] = values[..., positions].reshape(self._lead + self._slot * k)
+                if K not in self._keys:
+                    raise KeyError(K)
+                values = self.by_order[len(K)]
+                positions = _dense_positions(tuple(self._sizes[p] for p in K), tuple(self._offsets[p] for p in K),
+                                             sum(self._sizes), values.device)
+                shape = self._lead + tuple(d for p in K for d in self._slots[p])
+                self._dense[K] = values[..., positions].reshape(shape)
             return self._dense[K]
 
     def __iter__(self):
-        return iter(self.packed)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self.packed)
+        return len(self._keys)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_positions(n: int, k: int, offset: int, total: int, device: torch.device) -> torch.Tensor:
+    """(C(n+k-1, k),): the positions, among the unique entries over ``total`` joined coordinates,
+    of those whose k coordinates all lie in one input's n from ``offset``."""
+    tuples = np.stack([np.repeat(np.arange(n), c) for c in _counts(n, k)]) + offset  # sorted, per multiset
+    return torch.from_numpy(_rank(tuples, total)).to(device)
+
+
+def _entries(wrt) -> list:
+    """wrt as a list of distinct argnums or argument names, or a refusal naming what works."""
+    entries = list(wrt) if isinstance(wrt, (tuple, list)) else [wrt]
+    for e in entries:
+        if isinstance(e, bool) or not isinstance(e, (int, str)) or (isinstance(e, int) and e < 0):
+            raise InvalidArgumentError(
+                f"packed=True differentiates inputs named by argnum (int >= 0) or argument name, got {e!r} in "
+                f"wrt={wrt!r}; for every parameter of a module (wrt=hoad.parameters) leave packed off")
+    if not entries or len(set(entries)) != len(entries):
+        raise InvalidArgumentError(f"wrt must name one input or several distinct ones, got {wrt!r}")
+    return entries
+
+
+def _put(u, entry, args: list, kwargs: dict, value) -> None:
+    """Replace the input ``entry`` (as :func:`hoad.directions._point_of` finds it) in a call of ``u``."""
+    if isinstance(entry, int) and entry < len(args):
+        args[entry] = value
+        return
+    names = list(_signature(u).parameters) if _signature(u) is not None else []
+    name = names[entry] if isinstance(entry, int) else entry
+    if isinstance(entry, str) and name not in kwargs and name in names and names.index(name) < len(args):
+        args[names.index(name)] = value
+    else:
+        kwargs[name] = value
+
+
+def _joined(u, entries: list, batched: bool):
+    """``u`` of one input z, the wrt inputs' entries joined in wrt order (per sample under
+    ``batch_dim``): ``joined(z, *args, **kwargs)`` calls u with each wrt input a view of z, shaped
+    as the one the call passes (read for its shape only)."""
+    lead = 1 if batched else 0
+
+    def joined(z, *args, **kwargs):
+        args, kwargs, at = list(args), dict(kwargs), 0
+        for e in entries:
+            x = _point_of(u, e, args, kwargs)
+            n = math.prod(x.shape[lead:])
+            _put(u, e, args, kwargs, z[..., at:at + n].reshape(tuple(z.shape[:lead]) + tuple(x.shape[lead:])))
+            at += n
+        return u(*args, **kwargs)
+
+    joined.__name__ = getattr(u, "__name__", type(u).__name__)
+    joined.__qualname__ = getattr(u, "__qualname__", joined.__name__)
+    return joined
 
 
 class Packed(_Operator):
-    """``hoad.compile(u, order=K, wrt=x, packed=True)``: every order 1..K of one input x, computed
-    as unique entries (see the module docstring); returns :class:`~hoad.Derivatives` whose
-    ``packed(key)`` gives them as computed and whose ``res[key]`` expands the dense block."""
+    """``hoad.compile(u, order=K, wrt=..., packed=True)``: every block of orders 1..K between the wrt
+    inputs, computed as the unique entries of the symmetric tensor over their joined entries (see
+    the module docstring); returns :class:`~hoad.Derivatives` whose ``packed(key)`` gives a block
+    of one input as computed and whose ``res[key]`` gathers any block, dense, when read."""
 
     _POSITIONAL = ("order", "wrt")
 
@@ -185,29 +260,46 @@ class Packed(_Operator):
         order = plain_int(order)
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise InvalidArgumentError(f"order must be an int >= 1, got {order!r}")
-        if isinstance(wrt, (tuple, list)) and len(wrt) == 1:
-            wrt = wrt[0]
-        if isinstance(wrt, (tuple, list)) or not isinstance(wrt, (int, str)) or isinstance(wrt, bool):
-            raise InvalidArgumentError(
-                f"packed=True computes the blocks of one input, ∂ᵏu/∂xᵏ: wrt must be one argnum or argument "
-                f"name, got {wrt!r}; for mixed blocks of several inputs leave packed off (dense blocks), or pass "
-                "the inputs as one tensor")
-        _check_wrt(wrt)
-        super().__init__(u, order, wrt, directions=torch.zeros(1, 1, dtype=torch.float64), weights=None,
+        self.entries, self._user = _entries(wrt), u
+        joined = len(self.entries) > 1
+        inner = _joined(u, self.entries, options.batch_dim is not None) if joined else u
+        super().__init__(inner, order, 0 if joined else self.entries[0], directions=torch.zeros(1, 1), weights=None,
                          collapse=None, options=options)
-        self.order = order
+        self.order, self.joined = order, joined
 
     def __repr__(self) -> str:
         shown = super().__repr__().removeprefix("<hoad.packed(").removesuffix(")>")
         return f"<hoad.compile({shown}, packed=True)>"
 
-    def _point_shape(self, args: tuple, kwargs: dict) -> tuple:
-        """The shape of one point of x (of one sample under ``batch_dim``)."""
-        x = self._point(args, kwargs)
-        return tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
+    def _inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        xs = [_point_of(self._user, e, args, kwargs) for e in self.entries]
+        if len({(x.dtype, x.device) for x in xs}) > 1:
+            raise InvalidArgumentError(
+                f"packed=True joins the wrt inputs into one: they must share a dtype and device, got "
+                f"{', '.join(f'{e!r}: {x.dtype} on {x.device}' for e, x in zip(self.entries, xs))}")
+        if self.batch_dim is not None and len({x.shape[:1] for x in xs}) > 1:
+            raise InvalidArgumentError(
+                f"under batch_dim=0 every wrt input holds the samples along dim 0, got sizes "
+                f"{', '.join(f'{e!r}: {tuple(x.shape)}' for e, x in zip(self.entries, xs))}")
+        return xs
+
+    def _slots(self, xs: list[torch.Tensor]) -> list[tuple]:
+        """The shape of one point (one sample under ``batch_dim``) of each wrt input."""
+        return [tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape) for x in xs]
+
+    def _call_args(self, args: tuple, kwargs: dict) -> tuple[tuple, list[tuple]]:
+        """The program's positional arguments (the joined input first, where there are several) and
+        each wrt input's point shape."""
+        xs = self._inputs(args, kwargs)
+        if not self.joined:
+            return args, self._slots(xs)
+        lead = tuple(xs[0].shape[:1]) if self.batch_dim is not None else ()
+        z = torch.cat([x.reshape(lead + (-1,)) for x in xs], -1)
+        return (z, *args), self._slots(xs)
 
     def _extra(self, args: tuple, kwargs: dict) -> dict:
-        x, slot = self._point(args, kwargs), self._point_shape(args, kwargs)
+        x = self._point(args, kwargs)
+        slot = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
         V = lattice(math.prod(slot), self.order)
         kwargs = dict(kwargs)
         kwargs[DIRECTIONS] = V.reshape((V.shape[0],) + slot).to(dtype=x.dtype, device=x.device)
@@ -215,49 +307,73 @@ class Packed(_Operator):
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs) -> Derivatives:
-        slot = self._point_shape(args, kwargs)
-        self._last_slot = slot
-        return leafwise(lambda res: self._result(res, slot), self.compiled(*args, **self._extra(args, kwargs)))
+        args, slots = self._call_args(args, kwargs)
+        self._last_slots = slots
+        return leafwise(lambda res: self._result(res, slots), self.compiled(*args, **self._extra(args, kwargs)))
 
     def explain(self, *args, **kwargs):
         """Each order's dense and unique entries, then the program of Taylor jets that computes
         them (:meth:`hoad.compile(...).explain <hoad.api.Compiled.explain>`), for these arguments
         (or the last call)."""
-        inner = super().explain(*args, **kwargs)
-        slot = self._point_shape(args, kwargs) if args or kwargs else self._last_slot
-        return PackedExplanation(inner, math.prod(slot), self.order)
+        if args or kwargs:
+            args, slots = self._call_args(args, kwargs)
+            inner = super().explain(*args, **kwargs)
+        else:
+            inner, slots = super().explain(), self._last_slots
+        sig = _signature(self._user)
+        names = [p.name for p in sig.parameters.values()] if sig is not None else []
+        shown = [names[e] if isinstance(e, int) and e < len(names) else str(e) for e in self.entries]
+        return PackedExplanation(inner, [math.prod(s) for s in slots], shown, self.order)
 
-    def _result(self, res: Derivatives, slot: tuple) -> Derivatives:
-        n, lead, K_top = math.prod(slot), tuple(res.value.shape), self.order
-        packed, zeros = {}, []
-        for k in range(1, K_top + 1):
-            K = (0,) * k
-            if K in res._spec.zeros:
-                zeros.append(K)
+    def _result(self, res: Derivatives, slots: list[tuple]) -> Derivatives:
+        n, lead, top = sum(math.prod(s) for s in slots), tuple(res.value.shape), self.order
+        by_order = {}
+        for k in range(1, top + 1):
+            if (0,) * k in res._spec.zeros:
                 continue
-            along = res._block(K).reshape(-1, math.comb(n + K_top - 1, K_top))  # (*lead, S) as (m, S)
-            gamma = _on(n, K_top, k, along.dtype, along.device)
-            packed[K] = (gamma @ along.T).T.reshape(lead + (gamma.shape[0],))
-        keys = [K for K in ((0,) * k for k in range(1, K_top + 1)) if K in packed]
-        spec = res._spec
-        return Derivatives(res.value, PackedBlocks(packed, lead, slot),
-                           ResultSpec(keys, zeros, spec.wrt, spec.aliases, [slot], K_top))
+            along = res._block((0,) * k).reshape(-1, math.comb(n + top - 1, top))  # (*lead, S) as (m, S)
+            gamma = _on(n, top, k, along.dtype, along.device)
+            by_order[k] = (gamma @ along.T).T.reshape(lead + (gamma.shape[0],))
+        every = all_multi_indices(len(slots), top)
+        keys = [K for K in every if len(K) in by_order]
+        aliases = _aliases(self._user, self.entries)
+        return Derivatives(res.value, PackedBlocks(by_order, res.value, slots, keys),
+                           ResultSpec(keys, [K for K in every if len(K) not in by_order], self.entries, aliases,
+                                      slots, top))
+
+
+def _aliases(u, entries: list) -> dict:
+    """Each wrt entry's position, under its argnum and its name where the signature says both."""
+    sig = _signature(u)
+    names = [p.name for p in sig.parameters.values()] if sig is not None else []
+    aliases = {}
+    for p, e in enumerate(entries):
+        aliases[e] = p
+        other = names[e] if isinstance(e, int) and e < len(names) else names.index(e) if e in names else None
+        if other is not None:
+            aliases.setdefault(other, p)
+    return aliases
 
 
 class PackedExplanation:
     """:meth:`Packed.explain`: the packed blocks' sizes above the Taylor program's explanation."""
 
-    def __init__(self, program, n: int, order: int):
-        self.program, self.n, self.order = program, n, order
+    def __init__(self, program, sizes: list[int], names: list[str], order: int):
+        self.program, self.sizes, self.names, self.order = program, sizes, names, order
 
     def __str__(self) -> str:
         p = self.program.program
-        name, out = p.wrt_names[0], math.prod(p.out_shape)
-        rows = [[k, f"({', '.join([name] * k)})", out * self.n ** k, out * math.comb(self.n + k - 1, k)]
-                for k in range(1, self.order + 1)]
-        head = (f"packed=True: every block of {name} ({self.n} entries) as its unique entries, read off Taylor jets "
-                f"of order {self.order} along the {math.comb(self.n + self.order - 1, self.order)} lattice "
-                "directions (the program below); a dense block is formed only where res[key] reads one")
+        out, n, names = math.prod(p.out_shape), sum(self.sizes), self.names
+        rows = []
+        for K in all_multi_indices(len(self.sizes), self.order):
+            key = f"({', '.join(names[q] for q in K)})"
+            unique = math.prod(math.comb(self.sizes[q] + K.count(q) - 1, K.count(q)) for q in set(K))
+            rows.append([len(K), key, out * math.prod(self.sizes[q] for q in K), out * unique])
+        what = (f"{names[0]} ({n} entries)" if len(self.sizes) == 1
+                else f"{', '.join(names)} ({' + '.join(map(str, self.sizes))} = {n} entries, joined)")
+        head = (f"packed=True: every block of {what} as its unique entries, read off Taylor jets of order "
+                f"{self.order} along the {math.comb(n + self.order - 1, self.order)} lattice directions (the "
+                "program below); a dense block is formed only where res[key] reads one")
         table = tabulate(rows, headers=["order", "block", "dense entries", "unique entries (computed)"])
         return f"{head}\n\n{table}\n\n{self.program}"
 

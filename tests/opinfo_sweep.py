@@ -68,9 +68,10 @@ MODES = ("forward", "reverse")
 RTOL = 1e-7
 TIMEOUT_S = 120         # per sample and mode (trace + run); a timeout is a crash
 # how each direction calls the op: "op" (op.op) or "opinfo" (OpInfo.__call__); see the docstring
-VIA = {"mixed": {"forward": "op", "reverse": "opinfo", "auto": "opinfo"},
-       "op": {"forward": "op", "reverse": "op", "auto": "op"},
-       "opinfo": {"forward": "opinfo", "reverse": "opinfo", "auto": "opinfo"}}
+# ("packed": hoad.compile(..., packed=True), the unique entries from Taylor jets, mode "auto")
+VIA = {"mixed": {"forward": "op", "reverse": "opinfo", "auto": "opinfo", "packed": "op"},
+       "op": {"forward": "op", "reverse": "op", "auto": "op", "packed": "op"},
+       "opinfo": {"forward": "opinfo", "reverse": "opinfo", "auto": "opinfo", "packed": "opinfo"}}
 
 STATUSES = ("exact", "unsupported", "refused", "wrong", "crash", "skipped")
 # worst first: silently wrong numbers are worse than a crash, a crash worse than a clear refusal
@@ -485,7 +486,8 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S, via="mixed")
             with time_limit(timeout), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 traced = g_opinfo if VIA[via][mode] == "opinfo" else g
-                res = hoad.compile(traced, order=order, backend="eager", mode=mode)(x)
+                how = dict(packed=True) if mode == "packed" else dict(mode=mode)
+                res = hoad.compile(traced, order=order, backend="eager", **how)(x)
                 problems = []
                 bad = compare(res.value, value, g.rtol)
                 if bad:
@@ -961,8 +963,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--all", action="store_true", help="every eligible op (default: the fast subset)")
     p.add_argument("--op", action="append", help="only this op (repeatable)")
-    p.add_argument("--mode", action="append", choices=["forward", "reverse", "auto"],
-                   help="directions to check (default: forward and reverse)")
+    p.add_argument("--mode", action="append", choices=["forward", "reverse", "auto", "packed"],
+                   help="directions to check (default: forward and reverse; packed: hoad.compile(..., packed=True))")
     p.add_argument("--timeout", type=int, default=TIMEOUT_S)
     p.add_argument("--via", choices=sorted(VIA), default="mixed",
                    help="call the op as op.op, through OpInfo.__call__, or mixed (forward: op.op, reverse: OpInfo)")

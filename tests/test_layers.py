@@ -23,8 +23,9 @@ LAYERS = {
     "hoad.pipeline": 4, "hoad.training": 4, "hoad.derivatives": 4, "hoad.printing": 4, "hoad.explanation": 4,
     "hoad.optable": 4,
     "hoad.options": 4, "hoad.methods": 4, "hoad.cache": 4,
-    "hoad.chunking": 5, "hoad.compiled": 5, "hoad.api": 5, "hoad.directions": 5,
-    "hoad.operators": 6, "hoad.jets": 6, "hoad": 7, "hoad.warm": 7,
+    "hoad.chunking": 5, "hoad.compiled": 5, "hoad.directions": 5,
+    "hoad.api": 6,  # (hoad.compile(..., packed=True) is hoad.packed's operator)
+    "hoad.operators": 6, "hoad.jets": 6, "hoad.packed": 6, "hoad": 7, "hoad.warm": 7,
 }
 # rules and lowering share a layer but must not know each other
 APART = {("hoad.rules", "hoad.lowering"), ("hoad.lowering", "hoad.rules")}

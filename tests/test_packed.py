@@ -110,6 +110,14 @@ def test_orders_above_the_polynomial_degree_are_zero_and_structural_zeros_come_p
     assert torch.equal(linear[0, 0], torch.zeros(3, 3, dtype=torch.float64))
 
 
+def test_an_input_the_output_does_not_reach_gives_structural_zeros():
+    x, y = rand(3, seed=40), rand(2, seed=41)
+    res = hoad.compile(lambda x, y: y.sin().sum(), order=2, packed=True)(x, y)
+    assert res.is_structural_zero((0,)) and res.is_structural_zero((0, 0))
+    assert torch.equal(res[0, 0], torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.equal(res.packed((0, 0))[0], torch.zeros(6, dtype=torch.float64))
+
+
 def test_packed_equals_the_unique_entries_of_the_dense_program():
     W = rand(5, 5, seed=11) / 3
 
@@ -202,6 +210,11 @@ def test_threads_calling_one_packed_program_at_mixed_shapes():
 
 
 def test_explain_shows_each_orders_dense_and_computed_entries():
+    """Dense and computed entries per block (mixed ones with several inputs), then the jet program."""
+    two = hoad.compile(lambda x, y: (x.sin() * y).sum(), order=2, wrt=(0, 1), packed=True)
+    text = str(two.explain(rand(3, seed=36), rand(3, seed=37)))
+    assert "every block of x, y (3 + 3 = 6 entries, joined)" in text and "21 lattice directions" in text, text
+    assert "(x, y)" in text
     cf = hoad.compile(lambda x: torch.tanh(x).prod(), order=3, packed=True)
     text = str(cf.explain(rand(4, seed=30)))
     assert "every block of x (4 entries) as its unique entries" in text and "20 lattice directions" in text, text
@@ -211,9 +224,54 @@ def test_explain_shows_each_orders_dense_and_computed_entries():
     assert "hoad program: order 3" in text  # the jet program's own explanation follows
 
 
+@pytest.mark.parametrize("order", [2, 3])
+def test_mixed_blocks_of_several_inputs_from_their_joined_entries(order):
+    """wrt=(0, "y"): the symmetric tensor over x's 3 and y's 2 entries joined; every canonical block,
+    mixed ones included, against torch.func; packed() of one input's block against the dense
+    program's; keys by argnum and name alike."""
+    W = rand(4, 3, seed=31) / 2
+
+    def f(x, s, y):  # x (3,), s a scalar argument not differentiated, y (1, 2)
+        return torch.tanh(W @ x + s) @ torch.cat([y.sin().reshape(-1), y.reshape(-1) ** 2]) + x.prod() * y.sum()
+
+    args = (rand(3, seed=32), 0.3, rand(1, 2, seed=33))
+    res = hoad.compile(f, order=order, wrt=(0, "y"), packed=True)(*args)
+    ref = reference(lambda x, y: f(x, 0.3, y), (args[0], args[2]), (0, 1), order)
+    for K, want in ref.items():
+        key = tuple((0, "y")[p] for p in K)
+        assert_close(res[key], want, f"block {key}")
+    assert_close(res["x", "y"], ref[0, 1], "by name")
+    assert_close(res[2, 0], ref[0, 1].permute(1, 2, 0), "a permuted key")
+    dense = hoad.compile(f, order=order, wrt=(0, 2))(*args)
+    for p in (0, 2):
+        values, index = res.packed((p,) * order)
+        want, want_index = dense.packed((p,) * order)
+        assert torch.equal(index, want_index)
+        assert_close(values, want, f"packed {p}")
+    with pytest.raises(hoad.InvalidArgumentError, match="one wrt input"):
+        res.packed((0,) * (order - 1) + ("y",))
+
+
+def test_mixed_blocks_per_sample():
+    """batch_dim=0 with two per-sample inputs joined sample by sample."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+
+    def f(X, T):
+        return net(torch.cat([X, T], -1)).squeeze(-1)
+
+    X, T = rand(4, 3, seed=34), rand(4, 2, seed=35)
+    res = hoad.compile(f, order=3, wrt=(0, 1), batch_dim=0, packed=True)(X, T)
+    one = lambda x, t: f(x[None], t[None])[0]  # noqa: E731
+    assert_close(res[0, 1], vmap(jacfwd(jacrev(one, 0), 1))(X, T))
+    assert_close(res[0, 1, 1], vmap(jacfwd(jacfwd(jacrev(one, 0), 1), 1))(X, T))
+    assert_close(res[1, 1, 1], vmap(jacfwd(jacfwd(jacrev(one, 1), 1), 1))(X, T))
+    with pytest.raises(hoad.InvalidArgumentError, match="samples along dim 0"):
+        hoad.compile(f, order=2, wrt=(0, 1), batch_dim=0, packed=True)(X, T[:3])
+
+
 @pytest.mark.parametrize("options, fragment", [
-    (dict(wrt=(0, 1)), "one input"),
-    (dict(wrt=hoad.parameters), "one argnum"),
+    (dict(wrt=(0, 0)), "distinct"),
+    (dict(wrt=hoad.parameters), "leave packed off"),
     (dict(diagonal=True), "diagonal="),
     (dict(packed="yes"), "True or False"),
     (dict(order=0), "order must be"),
@@ -227,6 +285,7 @@ def test_packed_refusals_name_the_way_out(options, fragment):
         hoad.compile(f, **kwargs)(rand(2), rand(2))
 
 
+@pytest.mark.slow  # (a cold Inductor compile: 20 s; the jet program's Inductor path is test_operators')
 @pytest.mark.inductor
 def test_packed_under_inductor():
     W = rand(6, 3, seed=16) / 2
@@ -242,3 +301,13 @@ def test_the_rank_table_counts_every_multiset():
         table = hp._rank_table(n, d)
         assert int(table[0, n]) == math.comb(n + d - 1, d)
         assert np.all(np.diff(table, axis=1) > 0)
+
+
+def test_explain_points_a_dense_program_to_packed_where_it_pays():
+    """explain() of a dense program names packed=True where the top order's dense entries are 50x its
+    unique ones or more (order 6 over 5 entries: 74x), and not below (order 4: at most 24x)."""
+    f = lambda x: torch.exp(x).sum() ** 2  # noqa: E731
+    high = str(hoad.compile(f, order=6).explain(rand(5, seed=38)))
+    assert "order 6 over 5 entries: 15625 dense, 210 unique" in high and "packed=True" in high, high
+    low = str(hoad.compile(f, order=4).explain(rand(8, seed=39)))
+    assert "packed=True" not in low, low
