@@ -445,6 +445,9 @@ OPERATOR_IDS = tuple(w.id for w in workloads.OPERATOR_WORKLOADS)
 TRAIN_IDS = tuple(w.id for w in workloads.TRAIN_WORKLOADS)
 SHARED_PARAM_IDS = tuple(w.id for w in workloads.WORKLOADS if w.id.startswith("per-sample-params/"))
 JET_IDS = tuple(w.id for w in workloads.JET_WORKLOADS)
+# issue 45: orders >= 4 at a point, dense and packed=True
+HIGHER_ORDER_IDS = tuple(w.id for w in workloads.WORKLOADS
+                         if w.id.startswith("higher-orders/") and "/order3" not in w.id)
 
 
 def _train_lines(records: dict[str, dict | None], ids: tuple[str, ...]) -> list[Measured]:
@@ -512,6 +515,9 @@ TARGETS: list[Target] = [
                               "faster of torch-jet, torch-jet compiled" + (", folx" if "laplacian" in i else ""),
                               Goal(0.5)) for i in JET_IDS),
            FromWorkloads(), workloads=JET_IDS),
+    Target(19, 45, tuple(Line(f"{workloads.get(i).label} (inductor)", "jax.jit of nested jacfwd, jacrev", Goal(0.1))
+                         for i in HIGHER_ORDER_IDS),
+           FromWorkloads(baselines=("jax.jit",)), workloads=HIGHER_ORDER_IDS),
 ]
 
 

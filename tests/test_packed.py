@@ -85,7 +85,7 @@ def test_packed_blocks_of_an_mlp_match_torch_func(order):
     lambda x: torch.stack([x.norm(), (x[:2] * x[2:]).sum(), torch.sigmoid(x).prod()]),
 ], ids=["prod-exp", "dag", "softmax", "stacked"])
 def test_packed_elementwise_reductions_and_dags(fn):
-    _check_packed(fn, (rand(4, seed=7) / 2 + 0.3,), order=4)
+    _check_packed(fn, (rand(4, seed=7) / 2 + 0.3,), order=3)
 
 
 def test_a_matrix_input_a_second_argument_and_a_name():
@@ -306,7 +306,7 @@ def test_the_rank_table_counts_every_multiset():
 def test_explain_points_a_dense_program_to_packed_where_it_pays():
     """explain() of a dense program names packed=True where the top order's dense entries are 50x its
     unique ones or more (order 6 over 5 entries: 74x), and not below (order 4: at most 24x)."""
-    f = lambda x: torch.exp(x).sum() ** 2  # noqa: E731
+    f = lambda x: torch.exp(x).sum()  # noqa: E731 - (its blocks are diagonal: a cheap dense build)
     high = str(hoad.compile(f, order=6).explain(rand(5, seed=38)))
     assert "order 6 over 5 entries: 15625 dense, 210 unique" in high and "packed=True" in high, high
     low = str(hoad.compile(f, order=4).explain(rand(8, seed=39)))
