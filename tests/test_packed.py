@@ -311,3 +311,22 @@ def test_explain_points_a_dense_program_to_packed_where_it_pays():
     assert "order 6 over 5 entries: 15625 dense, 210 unique" in high and "packed=True" in high, high
     low = str(hoad.compile(f, order=4).explain(rand(8, seed=39)))
     assert "packed=True" not in low, low
+
+
+def test_a_product_along_the_directions_is_built_as_a_tree():
+    """In diagonal mode a product's slots share one label: the tree of pairwise products costs
+    about n·2^k, its derivative tensors n^k. From the tensors, order 5 over 8 entries built a
+    535-call program in 2.9 s (order 6: 20 s); as a tree 321 calls in 1.1 s. Checked against the
+    closed form ∂^α Π_j tanh(x_j) = Π_j tanh^(α_j)(x_j)."""
+    cf = hoad.compile(lambda x: torch.tanh(x).prod(), order=5, packed=True)
+    x = rand(8, seed=42) / 2
+    values, index = cf(x).packed((0,) * 5)
+    calls = sum(1 for node in cf.graph.module.graph.nodes if node.op == "call_function")
+    assert calls < 450, calls
+    d = [torch.tanh]
+    for _ in range(5):
+        d.append(torch.func.grad(d[-1]))
+    tanh_k = torch.stack([torch.stack([dk(v) for dk in d]) for v in x])  # (8, 6): tanh^(m)(x_j)
+    counts = torch.zeros(len(index), 8, dtype=torch.long).scatter_add_(1, index, torch.ones_like(index))
+    want = tanh_k[torch.arange(8), counts].prod(1)  # Π_j tanh^(α_j)(x_j) per multiset α
+    torch.testing.assert_close(values, want, rtol=1e-12, atol=1e-12)
