@@ -371,10 +371,7 @@ def _weigh_evaluated_jets(b: Build) -> None:
     paper's network (768-wide) ran 8 products per layer where its 4 coefficients need 4, 43
     against 23 ms (eager), and built in 6.0 against 0.8 s. The estimate ranked the two right on
     the 8 programs measured (both ways)."""
-    twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves,
-                 dataclasses.replace(b.config, target=dataclasses.replace(b.target, lazy=False)), roots=b.roots)
-    twin.captured, twin.shared, twin.sample_leaves, twin.sample_wrt = b.captured, b.shared, b.sample_leaves, \
-        b.sample_wrt
+    twin = _twin(b, dataclasses.replace(b.config, target=dataclasses.replace(b.target, lazy=False)))
     try:
         for stage in (_differentiate, _prune, _clean, _lower, _hoist):
             twin = stage(twin)
@@ -390,6 +387,15 @@ def _weigh_evaluated_jets(b: Build) -> None:
         b.candidates.update({d + EVALUATED: p for d, p in twin.candidates.items()})
 
 
+def _twin(b: Build, config: Config) -> Build:
+    """``b`` built again under ``config`` from its capture: the same call, the same sample family
+    (the wrt inputs every sample shares, the tensors with a row per sample)."""
+    twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves, config, roots=b.roots)
+    twin.captured, twin.shared, twin.sample_leaves, twin.sample_wrt = b.captured, b.shared, b.sample_leaves, \
+        b.sample_wrt
+    return twin
+
+
 # a forced direction whose program is estimated above this (about a GFLOP: a call of 0.1 s or
 # more) has the other direction built too, for its estimate alone: a forced mode="forward" cost
 # 370x mode="auto" (a Lennard-Jones energy of 8 atoms at order 4: 19.9 s per call against 54 ms)
@@ -402,8 +408,7 @@ def _weigh_the_other_direction(b: Build) -> None:
     than OTHER_COSTS_MORE times the other one."""
     forced = b.program.direction
     other = "forward" if forced == "reverse" else "reverse"
-    twin = Build(b.fn, b.layout, b.tensors, b.wrt_leaves, dataclasses.replace(b.config, mode=other), roots=b.roots)
-    twin.captured = b.captured
+    twin = _twin(b, dataclasses.replace(b.config, mode=other))
     try:
         for stage in (_differentiate, _prune, _clean, _lower, _hoist):
             twin = stage(twin)

@@ -207,3 +207,26 @@ def test_evaluated_jets_serve_every_number_of_samples(monkeypatch):
     assert len(built) == 2  # the first count's, then one for every count
     assert all(not b.target.lazy for b in built.values())
     assert any(b.config.sized is not None and b.stats.get("any_samples") for b in built.values())
+
+
+def test_the_other_direction_is_weighed_with_the_parameters_every_sample_shares(monkeypatch):
+    """The forced direction's twin, built for its estimate, lost the build's sample family (the
+    parameters every sample shares) and failed to build under batch_dim: a forced direction
+    estimated far costlier than the other could not be reported there."""
+    from hoad import pipeline
+
+    monkeypatch.setattr(pipeline, "WEIGH_OTHER_SCORE", 0)
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+        def forward(self, X):
+            return self.inner(X).squeeze(-1)
+
+    net, X = Net().double(), rand(5, 3, seed=3)
+    for mode in ("forward", "reverse"):
+        with torch.no_grad():
+            e = hoad.compile(net, order=2, wrt=hoad.parameters, batch_dim=0, mode=mode).explain(X)
+        costs = e.build.stats["costs"]
+        assert set(costs) == {"forward", "reverse"}, (mode, costs)  # (the twin failed: one direction)
