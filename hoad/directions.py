@@ -31,8 +31,7 @@ def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
         if wrt < len(args):
             x = args[wrt]
         else:  # the wrt-th parameter, passed by name
-            sig = _signature(u)
-            names = list(sig.parameters) if sig is not None else []
+            names = parameter_names(u)
             x = kwargs.get(names[wrt]) if wrt < len(names) else None
             if x is None:
                 raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
@@ -40,14 +39,19 @@ def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
     else:
         x = kwargs.get(wrt)
         if x is None:
-            sig = _signature(u)
-            names = list(sig.parameters) if sig is not None else []
+            names = parameter_names(u)
             x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
     return x
 
+
+
+def parameter_names(u) -> list[str]:
+    """The names of u's parameters, in order (none where its signature cannot be read)."""
+    sig = _signature(u)
+    return list(sig.parameters) if sig is not None else []
 
 
 def _signature(u):

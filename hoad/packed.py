@@ -34,12 +34,12 @@ import torch
 import torch._dynamo
 from tabulate import tabulate
 
-from hoad.algebra.multiindex import all_multi_indices
+from hoad.algebra.multiindex import all_multi_indices, multi_indices
 from hoad.derivatives import Derivatives, ResultSpec
-from hoad.directions import _point_of, _signature
+from hoad.directions import _point_of, parameter_names
 from hoad.errors import InvalidArgumentError
 from hoad.operators import DIRECTIONS, _Operator, leafwise
-from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int
+from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int, wrt_entries
 
 
 # ------------------------------------------------------------------------------ index maps
@@ -66,8 +66,8 @@ def _rank(tuples: np.ndarray, n: int) -> np.ndarray:
 def _counts(n: int, d: int) -> np.ndarray:
     """(C(n+d-1, d), n): the count vectors j with |j| = d, in the packed axis' order."""
     out = np.zeros((math.comb(n + d - 1, d), n), dtype=np.int64)
-    for row, combo in enumerate(itertools.combinations_with_replacement(range(n), d)):
-        for v in combo:
+    for row, multiset in enumerate(multi_indices(n, d)):
+        for v in multiset:
             out[row, v] += 1
     return out
 
@@ -203,7 +203,7 @@ def _block_positions(n: int, k: int, offset: int, total: int, device: torch.devi
 
 def _entries(wrt) -> list:
     """wrt as a list of distinct argnums or argument names, or a refusal naming what works."""
-    entries = list(wrt) if isinstance(wrt, (tuple, list)) else [wrt]
+    entries = [plain_int(e) for e in wrt_entries(wrt)]
     for e in entries:
         if isinstance(e, bool) or not isinstance(e, (int, str)) or (isinstance(e, int) and e < 0):
             raise InvalidArgumentError(
@@ -219,7 +219,7 @@ def _put(u, entry, args: list, kwargs: dict, value) -> None:
     if isinstance(entry, int) and entry < len(args):
         args[entry] = value
         return
-    names = list(_signature(u).parameters) if _signature(u) is not None else []
+    names = parameter_names(u)
     name = names[entry] if isinstance(entry, int) else entry
     if isinstance(entry, str) and name not in kwargs and name in names and names.index(name) < len(args):
         args[names.index(name)] = value
@@ -320,8 +320,7 @@ class Packed(_Operator):
             inner = super().explain(*args, **kwargs)
         else:
             inner, slots = super().explain(), self._last_slots
-        sig = _signature(self._user)
-        names = [p.name for p in sig.parameters.values()] if sig is not None else []
+        names = parameter_names(self._user)
         shown = [names[e] if isinstance(e, int) and e < len(names) else str(e) for e in self.entries]
         return PackedExplanation(inner, [math.prod(s) for s in slots], shown, self.order)
 
@@ -344,8 +343,7 @@ class Packed(_Operator):
 
 def _aliases(u, entries: list) -> dict:
     """Each wrt entry's position, under its argnum and its name where the signature says both."""
-    sig = _signature(u)
-    names = [p.name for p in sig.parameters.values()] if sig is not None else []
+    names = parameter_names(u)
     aliases = {}
     for p, e in enumerate(entries):
         aliases[e] = p
