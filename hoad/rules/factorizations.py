@@ -487,7 +487,13 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
     """D^K exp(A) by Mathias' block-triangular form over the nilpotent directions of K: with one
     ε_p (ε_p² = 0) per slot p, exp(A(x + Σ ε_p e_p)) is exp of the block matrix indexed by subsets
     of the slots, block (S, T) = D^{T∖S}A for S ⊆ T (A on the diagonal, 0 elsewhere), and its
-    block (∅, all slots) is D^K exp(A), every slot entry at once along batch axes."""
+    block (∅, all slots) is D^K exp(A), every slot entry at once along batch axes.
+
+    The slots of one input share their entries in diagonal mode (pure derivatives: one matrix per
+    direction, not one per tuple of them). Under a collapse, A's top-order block arrives summed
+    over the collapsed axes; it enters D^K exp(A) linearly, through the Fréchet derivative
+    L(A, D^K A) = exp([[A, D^K A], [0, A]])₁₂, so the block matrix leaves it out and that term
+    is added, already collapsed."""
     nb = A.ndim - 2
     n = A.shape[-1]
     b, i, _k, j = _labels(nb)
@@ -497,42 +503,69 @@ def matrix_exp_rule(ctx: Ctx, A: Jet):
     result = {}
     for K in ctx.keys:
         o = len(K)
-        # a slot's entries: all of them, or (one matrix per sample) those of its own sample
-        kept = [ctx.slot_shapes[k][1:] if tie is not None else ctx.slot_shapes[k] for k in K]
+        top = ctx.collapse is not None and o == ctx.collapse.order
+        groups = _entry_groups(ctx, K)
+        group_of = {p: g for g, members in enumerate(groups) for p in members}
+        # a group's entries: all of them, or (one matrix per sample) those of its own sample
+        kept = [ctx.slot_shapes[K[members[0]]][1 if tie is not None else 0:] for members in groups]
         sizes = [math.prod(d) for d in kept]
         grid = batch + tuple(sizes)
 
-        def entry(S: int, T: int, K=K, o=o, grid=grid, sizes=sizes):  # (called in this iteration only)
+        def entry(S: int, T: int, K=K, o=o, top=top, grid=grid, sizes=sizes, group_of=group_of):
+            # (called in this iteration only)
             if S == T:
-                return A.primal.reshape(batch + (1,) * o + (n, n)).expand(grid + (n, n))
-            if S & ~T:
-                return A.primal.new_zeros(()).expand(grid + (n, n))
+                return A.primal.reshape(batch + (1,) * len(sizes) + (n, n)).expand(grid + (n, n))
             mine = [p for p in range(o) if (T & ~S) >> p & 1]
-            blk = A.blocks.get(tuple(K[p] for p in mine))
+            sub = tuple(K[p] for p in mine)
+            blk = None if S & ~T or (top and len(mine) == o) else A.blocks.get(sub)
             if blk is None:
                 return A.primal.new_zeros(()).expand(grid + (n, n))
-            groups = [] if tie is None else [[tie] + _slot_starts(ctx, tuple(K[p] for p in mine), A.ndim)]
-            t = blk.materialize(groups).reshape(batch + (n, n) + tuple(sizes[p] for p in mine))
-            t = t.movedim((nb, nb + 1), (-2, -1))
-            shape = batch + tuple(sizes[p] if p in mine else 1 for p in range(o)) + (n, n)
+            t = _by_entry_group(ctx, blk, sub, [group_of[p] for p in mine], nb, tie)
+            present = sorted(set(group_of[p] for p in mine))
+            t = t.reshape(batch + (n, n) + tuple(sizes[g] for g in present)).movedim((nb, nb + 1), (-2, -1))
+            shape = batch + tuple(sizes[g] if g in present else 1 for g in range(len(sizes))) + (n, n)
             return t.reshape(shape).expand(grid + (n, n))
 
         rows = [torch.cat([entry(S, T) for T in range(2 ** o)], -1) for S in range(2 ** o)]
         E = torch.ops.hoad_linalg.matrix_exp(torch.cat(rows, -2))
         corner = E[..., :n, (2 ** o - 1) * n:].movedim((-2, -1), (nb, nb + 1))
         data = corner.reshape(batch + (n, n) + tuple(d for dims in kept for d in dims))
-        if tie is None:
-            blk = Block.dense(data)
-        else:  # each slot's sample axis is the tied batch axis's class
-            dims, c = list(range(nb + 2)), nb + 2
-            for k in K:
-                dims.append(tie)
-                dims += range(c, c + len(ctx.slot_shapes[k]) - 1)
-                c += len(ctx.slot_shapes[k]) - 1
-            blk = _canonical(data, dims, batch + (n, n) + tuple(d for k in K for d in ctx.slot_shapes[k]))
+        # each slot's axes are its group's data axes (and its sample axis the tied batch axis)
+        firsts = list(itertools.accumulate((len(d) for d in kept[:-1]), initial=nb + 2))
+        dims = list(range(nb + 2))
+        for p in range(o):
+            g = group_of[p]
+            dims += ([tie] if tie is not None else []) + list(range(firsts[g], firsts[g] + len(kept[g])))
+        blk = _canonical(data, dims, batch + (n, n) + tuple(d for k in K for d in ctx.slot_shapes[k]))
         out = b + [i, j] + ctx.slots(K)
         result[K] = contract(ctx.weigh([(blk, b + [i, j] + full.slots(K))], out), out, target=ctx.target)
+        if top and A.blocks.get(K) is not None:
+            frechet = _on_rest(force(A.blocks[K]), A.ndim, lambda t: matrix_exp_grad(A.primal.mT, t), A.shape, nb)
+            result[K] = add([result[K], frechet])
     return result
+
+
+def _entry_groups(ctx: Ctx, K) -> list[list[int]]:
+    """The positions of ``K`` that share their entries: in diagonal mode those of one input, else
+    each slot alone."""
+    by: dict = {}
+    for p, k in enumerate(K):
+        by.setdefault(k if ctx.diagonal else p, []).append(p)
+    return list(by.values())
+
+
+def _by_entry_group(ctx: Ctx, blk, sub, groups: list[int], nb: int, tie: int | None) -> torch.Tensor:
+    """A block of key ``sub`` (its slots in entry groups ``groups``) as batch + (n, n) + each
+    group's entries once, groups in increasing order: the diagonal of the slots that share their
+    entries, and of each slot's sample axis with the tied batch axis."""
+    b, i, _k, j = _labels(nb)
+    labels, out = b + [i, j], b + [i, j]
+    first = 1 if tie is not None else 0
+    for p, k in enumerate(sub):
+        labels += [b[tie] for _ in range(first)] + [("e", groups[p], a) for a in range(first, len(ctx.slot_shapes[k]))]
+    for g in sorted(set(groups)):
+        out += [("e", g, a) for a in range(first, len(ctx.slot_shapes[sub[groups.index(g)]]))]
+    return force(contract([(force(blk), labels)], out, target=ctx.target)).materialize()
 
 
 def matrix_exp_vjp(v, g: Block, A: Jet):
@@ -550,12 +583,14 @@ def _slot_starts(ctx: Ctx, sub, r: int) -> list[int]:
 def _sample_axis(ctx: Ctx, A: Jet, nb: int) -> int | None:
     """Under batch_dim, the batch axis of A that every block ties to the first axis of each of
     its slots (one matrix per sample), or None (then every entry pairs with every other)."""
-    if not ctx.batched or ctx.collapse is not None or not A.blocks:
+    if not ctx.batched or not A.blocks:
         return None
     tie = None
     for sub, blk in A.blocks.items():
         blk = force(blk)
-        for start in _slot_starts(ctx, sub, A.ndim):
+        for start, rank in zip(_slot_starts(ctx, sub, A.ndim), ctx.slot_ranks(sub)):
+            if rank == 0:  # (every axis of the slot collapsed)
+                continue
             c = blk.dims[start]
             axes = [a for a in range(A.ndim) if blk.dims[a] == c]
             if c is None or len(axes) != 1 or axes[0] >= nb or tie not in (None, axes[0]):
