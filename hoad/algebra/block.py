@@ -20,9 +20,11 @@ the derivative program is traced.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from hoad.errors import internal_check
 
@@ -182,10 +184,21 @@ class Block:
 
 
 def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
-    """The n x n identity in ``like``'s dtype and device. (torch.eye's decomposition counts in
-    the smallest integer dtype that fits, uint16 from n = 256, which arange has no CPU kernel for.)"""
-    idx = torch.arange(n, device=like.device)
-    return (idx.unsqueeze(1) == idx).to(like.dtype)
+    """The n x n identity in ``like``'s dtype and device, once per trace of a program for each
+    size (four traced ops each time: about 10% of building the rules' test programs, where blocks
+    write out their diagonals). (torch.eye's decomposition counts in the smallest integer dtype
+    that fits, uint16 from n = 256, which arange has no CPU kernel for.)"""
+    mode = get_proxy_mode()
+    made = _EYES.setdefault(mode, {}) if mode is not None else {}
+    key = (n, like.dtype, like.device)
+    if key not in made:
+        idx = torch.arange(n, device=like.device)
+        made[key] = (idx.unsqueeze(1) == idx).to(like.dtype)
+    return made[key]
+
+
+# the identities made in each trace (its proxy mode), gone with it
+_EYES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _first_appearance(dims: Sequence) -> list:

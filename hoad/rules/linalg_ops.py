@@ -16,12 +16,7 @@ import math
 
 import torch
 
-
-def _eye(n: int, like: torch.Tensor) -> torch.Tensor:
-    """The n x n identity (torch.eye's decomposition counts in uint16 from n = 256, which arange
-    has no CPU kernel for)."""
-    idx = torch.arange(n, device=like.device)
-    return (idx.unsqueeze(1) == idx).to(like.dtype)
+from hoad.algebra.block import _eye
 
 
 def _phi(n: int, like: torch.Tensor) -> torch.Tensor:
