@@ -68,10 +68,14 @@ MODES = ("forward", "reverse")
 RTOL = 1e-7
 TIMEOUT_S = 120         # per sample and mode (trace + run); a timeout is a crash
 # how each direction calls the op: "op" (op.op) or "opinfo" (OpInfo.__call__); see the docstring
-# ("packed": hoad.compile(..., packed=True), the unique entries from Taylor jets, mode "auto")
-VIA = {"mixed": {"forward": "op", "reverse": "opinfo", "auto": "opinfo", "packed": "op"},
-       "op": {"forward": "op", "reverse": "op", "auto": "op", "packed": "op"},
-       "opinfo": {"forward": "opinfo", "reverse": "opinfo", "auto": "opinfo", "packed": "opinfo"}}
+# ("packed": hoad.compile(..., packed=True), the unique entries from Taylor jets, mode "auto";
+# "collapsed": hoad.taylor(..., collapse=True, weights=w) along 3 drawn directions, the rules'
+# diagonal mode with the top order summed over the directions, as the Laplacian runs them; the
+# op's input is curved through the sample point, so that every order of it reaches the rule)
+VIA = {"mixed": {"forward": "op", "reverse": "opinfo", "auto": "opinfo", "packed": "op", "collapsed": "opinfo"},
+       "op": {"forward": "op", "reverse": "op", "auto": "op", "packed": "op", "collapsed": "op"},
+       "opinfo": {"forward": "opinfo", "reverse": "opinfo", "auto": "opinfo", "packed": "opinfo",
+                  "collapsed": "opinfo"}}
 
 STATUSES = ("exact", "unsupported", "refused", "wrong", "crash", "skipped")
 # worst first: silently wrong numbers are worse than a crash, a crash worse than a clear refusal
@@ -486,17 +490,20 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S, via="mixed")
             with time_limit(timeout), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 traced = g_opinfo if VIA[via][mode] == "opinfo" else g
-                how = dict(packed=True) if mode == "packed" else dict(mode=mode)
-                res = hoad.compile(traced, order=order, backend="eager", **how)(x)
-                problems = []
-                bad = compare(res.value, value, g.rtol)
-                if bad:
-                    problems.append(f"value: {bad}")
-                for k in range(1, order + 1):
-                    bad = compare(res[(0,) * k], ref[k], g.rtol)
+                if mode == "collapsed":
+                    problems = _collapsed_problems(traced, gref, x, order, g.rtol, _seed(name, f"v{index}"))
+                else:
+                    how = dict(packed=True) if mode == "packed" else dict(mode=mode)
+                    res = hoad.compile(traced, order=order, backend="eager", **how)(x)
+                    problems = []
+                    bad = compare(res.value, value, g.rtol)
                     if bad:
-                        problems.append(f"order {k}: {bad}")
-                        break
+                        problems.append(f"value: {bad}")
+                    for k in range(1, order + 1):
+                        bad = compare(res[(0,) * k], ref[k], g.rtol)
+                        if bad:
+                            problems.append(f"order {k}: {bad}")
+                            break
             how = f"{mode} via {VIA[via][mode]}"
             r = SampleResult(sample.desc, "wrong", f"{how}: " + "; ".join(problems), order) if problems else \
                 SampleResult(sample.desc, "exact", "", order)
@@ -509,6 +516,42 @@ def run_sample(name, index, sample, modes=MODES, timeout=TIMEOUT_S, via="mixed")
         if r.status in ("unsupported", "refused") and VIA[via][mode] == "opinfo":
             break  # the other direction captures the same graph (and reads the OpInfo no more)
     return worst
+
+
+def _collapsed_problems(traced, gref, x, order, rtol, seed) -> list[str]:
+    """hoad.taylor(..., collapse=True, weights=w) along 3 drawn directions, of the function at
+    x0 + expm1(x - x0) (the same point; every derivative of its input is 1, not 0; infinite
+    entries of x0 stay x), against the dense reference contracted with them: orders below the top per direction,
+    the top summed."""
+    gen = torch.Generator().manual_seed(seed)
+    V = torch.randn((3,) + tuple(x.shape), generator=gen, dtype=DT)
+    w = torch.rand(3, generator=gen, dtype=DT)
+    x0 = x.detach().clone()
+    finite = torch.isfinite(x0)
+
+    def curve(f):
+        def curved(y):
+            d = torch.where(finite, y - x0, 0.0)
+            return f(y + (torch.expm1(d) - d))
+        return curved
+
+    ref = nested_reference(curve(gref), x, order, partial=True)
+    res = hoad.taylor(curve(traced), order=order, directions=V.to(x.dtype), weights=w.to(x.dtype), collapse=True,
+                      backend="eager")(x)
+    problems = []
+    bad = compare(res[0], curve(traced)(x), rtol)  # (a new tensor: as_strided reads its storage, not x's)
+    if bad:
+        problems.append(f"value: {bad}")
+    flat = V.reshape(3, -1)
+    for k in range(1, len(ref) + 1):
+        t = ref[k].to(DT).reshape(tuple(res[0].shape) + (flat.shape[1],) * k)
+        slots = "abcdefgh"[:k]
+        jets = torch.einsum("..." + slots + "," + ",".join("s" + c for c in slots) + "->...s", t, *[flat] * k)
+        bad = compare(res[k], jets @ w if k == order else jets, rtol)
+        if bad:
+            problems.append(f"order {k}: {bad}")
+            break
+    return problems
 
 
 def run_op(op, modes=MODES, timeout=TIMEOUT_S, via="mixed") -> OpResult:
@@ -963,7 +1006,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--all", action="store_true", help="every eligible op (default: the fast subset)")
     p.add_argument("--op", action="append", help="only this op (repeatable)")
-    p.add_argument("--mode", action="append", choices=["forward", "reverse", "auto", "packed"],
+    p.add_argument("--mode", action="append", choices=["forward", "reverse", "auto", "packed", "collapsed"],
                    help="directions to check (default: forward and reverse; packed: hoad.compile(..., packed=True))")
     p.add_argument("--timeout", type=int, default=TIMEOUT_S)
     p.add_argument("--via", choices=sorted(VIA), default="mixed",
