@@ -59,8 +59,8 @@ class Explanation:
         if n ** k < PACKED_PAYS * unique:  # (never below order 5: the ratio stays under k!)
             return []
         return ["", f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
-                    "computes the unique entries alone, from Taylor jets; at this ratio it was the faster "
-                    "(docs/guide.md)"]
+                    "computes the unique entries alone, from Taylor jets: 7.8x faster at order 6 over 8 entries "
+                    "(a tanh MLP, docs/guide.md)"]
 
     def symmetry(self) -> tuple[int, int]:
         """(ordered blocks a naive nesting computes, canonical blocks hoad computes)."""

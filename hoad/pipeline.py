@@ -26,6 +26,7 @@ from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, 
 from hoad.budget import Budget, default_budget, human
 from hoad.distributed import share_of
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, first_line
+from hoad.explanation import Explanation
 from hoad.lowering.inductor import cpu_codegen_problem, this_machine
 from hoad.lowering.kernels import in_background
 from hoad.passes import clean, over_reverse
@@ -599,7 +600,19 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
                              "nodes": {d: _count(p.gm) for d, p in b.candidates.items()}
                              if b.candidates else _count(gms[0]) if gms else None}
             log.debug("%s: %.3fs, %s nodes", name, b.stats[name]["seconds"], b.stats[name]["nodes"])
+        progress.advice = _packed_advice(b)
     return b
+
+
+def _packed_advice(b: Build) -> str:
+    """Where a dense program's top order has :data:`PACKED_PAYS` times more entries than unique
+    ones, the way to compute only those (said when the build is slow enough to be reported)."""
+    p = b.program
+    if p is None or b.config.operator is not None or b.config.split_blocks is not None or any(
+            isinstance(b.layout.places[leaf], StateEntry) for leaf in b.wrt_leaves):  # (packed: inputs only)
+        return ""
+    hint = Explanation(b).packed_hint()
+    return hint[-1] if hint else ""
 
 
 def _count(gm: fx.GraphModule | None) -> int | None:

@@ -50,6 +50,7 @@ class Progress:
 
     def __init__(self, label: str):
         self.label = label
+        self.advice = ""  # a way to a faster program, said at the end of a reported build
         self.after = _after()
         self.times: dict[str, float] = {}
         self.current: str | None = None
@@ -92,7 +93,8 @@ class Progress:
         total = time.perf_counter() - self._start
         stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.times.items() if seconds >= 0.05)
         how = "built" if kind is None else "stopped building"
-        self._say(f"hoad: {how} {self.label} in {total:.1f} s ({stages})", last=True)
+        advice = f"; {self.advice}" if self.advice and kind is None else ""
+        self._say(f"hoad: {how} {self.label} in {total:.1f} s ({stages}){advice}", last=True)
 
     def _watch(self) -> None:
         if self._done.wait(self.after):

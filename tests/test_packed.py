@@ -313,6 +313,24 @@ def test_explain_points_a_dense_program_to_packed_where_it_pays():
     assert "packed=True" not in low, low
 
 
+def test_a_slow_dense_build_names_packed_where_it_pays(monkeypatch, caplog):
+    """The line that ends a reported build (one past HOAD_PROGRESS seconds) names packed=True where
+    explain() would, and says nothing of it for order 4 or an operator's program."""
+    import logging
+
+    monkeypatch.setenv("HOAD_PROGRESS", "0.01")  # (report every build)
+    caplog.set_level(logging.WARNING, logger="hoad")
+    f = lambda x: torch.exp(x).sum()  # noqa: E731
+    hoad.compile(f, order=6, backend="eager")(rand(5, seed=40))
+    built = [r.getMessage() for r in caplog.records if "built" in r.getMessage()]
+    assert built and "15625 dense, 210 unique" in built[-1] and "packed=True" in built[-1], built
+    caplog.clear()
+    hoad.compile(f, order=4, backend="eager")(rand(8, seed=41))
+    hoad.taylor(f, order=6, directions=rand(3, 5, seed=42), backend="eager")(rand(5, seed=43))
+    built = [r.getMessage() for r in caplog.records if "built" in r.getMessage()]
+    assert len(built) == 2 and not any("packed=True" in line for line in built), built
+
+
 def test_a_product_along_the_directions_is_built_as_a_tree():
     """In diagonal mode a product's slots share one label: the tree of pairwise products costs
     about n·2^k, its derivative tensors n^k. From the tensors, order 5 over 8 entries built a
