@@ -368,7 +368,7 @@ def test_recurrent_layers_are_per_sample(cell):
 
 MATRIX_FUNCTIONS = {
     "eigvalsh": lambda M: torch.linalg.eigvalsh(M + M.mT).pow(3).sum(-1),
-    "eigh vectors": lambda M: (torch.linalg.eigh(M + M.mT)[1] ** 2 * torch.arange(4.0, dtype=M.dtype)).sum((-1, -2)),
+    "eigh vectors": lambda M: (torch.linalg.eigh(M + M.mT)[1] ** 4 * torch.arange(4.0, dtype=M.dtype)).sum((-1, -2)),
     "svdvals": lambda M: torch.linalg.svdvals(M).log().sum(-1),
     "svd U": lambda M: torch.linalg.svd(M)[0].abs().sum((-1, -2)),
     "nuclear norm": lambda M: torch.linalg.matrix_norm(M, "nuc"),
