@@ -254,6 +254,14 @@ def test_matrix_exp_under_the_operators():
     biharmonic = sum(T4[:, i, i, j, j] for i in range(3) for j in range(3))
     assert_close(hoad.biharmonic(u, batch_dim=0, backend="eager", mode="forward")(X).biharmonic, biharmonic,
                  "biharmonic")
+    # a matrix per sample, itself the input: A's diagonal first-order block, written out inside the
+    # Laplacian's program, was a scatter along the samples to the biharmonic's (a BatchCouplingError)
+    g = lambda M: torch.linalg.matrix_exp(M + 0.1 * M ** 2).sum((-1, -2))  # noqa: E731
+    M = 0.1 * rand(2, 3, 3, seed=65)
+    flat = lambda v: g(v.reshape(1, 3, 3))[0]  # noqa: E731
+    T4 = torch.stack([jacfwd(jacfwd(jacfwd(jacfwd(flat))))(m.reshape(-1)) for m in M])
+    assert_close(hoad.biharmonic(g, batch_dim=0, backend="eager")(M).biharmonic, torch.einsum("biijj->b", T4),
+                 "biharmonic of a matrix per sample")
 
 
 def test_matrix_exp_in_diagonal_mode_forms_one_block_matrix_per_direction():

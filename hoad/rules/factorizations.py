@@ -565,7 +565,10 @@ def _by_entry_group(ctx: Ctx, blk, sub, groups: list[int], nb: int, tie: int | N
         labels += [b[tie] for _ in range(first)] + [("e", groups[p], a) for a in range(first, len(ctx.slot_shapes[k]))]
     for g in sorted(set(groups)):
         out += [("e", g, a) for a in range(first, len(ctx.slot_shapes[sub[groups.index(g)]]))]
-    return force(contract([(force(blk), labels)], out, target=ctx.target)).materialize()
+    entries = force(contract([(force(blk), labels)], out, target=ctx.target))
+    # (a diagonal written out by identity factors: a scatter into zeros along the sample axis
+    # would read as mixing samples to a program that differentiates this one, the biharmonic)
+    return entries.untie(range(entries.ndim)).materialize()
 
 
 def matrix_exp_vjp(v, g: Block, A: Jet):
