@@ -46,21 +46,21 @@ class Explanation:
                 rows.append([len(K), key, dense, unique, 0, "structural zero"])
         return rows
 
-    def packed_hint(self) -> list[str]:
+    def packed_advice(self) -> str:
         """A line pointing to ``packed=True`` where the top order's dense entries are
         :data:`PACKED_PAYS` times its unique ones or more (measured: a tanh MLP at a point, order 6
         at n = 8 and order 5 at n = 16 ran 7.8x and 2.7x faster packed; 41x, order 5 at n = 8, ran
         1.5x slower)."""
         p = self.program
         if p.diagonal:
-            return []
+            return ""
         n, k = sum(math.prod(s) for s in p.slot_shapes), p.order
         unique = math.comb(n + k - 1, k)
         if n ** k < PACKED_PAYS * unique:  # (never below order 5: the ratio stays under k!)
-            return []
-        return ["", f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
-                    "computes the unique entries alone, from Taylor jets: 7.8x faster at order 6 over 8 entries "
-                    "(a tanh MLP, docs/guide.md)"]
+            return ""
+        return (f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
+                "computes the unique entries alone, from Taylor jets: 7.8x faster at order 6 over 8 entries "
+                "(a tanh MLP, docs/guide.md)")
 
     def symmetry(self) -> tuple[int, int]:
         """(ordered blocks a naive nesting computes, canonical blocks hoad computes)."""
@@ -82,7 +82,8 @@ class Explanation:
                  "",
                  tabulate(self.blocks_table(),
                           headers=["order", "block", "dense entries", "unique entries", "stored entries", "saved"])]
-        lines += self.packed_hint()
+        advice = self.packed_advice()
+        lines += ["", advice] if advice else []
         costs = b.stats.get("costs", {})
         if costs:
             chosen = p.stats.get("label", p.direction)

@@ -611,8 +611,7 @@ def _packed_advice(b: Build) -> str:
     if p is None or b.config.operator is not None or b.config.split_blocks is not None or any(
             isinstance(b.layout.places[leaf], StateEntry) for leaf in b.wrt_leaves):  # (packed: inputs only)
         return ""
-    hint = Explanation(b).packed_hint()
-    return hint[-1] if hint else ""
+    return Explanation(b).packed_advice()
 
 
 def _count(gm: fx.GraphModule | None) -> int | None:

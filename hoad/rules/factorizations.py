@@ -560,9 +560,9 @@ def _by_entry_group(ctx: Ctx, blk, sub, groups: list[int], nb: int, tie: int | N
     entries, and of each slot's sample axis with the tied batch axis."""
     b, i, _k, j = _labels(nb)
     labels, out = b + [i, j], b + [i, j]
-    first = 1 if tie is not None else 0
+    first, tied = (1, [b[tie]]) if tie is not None else (0, [])
     for p, k in enumerate(sub):
-        labels += [b[tie] for _ in range(first)] + [("e", groups[p], a) for a in range(first, len(ctx.slot_shapes[k]))]
+        labels += tied + [("e", groups[p], a) for a in range(first, len(ctx.slot_shapes[k]))]
     for g in sorted(set(groups)):
         out += [("e", g, a) for a in range(first, len(ctx.slot_shapes[sub[groups.index(g)]]))]
     entries = force(contract([(force(blk), labels)], out, target=ctx.target))
