@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from hoad.progress import COMPILE_THREAD
@@ -37,7 +38,8 @@ BUILDS = threading.RLock()
 _EXITING = False
 _EXIT = threading.Event()   # set as the process ends: a compile not yet in this process never starts here
 _REGISTRY = threading.Lock()  # orders _EXIT against a compile entering _IN_FLIGHT
-_IN_FLIGHT: set[threading.Thread] = set()   # compiles running in this process
+_IN_FLIGHT: dict[threading.Thread, threading.Event] = {}  # compiles running in this process: set once over
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every compile's thread, until it is gone
 _CHILDREN: dict[subprocess.Popen, str] = {}   # compiles running in a process of their own, with labels
 _STARTING: set[threading.Event] = set()  # compiles not yet in a child or in _IN_FLIGHT: set once they are
 
@@ -77,7 +79,7 @@ def _exiting() -> None:
     for ready in starting:  # (a compile just started reaches its child or this process within a second)
         ready.wait(30)
     with _REGISTRY:
-        left = [t for t in _IN_FLIGHT if t.is_alive()]
+        left = [(t, over) for t, over in _IN_FLIGHT.items() if t.is_alive()]
         children = [(child.pid, label) for child, label in _CHILDREN.items() if child.poll() is None]
     for pid, label in children:
         log.warning("hoad: Inductor goes on compiling %s in process %d after this one ends; it fills the cache "
@@ -87,17 +89,39 @@ def _exiting() -> None:
             log.warning("hoad: finishing %d background compile%s before the process ends, so that the next run "
                         "finds %s in Inductor's cache (Ctrl-C abandons %s)", len(left), "s" if len(left) > 1 else "",
                         "them" if len(left) > 1 else "it", "them" if len(left) > 1 else "it")
-        for t in left:
-            t.join()
+        for _, over in left:  # (not Thread.join: see _until_gone)
+            over.wait()
     except KeyboardInterrupt:
         _EXITING = True
         log.warning("hoad: background compile abandoned; the next run compiles again")
-        for t in left:
+        for t, _ in left:
             if t.ident is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_Abandoned))
-        for t in left:
-            t.join(60)
+        for t, _ in left:
+            _until_gone(t, 60)
+    with _REGISTRY:
+        ending = [t for t in _THREADS if t.is_alive()]
+    for t in ending:  # (the compiles waited for above, and those that were just ending or left it to a child)
+        _until_gone(t, 60)
     _EXITING = True
+
+
+def _until_gone(thread: threading.Thread, timeout: float) -> None:
+    """Block until ``thread`` has ended, its last frames freed, or ``timeout`` seconds pass.
+
+    A compile's thread frees its program's tensors as it ends, after it signalled the end of the
+    compile, and the tensors' deallocation lets go of the interpreter lock: a process that
+    finalizes meanwhile aborts ('terminate called without an active exception', the thread
+    killed inside torch's native code). ``Thread.join`` waits for that, unless an earlier join of
+    the same thread was interrupted by Ctrl-C: CPython then marks the running thread stopped
+    (bpo-45274) and every later join returns at once. So the wait at exit never joins before it
+    is over, and where the system lists a process's threads (Linux's /proc) this also waits for
+    the thread to leave the list."""
+    deadline = time.monotonic() + timeout
+    thread.join(timeout)
+    task = f"/proc/self/task/{thread.native_id}"
+    while thread.native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> bool:
@@ -188,6 +212,8 @@ class Tiered:
         with _REGISTRY:
             _STARTING.add(ready)
         thread = threading.Thread(target=self._compile, args=(*pending, ready), name=COMPILE_THREAD, daemon=True)
+        with _REGISTRY:
+            _THREADS.add(thread)
         thread.start()
         # no wait for it, even from a warm cache: loading a compiled program takes 1-2 s (an order-3
         # MLP's 1.15 s, a training program's 2 s), which an eager first call never costs
@@ -201,7 +227,7 @@ class Tiered:
             with _REGISTRY:
                 if in_a_child and _EXIT.is_set():
                     return  # (the child fills the cache; this process is ending)
-                _IN_FLIGHT.add(threading.current_thread())  # (an ending process waits for it)
+                _IN_FLIGHT[threading.current_thread()] = self.done  # (an ending process waits for it)
             ready.set()
             with BUILDS:
                 compiled = compile()
@@ -220,7 +246,7 @@ class Tiered:
             ready.set()
             with _REGISTRY:
                 _STARTING.discard(ready)
-                _IN_FLIGHT.discard(threading.current_thread())
+                _IN_FLIGHT.pop(threading.current_thread(), None)
             self.done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
