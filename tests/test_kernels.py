@@ -479,10 +479,12 @@ def test_biharmonics_square_their_direction_pairs_without_storing_them(mode, wid
     assert ("hoad.jet_sqnorm(" in program) == (width == 20)
     lap = lambda f: lambda x: hessian(f)(x).diagonal().sum()  # noqa: E731
     assert_close(res.biharmonic, vmap(lap(lap(u)))(X), "biharmonic")
-    if mode == "forward":  # another number of points: the program built dynamic in it, fused again
+    # another number of points: the program built dynamic in it, fused again (at 20 units, where the
+    # kernel is chosen; at 12 a second cold compile for no other kernel)
+    if mode == "forward" and width == 20:
         X2 = rand(11, 5, seed=4)
         assert_close(op(X2).biharmonic, vmap(lap(lap(u)))(X2), "biharmonic, 11 points")
-        assert ("hoad.jet_sqnorm(" in str(op.outer.compiled.graph)) == (width == 20)
+        assert "hoad.jet_sqnorm(" in str(op.outer.compiled.graph)
     if mode == "reverse":  # training through it: AOTAutograd's backward of the fused program
         for W in Ws:
             W.requires_grad_(True)

@@ -509,7 +509,9 @@ def test_weights_factor_and_directions_are_read_at_every_call():
     assert_close(ops["directions"](X).laplacian, torch.einsum("sd,bde,se->b", V, H, V) / 3, "Δ_V u")
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+# (inductor under -m slow: two training compiles, 14 s of the default suite; test_training.py trains
+# through compiled operators)
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=(pytest.mark.inductor, pytest.mark.slow))])
 def test_gradients_reach_the_factor_and_the_directions(backend):
     X = rand(3, 4, seed=54)
     H = vmap(hessian(mlp))(X)
