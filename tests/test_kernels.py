@@ -32,6 +32,14 @@ def test_equals_torch_mm_on_tail_shapes(m, n, k):
 
 
 @needs_mm
+@pytest.mark.parametrize("m, k, n", [(17, 768, 70), (5, 2048, 33), (64, 768, 768), (3, 1536, 16)])
+def test_equals_torch_mm_over_long_inner_dimensions(m, k, n):
+    """The wide layers Inductor programs now give it (inner dimensions up to MAX_K_AVX512)."""
+    a, b = rand(m, k, seed=m + k), rand(k, n, seed=n + k)
+    torch.testing.assert_close(torch.ops.hoad.mm(a, b), a @ b, rtol=1e-13, atol=1e-13)
+
+
+@needs_mm
 def test_strided_operands_other_dtypes_and_threads():
     a, b = rand(40, 40, seed=1).t(), rand(80, 33, seed=2)[::2]  # transposed and row-strided
     torch.testing.assert_close(torch.ops.hoad.mm(a, b), a @ b, rtol=1e-13, atol=1e-13)
@@ -721,6 +729,9 @@ def test_where_mkl_runs_avx512_products_stay_mkl_and_wide_layers_skip_the_jet_ke
     assert lowering.jets_suit(256) and not lowering.jets_suit(384)
     monkeypatch.setattr(kernels, "_mkl_avx512", False)  # AMD: MKL takes its AVX2 code
     assert kernels.fits(like, 256, 64, 64) and kernels.mm_used()
+    # the torch-jet paper's layers, not a B past the caches nor an inner dimension past 2048
+    assert kernels.fits(like, 384, 768, 768) and kernels.fits(like, 4096, 2048, 32)
+    assert not kernels.fits(like, 128, 2048, 2048) and not kernels.fits(like, 64, 4096, 32)
     assert lowering.jets_suit(768)
     assert not InductorLowering(kernels=True, avx2=False).jets_suit(64)
 

@@ -8,10 +8,13 @@ layer. MKL runs these at 20-45 GFLOP/s on one core of an AMD EPYC with AVX-512 (
 AVX2 code: MKL chooses by CPU vendor), XLA at 84-94. ``hoad::mm`` is a plain register-blocked
 loop, no packing: 4 rows by 32 columns of C in 16 AVX-512 accumulators, or 8 rows by 16 where
 16 columns are left; 65-100 GFLOP/s on those shapes (one [16,64]@[64,256] in 6.8 us against
-MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). It is slower than MKL for other narrow
-products (fewer than MIN_COLUMNS columns, other than 16) and no better once operands outgrow the
-caches, so Inductor programs use it for float64 on CPU with an inner dimension up to MAX_K; with
-more than one thread, MKL keeps the products large enough to parallelize. On CPUs without
+MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). The wide layers of the torch-jet paper's
+network too: [384,768]@[768,768] at 94-97 GFLOP/s against MKL's 53-56, where XLA's (folx's)
+runs 105. It is slower than MKL for other narrow products (fewer than MIN_COLUMNS columns, other
+than 16) and once B outgrows the caches (more than MAX_B_AVX512 entries: [128,1536]@[1536,2048]
+45 against 50), so Inductor programs use it for float64 on CPU with an inner dimension up to
+MAX_K_AVX512 and B within that; with more than one thread, MKL keeps the products large enough to
+parallelize. On CPUs without
 AVX-512, ``hoad::mm`` runs an AVX2 kernel of the same plan (6 rows by 8 columns of C in 12
 accumulators, B read in place): 30-37 GFLOP/s where MKL runs 8-30 (:func:`suits_avx2`).
 
@@ -71,7 +74,11 @@ from hoad.errors import InvalidArgumentError
 
 log = logging.getLogger("hoad")
 
-MAX_K = 256  # longer inner dimensions: MKL's packed kernels win
+MAX_K = 256  # longer inner dimensions: MKL's packed kernels win over the AVX2 kernel
+# the AVX-512 kernel, one core of an AMD EPYC (GFLOP/s, MKL/hoad): it won on every shape with
+# k <= 2048 and k*n <= 2**21 ([1024,768]@[768,768] 57/94, [4096,2048]@[2048,32] 17/97,
+# [1024,1024]@[1024,2048] 57/57); B larger than that lost ([128,2048]@[2048,2048] 50/42)
+MAX_K_AVX512, MAX_B_AVX512 = 2048, 2**21
 MIN_COLUMNS = 32  # narrower ones waste lanes ([64,64]@[64,20]: 8.3 vs MKL 7.9 us); exactly 16 is full 8x16 tiles
 MIN_COLUMNS_AVX2 = 8  # one strip of the AVX2 kernel ([256,64]@[64,8]: 9 us, MKL 31)
 MAX_COPIED = 64 * 64  # a non-contiguous operand the AVX2 kernel copies dense first: a weight's size
@@ -235,7 +242,8 @@ def fits(like: torch.Tensor, m: int, k: int, n: int) -> bool:
     AVX-512 code (:func:`mkl_avx512`): on a Xeon with AVX-512, one core, MKL was 3-40% faster on
     every shape measured ([16,64]@[64,256] 5.7 vs 7.3 us, [256,64]@[64,64] 19.7 vs 20.7,
     [64,64]@[64,4096] 338 vs 436, [4096,64]@[64,64] 338 vs 374)."""
-    return _short_product(like, m, k, n) and (n >= MIN_COLUMNS or n == 16) and _avx512() and not mkl_avx512()
+    return (_short_product(like, m, k, n, MAX_K_AVX512) and k * n <= MAX_B_AVX512 and (n >= MIN_COLUMNS or n == 16)
+            and _avx512() and not mkl_avx512())
 
 
 def mm_used() -> bool:
@@ -271,10 +279,10 @@ def jets_suit(k: int) -> bool:
     return k <= JET_MAX_K_MKL512 or not mkl_avx512()
 
 
-def _short_product(like: torch.Tensor, m: int, k: int, n: int) -> bool:
-    """A float64 CPU product with an inner dimension up to MAX_K, not too small to gain: what
+def _short_product(like: torch.Tensor, m: int, k: int, n: int, max_k: int = MAX_K) -> bool:
+    """A float64 CPU product with an inner dimension up to ``max_k``, not too small to gain: what
     either kernel of ``hoad::mm`` asks first."""
-    return like.dtype == torch.float64 and like.device.type == "cpu" and 0 < k <= MAX_K and m * k * n >= MIN_MACS
+    return like.dtype == torch.float64 and like.device.type == "cpu" and 0 < k <= max_k and m * k * n >= MIN_MACS
 
 
 def suits_avx2(a: torch.Tensor, b: torch.Tensor) -> bool:
