@@ -10,11 +10,13 @@ loop, no packing: 4 rows by 32 columns of C in 16 AVX-512 accumulators, or 8 row
 16 columns are left; 65-100 GFLOP/s on those shapes (one [16,64]@[64,256] in 6.8 us against
 MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). The wide layers of the torch-jet paper's
 network too: [384,768]@[768,768] at 94-97 GFLOP/s against MKL's 53-56, where XLA's (folx's)
-runs 105. It is slower than MKL for other narrow products (fewer than MIN_COLUMNS columns, other
-than 16) and once B outgrows the caches (more than MAX_B_AVX512 entries: [128,1536]@[1536,2048]
-45 against 50), so Inductor programs use it for float64 on CPU with an inner dimension up to
-MAX_K_AVX512 and B within that; with more than one thread, MKL keeps the products large enough to
-parallelize. On CPUs without
+runs 105. A tall A runs in panels of rows (256 KB of A each) that stay in L2 while every strip
+of B passes: [3200,768]@[768,768] (a Laplacian's 50 directions at 64 points) 72-84 GFLOP/s,
+48 with A streamed whole once per strip. It is slower than MKL for other narrow products (fewer
+than MIN_COLUMNS columns, other than 16) and once B outgrows the caches (more than MAX_B_AVX512
+entries: [128,1536]@[1536,2048] 45 against 50), so Inductor programs use it for float64 on CPU
+with an inner dimension up to MAX_K_AVX512 and B within that; with more than one thread, MKL
+keeps the products large enough to parallelize. On CPUs without
 AVX-512, ``hoad::mm`` runs an AVX2 kernel of the same plan (6 rows by 8 columns of C in 12
 accumulators, B read in place): 30-37 GFLOP/s where MKL runs 8-30 (:func:`suits_avx2`).
 
