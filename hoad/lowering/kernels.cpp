@@ -26,14 +26,14 @@ static inline __mmask8 lane_mask(int64_t lanes) {
 }
 
 // R rows x 8V columns of C in R*V accumulators (4x32 or 8x16: 16); MASKED handles the last
-// columns of a row.
+// columns of a row. Rows of B are ldb apart, rows of C ldc.
 template <int R, int V, bool MASKED>
-__attribute__((target("avx512f,fma"))) static inline void block(int64_t N, int64_t K, const double* A, const double* B,
-                                                                 double* C, const __mmask8* m) {
+__attribute__((target("avx512f,fma"))) static inline void block(int64_t ldb, int64_t ldc, int64_t K, const double* A,
+                                                                 const double* B, double* C, const __mmask8* m) {
   __m512d c[R][V];
   for (int r = 0; r < R; r++) for (int v = 0; v < V; v++) c[r][v] = _mm512_setzero_pd();
   for (int64_t k = 0; k < K; k++) {
-    const double* b = B + k * N;
+    const double* b = B + k * ldb;
     __m512d bv[V];
     for (int v = 0; v < V; v++) bv[v] = MASKED ? _mm512_maskz_loadu_pd(m[v], b + 8 * v) : _mm512_loadu_pd(b + 8 * v);
     for (int r = 0; r < R; r++) {
@@ -43,41 +43,49 @@ __attribute__((target("avx512f,fma"))) static inline void block(int64_t N, int64
   }
   for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) {
-      if (MASKED) _mm512_mask_storeu_pd(C + r * N + 8 * v, m[v], c[r][v]);
-      else _mm512_storeu_pd(C + r * N + 8 * v, c[r][v]);
+      if (MASKED) _mm512_mask_storeu_pd(C + r * ldc + 8 * v, m[v], c[r][v]);
+      else _mm512_storeu_pd(C + r * ldc + 8 * v, c[r][v]);
     }
 }
 
 // All M rows of one strip of 8V columns: full blocks of R rows, then the rows left.
 template <int R, int V, bool MASKED>
-__attribute__((target("avx512f,fma"))) static void columns(int64_t M, int64_t N, int64_t K, const double* A,
-                                                           const double* B, double* C, const __mmask8* m) {
+__attribute__((target("avx512f,fma"))) static void columns(int64_t M, int64_t ldb, int64_t N, int64_t K,
+                                                           const double* A, const double* B, double* C,
+                                                           const __mmask8* m) {
   int64_t i = 0;
-  for (; i + R <= M; i += R) block<R, V, MASKED>(N, K, A + i * K, B, C + i * N, m);
-  for (; i + 4 <= M; i += 4) block<4, V, MASKED>(N, K, A + i * K, B, C + i * N, m);
+  for (; i + R <= M; i += R) block<R, V, MASKED>(ldb, N, K, A + i * K, B, C + i * N, m);
+  for (; i + 4 <= M; i += 4) block<4, V, MASKED>(ldb, N, K, A + i * K, B, C + i * N, m);
   switch (M - i) {
-    case 3: block<3, V, MASKED>(N, K, A + i * K, B, C + i * N, m); break;
-    case 2: block<2, V, MASKED>(N, K, A + i * K, B, C + i * N, m); break;
-    case 1: block<1, V, MASKED>(N, K, A + i * K, B, C + i * N, m); break;
+    case 3: block<3, V, MASKED>(ldb, N, K, A + i * K, B, C + i * N, m); break;
+    case 2: block<2, V, MASKED>(ldb, N, K, A + i * K, B, C + i * N, m); break;
+    case 1: block<1, V, MASKED>(ldb, N, K, A + i * K, B, C + i * N, m); break;
   }
 }
 
 // C[M,N] = A[M,K] @ B[K,N] for rows of A that stay in L2: B strip by strip.
 __attribute__((target("avx512f,fma")))
-static void strips(int64_t M, int64_t N, int64_t K, const double* A, const double* B, double* C) {
+static void strips(int64_t M, int64_t N, int64_t K, const double* A, const double* B, double* C, double* pack) {
   const __mmask8 full[4] = {0xFF, 0xFF, 0xFF, 0xFF};
   int64_t j = 0;
-  for (; j + 32 <= N; j += 32) columns<4, 4, false>(M, N, K, A, B + j, C + j, full);
+  for (; j + 32 <= N; j += 32) {
+    if (pack == nullptr) {
+      columns<4, 4, false>(M, N, N, K, A, B + j, C + j, full);
+      continue;
+    }
+    for (int64_t k = 0; k < K; k++) std::memcpy(pack + 32 * k, B + k * N + j, 32 * sizeof(double));
+    columns<4, 4, false>(M, 32, N, K, A, pack, C + j, full);
+  }
   if (N - j == 16) {
-    columns<8, 2, false>(M, N, K, A, B + j, C + j, full);
+    columns<8, 2, false>(M, N, N, K, A, B + j, C + j, full);
   } else if (j < N) {
     __mmask8 m[4];
     for (int v = 0; v < 4; v++) {
       int64_t lanes = N - j - 8 * v;
       m[v] = lane_mask(lanes);
     }
-    if (N - j <= 16) columns<8, 2, true>(M, N, K, A, B + j, C + j, m);
-    else columns<4, 4, true>(M, N, K, A, B + j, C + j, m);
+    if (N - j <= 16) columns<8, 2, true>(M, N, N, K, A, B + j, C + j, m);
+    else columns<4, 4, true>(M, N, N, K, A, B + j, C + j, m);
   }
 }
 
@@ -90,12 +98,19 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
   if (K * N <= 4096 && N % 32 == 0) {  // B fits L1: each 4 rows of A (also in L1) meet all of it
     int64_t i = 0, j = 0;
     for (; i + 4 <= M; i += 4)
-      for (j = 0; j < N; j += 32) block<4, 4, false>(N, K, A + i * K, B + j, C + i * N + j, full);
-    if (i < M) for (j = 0; j < N; j += 32) columns<4, 4, false>(M - i, N, K, A + i * K, B + j, C + i * N + j, full);
+      for (j = 0; j < N; j += 32) block<4, 4, false>(N, N, K, A + i * K, B + j, C + i * N + j, full);
+    if (i < M) for (j = 0; j < N; j += 32) columns<4, 4, false>(M - i, N, N, K, A + i * K, B + j, C + i * N + j, full);
     return;
   }
   const int64_t panel = std::max<int64_t>(8, HOAD_PANEL_BYTES / (8 * K) / 8 * 8);
-  for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N);
+  // B's rows a power of two of 2 KB or more apart share a few cache sets, so a strip of them
+  // (K x 32) is evicted while 4 rows of A pass ([384,768]@[768,512] 80 GFLOP/s, @[768,768] 88):
+  // such a strip is copied dense first, once per panel, where 16 rows of A or more read it
+  // (96; [3200,768]@[768,512] 76 -> 97, [4096,64]@[64,256] 96 -> 120; 8 rows lose: 65 -> 49,
+  // and rows 6 KB apart too: [64,768]@[768,768] 104 -> 96).
+  std::vector<double> strip(N >= 256 && (N & (N - 1)) == 0 && M >= 16 ? 32 * K : 0);
+  double* pack = strip.empty() ? nullptr : strip.data();
+  for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N, pack);
 }
 
 // The AVX2 twin of dgemm for CPUs without AVX-512: R rows x 8 columns of C in 2R accumulators
