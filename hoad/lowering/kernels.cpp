@@ -91,7 +91,7 @@ static void strips(int64_t M, int64_t N, int64_t K, const double* A, const doubl
 
 // C[M,N] = A[M,K] @ B[K,N], all row-major and dense. Rows in panels of at most PANEL_BYTES of A,
 // each meeting every strip of B while it stays in L2: a tall A streamed whole once per strip ran
-// from memory ([3200,768]@[768,768]: about 54 GFLOP/s on an AMD EPYC's core, MKL's 56).
+// from memory ([3200,768]@[768,768]: 48 GFLOP/s on an AMD EPYC's core, MKL's 56; now 72-84).
 __attribute__((target("avx512f,fma")))
 static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double* B, double* C) {
   const __mmask8 full[4] = {0xFF, 0xFF, 0xFF, 0xFF};
@@ -104,10 +104,10 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
   }
   const int64_t panel = std::max<int64_t>(8, HOAD_PANEL_BYTES / (8 * K) / 8 * 8);
   // B's rows a power of two of 2 KB or more apart share a few cache sets, so a strip of them
-  // (K x 32) is evicted while 4 rows of A pass ([384,768]@[768,512] 80 GFLOP/s, @[768,768] 88):
-  // such a strip is copied dense first, once per panel, where 16 rows of A or more read it
-  // (96; [3200,768]@[768,512] 76 -> 97, [4096,64]@[64,256] 96 -> 120; 8 rows lose: 65 -> 49,
-  // and rows 6 KB apart too: [64,768]@[768,768] 104 -> 96).
+  // (K x 32) is evicted while 4 rows of A pass: such a strip is copied dense first, once per
+  // panel, where 16 rows of A or more read it. GFLOP/s before -> after: [384,768]@[768,512]
+  // 80 -> 96, [3200,768]@[768,512] 76 -> 93, [4096,64]@[64,256] 96 -> 114; copying lost with 8
+  // rows (65 -> 49) and with rows 6 KB apart ([64,768]@[768,768] 104 -> 96).
   std::vector<double> strip(N >= 256 && (N & (N - 1)) == 0 && M >= 16 ? 32 * K : 0);
   double* pack = strip.empty() ? nullptr : strip.data();
   for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N, pack);
