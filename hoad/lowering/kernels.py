@@ -6,7 +6,7 @@ Derivative programs multiply many small float64 matrices with short inner dimens
 Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
 layer. MKL runs these at 20-45 GFLOP/s on one core of an AMD EPYC with AVX-512 (it takes its
 AVX2 code: MKL chooses by CPU vendor), XLA at 84-94. ``hoad::mm`` is a plain register-blocked
-loop, no packing: 4 rows by 32 columns of C in 16 AVX-512 accumulators, or 8 rows by 16 where
+loop: 6 or 4 rows by 32 columns of C in 24 or 16 AVX-512 accumulators, or 8 rows by 16 where
 16 columns are left; 65-100 GFLOP/s on those shapes (one [16,64]@[64,256] in 6.8 us against
 MKL's 14.7, [256,64]@[64,16] in 6.3 against 23.4). The wide layers of the torch-jet paper's
 network too: [384,768]@[768,768] at 94-97 GFLOP/s against MKL's 53-56, where XLA's (folx's)
