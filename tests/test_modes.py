@@ -145,6 +145,7 @@ def _wide_jet(sizes, seed):
     return u
 
 
+@pytest.mark.slow  # (10 s: a cost-model choice; test_passes.py checks evaluated jets against lazy ones)
 def test_jets_through_wide_layers_are_evaluated_where_the_estimate_says(monkeypatch):
     """Lazy jets reach each wide layer term by term (a 4-jet of the torch-jet paper's network: 8
     products per layer where 4 do, 43 against 23 ms): a program estimated over EVALUATED_SCORE is
