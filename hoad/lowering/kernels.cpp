@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 // The first `lanes` of 8 (none for lanes <= 0): a mask for the columns of a strip that exist.
@@ -109,8 +110,9 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
   // panel, where 16 rows of A or more read it. GFLOP/s before -> after: [384,768]@[768,512]
   // 80 -> 96, [3200,768]@[768,512] 76 -> 93, [4096,64]@[64,256] 96 -> 114; copying lost with 8
   // rows (65 -> 49) and with rows 6 KB apart ([64,768]@[768,768] 104 -> 96).
-  std::vector<double> strip(N >= 256 && (N & (N - 1)) == 0 && M >= 16 ? 32 * K : 0);
-  double* pack = strip.empty() ? nullptr : strip.data();
+  const bool copied = N >= 256 && (N & (N - 1)) == 0 && M >= 16;
+  std::unique_ptr<double[]> strip(copied ? new double[32 * K] : nullptr);  // (every entry written before read)
+  double* pack = strip.get();
   for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N, pack);
 }
 
