@@ -178,11 +178,11 @@ class Hoad:
     # ------------------------------------------------------------------------------ helpers
     def _compile(self, option: HoadOption) -> hoad.Compiled:
         p = self.p
-        kwargs = dict(order=p.order, wrt=p.wrt, backend=option.backend, mode="auto")
+        # (packed=False, not the default "auto": the dense rows time the dense program, the packed
+        # rows beside them the packed one, and the default picks one of the two)
+        kwargs = dict(order=p.order, wrt=p.wrt, backend=option.backend, mode="auto", packed=option.packed)
         if option.diagonal:
             kwargs["diagonal"] = True
-        if option.packed:
-            kwargs["packed"] = True
         if option.samples == "batch_dim":
             return hoad.compile(p.fn, batch_dim=0, **kwargs)
         if option.samples == "summed":

@@ -18,6 +18,14 @@ from hoad.budget import human
 PACKED_PAYS = 50
 
 
+def packed_pays(n: int, k: int) -> bool:
+    """Whether order k over n entries has :data:`PACKED_PAYS` times more dense entries than unique
+    ones, where computing the unique ones alone (``packed=True``) is the faster (measured: a tanh
+    MLP at a point, order 6 at n = 8 and order 5 at n = 16 ran 7.8x and 2.7x faster packed; 41x,
+    order 5 at n = 8, ran 1.5x slower). Never below order 5: the ratio stays under k!."""
+    return n ** k >= PACKED_PAYS * math.comb(n + k - 1, k)
+
+
 class Explanation:
     """What :func:`hoad.explain` shows: a build's direction, stages, costs and memory plan."""
 
@@ -47,16 +55,14 @@ class Explanation:
         return rows
 
     def packed_advice(self) -> str:
-        """A line pointing to ``packed=True`` where the top order's dense entries are
-        :data:`PACKED_PAYS` times its unique ones or more (measured: a tanh MLP at a point, order 6
-        at n = 8 and order 5 at n = 16 ran 7.8x and 2.7x faster packed; 41x, order 5 at n = 8, ran
-        1.5x slower)."""
+        """A line pointing to ``packed=True`` where it pays (:func:`packed_pays`): a dense program
+        there was asked for (``packed=False``) or could not be packed."""
         p = self.program
         if p.diagonal:
             return ""
         n, k = sum(math.prod(s) for s in p.slot_shapes), p.order
         unique = math.comb(n + k - 1, k)
-        if n ** k < PACKED_PAYS * unique:  # (never below order 5: the ratio stays under k!)
+        if not packed_pays(n, k):
             return ""
         return (f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
                 "computes the unique entries alone, from Taylor jets: 7.8x faster at order 6 over 8 entries "

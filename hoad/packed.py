@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import threading
 import warnings
@@ -33,13 +34,18 @@ import numpy as np
 import torch
 import torch._dynamo
 from tabulate import tabulate
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from hoad.algebra.multiindex import all_multi_indices, multi_indices
+from hoad.compiled import Compiled
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.directions import _point_of, parameter_names
-from hoad.errors import InvalidArgumentError
+from hoad.errors import HoadError, InvalidArgumentError, first_line
+from hoad.explanation import packed_pays
 from hoad.operators import DIRECTIONS, _Operator, leafwise
 from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int, wrt_entries
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ index maps
@@ -376,3 +382,96 @@ class PackedExplanation:
         return f"{head}\n\n{table}\n\n{self.program}"
 
     __repr__ = __str__
+
+
+# ------------------------------------------------------------------------------ the choice
+class AutoPacked(Compiled):
+    """``hoad.compile``'s default, ``packed="auto"``: a call whose top order over the wrt inputs'
+    n entries has far more dense entries than unique ones (:func:`hoad.explanation.packed_pays`:
+    order 5 from n = 16, order 6 from n = 5) runs the packed program (:class:`Packed`); any
+    other call runs the dense one. Results read the same: ``res[key]`` is the dense block either
+    way. Packed is chosen for float64 inputs only (in float32 its map costs one to two digits),
+    for a plain function whose wrt names its inputs, and outside another hoad trace or a
+    torch.func transform; where the packed program cannot be built, the call runs dense."""
+
+    def __init__(self, fn, order, wrt=0, **options):
+        super().__init__(fn, order, wrt, **options)
+        c = self.config
+        self._packable = (self.module is None and not self._method and not c.diagonal and c.split_blocks is None
+                          and self.order >= 5 and len(set(self.wrt)) == len(self.wrt) and all(
+                              isinstance(e, str) or (isinstance(e, int) and not isinstance(e, bool) and e >= 0)
+                              for e in self.wrt))
+        self._choices: dict[tuple, bool] = {}  # per signature of the wrt inputs: packed or not
+        self._proven: set[tuple] = set()  # signatures whose packed program ran
+        self._packed: Packed | None = None
+        self._packed_lock = threading.Lock()
+        self._ran_packed = False  # whether the last call ran packed (for graph and explain)
+
+    def _unsharded_call(self, args: tuple, kwargs: dict) -> Derivatives:
+        key = self._packed_signature(args, kwargs)
+        if key is not None:
+            program = self._packed_program()
+            if key in self._proven:
+                self._ran_packed = True
+                return program(*args, **kwargs)
+            try:
+                res = program(*args, **kwargs)
+            except HoadError as e:  # (a rule the Taylor program lacks, say): the dense program serves
+                log.info("hoad: %s: the packed program could not be built (%s: %s); computing the dense one",
+                         getattr(self.fn, "__name__", "function"), type(e).__name__, first_line(str(e)))
+                self._choices[key] = False
+            else:
+                self._proven.add(key)
+                self._ran_packed = True
+                return res
+        self._ran_packed = False
+        return super()._unsharded_call(args, kwargs)
+
+    def _packed_signature(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The wrt inputs' shapes, dtypes and devices where this call runs packed, else None."""
+        if not self._packable or get_proxy_mode() is not None or \
+                torch._C._functorch.peek_interpreter_stack() is not None:
+            return None
+        try:
+            xs = [_point_of(self.fn, e, args, kwargs) for e in self.wrt]
+        except (HoadError, IndexError, ValueError):  # (dense says what is wrong with the call)
+            return None
+        key = tuple((tuple(x.shape), x.dtype, x.device) for x in xs)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._choices[key] = self._pays(xs)
+        return key if choice else None
+
+    def _pays(self, xs: list[torch.Tensor]) -> bool:
+        lead = 1 if self.config.batch_dim is not None else 0
+        if any(type(x) is not torch.Tensor or x.dtype != torch.float64 or x.device != xs[0].device
+               or x.dim() < lead for x in xs) or len({x.shape[:lead] for x in xs}) > 1:
+            return False
+        n, k = sum(math.prod(x.shape[lead:]) for x in xs), self.order
+        if not packed_pays(n, k):
+            return False
+        log.info("hoad: %s: order %d over %d entries has %d dense entries and %d unique ones; computing the unique "
+                 "ones alone (the packed program; hoad.compile(..., packed=False) for the dense one)",
+                 getattr(self.fn, "__name__", "function"), k, n, n ** k, math.comb(n + k - 1, k))
+        return True
+
+    def _packed_program(self) -> Packed:
+        with self._packed_lock:
+            if self._packed is None:
+                c = self.config
+                options = Options(c.batch_dim, c.backend, c.mode, c.chunk_size, c.memory_budget)
+                wrt = self.wrt[0] if len(self.wrt) == 1 else tuple(self.wrt)
+                self._packed = Packed(self.fn, self.order, wrt, options=options)
+            return self._packed
+
+    @property
+    def graph(self):
+        """The program of the most recent call: the packed program's where it ran packed."""
+        return self._packed.graph if self._ran_packed else super().graph
+
+    def explain(self, *args, **kwargs):
+        """:meth:`Packed.explain` where the call (these arguments, or the last call) runs packed,
+        else the dense program's explanation."""
+        if args or kwargs:
+            self(*args, **kwargs)
+        return self._packed.explain() if self._ran_packed else super().explain()

@@ -273,7 +273,7 @@ def test_mixed_blocks_per_sample():
     (dict(wrt=(0, 0)), "distinct"),
     (dict(wrt=hoad.parameters), "leave packed off"),
     (dict(diagonal=True), "diagonal="),
-    (dict(packed="yes"), "True or False"),
+    (dict(packed="yes"), 'True, False or "auto"'),
     (dict(order=0), "order must be"),
 ])
 def test_packed_refusals_name_the_way_out(options, fragment):
@@ -304,10 +304,11 @@ def test_the_rank_table_counts_every_multiset():
 
 
 def test_explain_points_a_dense_program_to_packed_where_it_pays():
-    """explain() of a dense program names packed=True where the top order's dense entries are 50x its
-    unique ones or more (order 6 over 5 entries: 74x), and not below (order 4: at most 24x)."""
+    """explain() of a dense program (packed=False) names packed=True where the top order's dense
+    entries are 50x its unique ones or more (order 6 over 5 entries: 74x), and not below (order 4:
+    at most 24x)."""
     f = lambda x: torch.exp(x).sum()  # noqa: E731 - (its blocks are diagonal: a cheap dense build)
-    high = str(hoad.compile(f, order=6).explain(rand(5, seed=38)))
+    high = str(hoad.compile(f, order=6, packed=False).explain(rand(5, seed=38)))
     assert "order 6 over 5 entries: 15625 dense, 210 unique" in high and "packed=True" in high, high
     low = str(hoad.compile(f, order=4).explain(rand(8, seed=39)))
     assert "packed=True" not in low, low
@@ -321,7 +322,7 @@ def test_a_slow_dense_build_names_packed_where_it_pays(monkeypatch, caplog):
     monkeypatch.setenv("HOAD_PROGRESS", "0.01")  # (report every build)
     caplog.set_level(logging.WARNING, logger="hoad")
     f = lambda x: torch.exp(x).sum()  # noqa: E731
-    hoad.compile(f, order=6, backend="eager")(rand(5, seed=40))
+    hoad.compile(f, order=6, backend="eager", packed=False)(rand(5, seed=40))
     built = [r.getMessage() for r in caplog.records if "built" in r.getMessage()]
     assert built and "15625 dense, 210 unique" in built[-1] and "packed=True" in built[-1], built
     caplog.clear()
@@ -348,3 +349,133 @@ def test_a_product_along_the_directions_is_built_as_a_tree():
     counts = torch.zeros(len(index), 8, dtype=torch.long).scatter_add_(1, index, torch.ones_like(index))
     want = tanh_k[torch.arange(8), counts].prod(1)  # Π_j tanh^(α_j)(x_j) per multiset α
     torch.testing.assert_close(values, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ packed="auto"
+def _mlp(n: int, seed: int, dtype=torch.float64):
+    """A tanh MLP n-6-1 at a point, and the point."""
+    W, v = rand(n, 6, seed=seed).to(dtype) / 2, rand(6, seed=seed + 1).to(dtype)
+    return (lambda x: torch.tanh(x @ W) @ v), rand(n, seed=seed + 2).to(dtype)
+
+
+def test_the_default_computes_packed_where_it_pays_and_dense_below():
+    """hoad.compile's default (packed="auto"): order 6 over 5 entries (74x more dense entries than
+    unique ones) runs the packed program, order 6 over 4 (49x) and order 4 the dense one; every
+    block equals the dense program's, and order 5 equals nested torch.func."""
+    f, x = _mlp(5, seed=60)
+    cf = hoad.compile(f, order=6, backend="eager")
+    assert isinstance(cf, hp.AutoPacked)
+    res, dense = cf(x), hoad.compile(f, order=6, backend="eager", packed=False)(x)
+    assert cf._ran_packed and isinstance(res._blocks, hp.PackedBlocks)
+    for k in range(1, 7):
+        assert_close(res[(0,) * k], dense[(0,) * k], f"order {k}")
+    assert_close(res[(0,) * 5], reference(f, (x,), (0,), 5)[(0,) * 5], "order 5 against torch.func")
+    assert "every block of x (5 entries) as its unique entries" in str(cf.explain())
+    assert "lattice" in str(cf.explain(x)) and cf.graph is not None
+    res.packed((0,) * 6)  # (the unique entries, as computed)
+    g, y = _mlp(4, seed=61)
+    small = hoad.compile(g, order=6, backend="eager")
+    assert_close(small(y)[(0,) * 6], hoad.compile(g, order=6, backend="eager", packed=False)(y)[(0,) * 6])
+    assert not small._ran_packed and "hoad program: order 6" in str(small.explain())
+    four = hoad.compile(f, order=4, backend="eager")
+    four(x)
+    assert not four._ran_packed
+
+
+@pytest.mark.parametrize("case", ["float32", "packed=False", "diagonal", "parameters", "method", "nested"])
+def test_the_default_stays_dense_where_packed_does_not_serve(case):
+    """float32 inputs (the map costs digits there), packed=False, diagonal=True, module parameters,
+    a decorated method and a call inside another hoad trace all run the dense program."""
+    f, x = _mlp(5, seed=62, dtype=torch.float32 if case == "float32" else torch.float64)
+    options = {"packed=False": dict(packed=False), "diagonal": dict(diagonal=True)}.get(case, {})
+    if case == "parameters":
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(5, 1).double()
+
+            def forward(self, x):
+                return torch.tanh(self.lin(x)).sum()
+
+        cf = hoad.compile(Net(), order=6, wrt="lin.weight", backend="eager")  # (5 entries: it would pay)
+        res = cf(x)
+        assert not getattr(cf, "_ran_packed", False) and not isinstance(res._blocks, hp.PackedBlocks)
+        return
+    if case == "method":
+        class Model(nn.Module):
+            @hoad.compile(order=6, backend="eager")
+            def energy(self, x):
+                return f(x)
+
+        res = Model().energy(x)
+        assert not isinstance(res._blocks, hp.PackedBlocks)
+        assert_close(res[(0,) * 6], hoad.compile(f, order=6, backend="eager", packed=False)(x)[(0,) * 6])
+        return
+    if case == "nested":
+        inner = hoad.compile(f, order=6, backend="eager")
+        outer = hoad.compile(lambda x: inner(x)[(0,) * 6].sum(), order=1, backend="eager")
+        got = outer(x)[(0,)]
+        want = hoad.compile(lambda x: hoad.compile(f, order=6, backend="eager", packed=False)(x)[(0,) * 6].sum(),
+                            order=1, backend="eager")(x)[(0,)]
+        assert_close(got, want)
+        assert not inner._ran_packed
+        return
+    cf = hoad.compile(f, order=6, backend="eager", **options)
+    res = cf(x)
+    assert not getattr(cf, "_ran_packed", False) and not isinstance(res._blocks, hp.PackedBlocks)
+
+
+def test_the_default_runs_dense_where_the_packed_program_cannot_be_built(monkeypatch, caplog):
+    """A packed build that fails (here: planted) leaves that signature to the dense program, with
+    the reason logged; the next call goes straight to the dense program."""
+    import logging
+
+    f, x = _mlp(5, seed=63)
+    calls = []
+
+    def refuse(self, *args, **kwargs):
+        calls.append(1)
+        raise hoad.UnsupportedOperatorError("planted: no Taylor rule for this op")
+
+    monkeypatch.setattr(hp.Packed, "__call__", refuse)
+    caplog.set_level(logging.INFO, logger="hoad")
+    cf = hoad.compile(f, order=6, backend="eager")
+    res = cf(x)
+    assert not cf._ran_packed and not isinstance(res._blocks, hp.PackedBlocks)
+    assert any("packed program could not be built (UnsupportedOperatorError: planted" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    cf(x)
+    assert calls == [1]
+    assert_close(res[(0,) * 6], hoad.compile(f, order=6, backend="eager", packed=False)(x)[(0,) * 6])
+
+
+def test_threads_calling_the_default_at_sizes_on_either_side_of_the_choice():
+    """8 threads x 6 calls at 4 entries (dense) and 5 entries (packed) of one compiled function:
+    every result equals the dense program's; each size is built once."""
+    W, v = rand(5, 6, seed=64) / 2, rand(6, seed=65)
+    f = lambda x: torch.tanh(x @ W[: x.shape[0]]) @ v  # noqa: E731
+    cf = hoad.compile(f, order=6, backend="eager")
+    points = {n: rand(n, seed=66 + n) for n in (4, 5)}
+    want = {n: hoad.compile(f, order=6, backend="eager", packed=False)(x) for n, x in points.items()}
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(6):
+                n = (4, 5)[(t + i) % 2]
+                res = cf(points[n])
+                assert isinstance(res._blocks, hp.PackedBlocks) == (n == 5), n
+                for k in (2, 6):
+                    assert_close(res[(0,) * k], want[n][(0,) * k], f"thread {t} n={n} order {k}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+    cpu = torch.device("cpu")
+    assert len(cf._cache) == 1 and cf._choices == {(((4,), torch.float64, cpu),): False,
+                                                   (((5,), torch.float64, cpu),): True}
