@@ -122,6 +122,35 @@ def test_products_the_kernel_takes_transposed():
     assert torch.ops.hoad.mm.default not in [n.target for n in gm.graph.nodes]
 
 
+@pytest.mark.skipif(not kernels.available(), reason="hoad::mm's AVX-512 kernel")
+def test_jets_stored_column_major_stay_so_through_a_product():
+    """a @ w where a, the larger operand, is stored column-major (jets kept feature by feature, as
+    the packed program keeps its lattice directions' jets) runs as (wᵀ @ aᵀ)ᵀ whatever the
+    result's size: the result is stored column-major too, like the jets beside it. A row-major a
+    of the same size keeps the straight product."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hoad.lowering.inductor import TRANSPOSED_RESULT, InductorLowering
+    from hoad.passes.lower import lower_products
+
+    def f(x, w):
+        return torch.tanh(x).t() @ w  # (S, 64) @ (64, 64), the jets (64, S) row-major
+
+    def g(x, w):
+        return torch.tanh(x) @ w
+
+    x, w = rand(64, 792, seed=4), rand(64, 64, seed=5)
+    assert 792 * 64 > TRANSPOSED_RESULT
+    for fn, arg, transposed in ((f, x, True), (g, x.t().contiguous(), False)):
+        gm = lower_products(make_fx(fn, tracing_mode="fake")(arg, w), InductorLowering(kernels=True))
+        (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.hoad.mm.default]
+        shapes = [tuple(a.meta["val"].shape) for a in mm.args]
+        assert shapes == ([(64, 64), (64, 792)] if transposed else [(792, 64), (64, 64)]), (fn.__name__, shapes)
+        out = gm(arg, w)
+        assert out.t().is_contiguous() == transposed
+        torch.testing.assert_close(out, fn(arg, w), rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.skipif(not kernels.avx2_available() or kernels.available(), reason="the AVX2 kernel's choice")
 def test_wide_products_stay_mkl_on_avx2():
     """MKL runs large products with many columns faster than the AVX2 kernel (B read in strips a

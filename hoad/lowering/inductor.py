@@ -124,13 +124,19 @@ class InductorLowering(Lowering):
     def product(self, a: torch.Tensor, b: torch.Tensor) -> str:
         """How a 2-D product a @ b (shapes and strides of the traced values) runs: "kernel"
         (``hoad::mm``), "transposed" (``hoad::mm`` as ``(bᵀ @ aᵀ)ᵀ``), "reduction" (a fused
-        broadcast product and sum), or "mm". Transposed where the kernel takes it so and not
-        straight, or with fewer entries copied dense first (none where ``b`` is a transposed
-        activation), if its result is small (TRANSPOSED_RESULT)."""
+        broadcast product and sum), or "mm". Transposed where the kernel takes it so and ``a``,
+        the larger operand (jets through a layer), is stored column-major, as the program keeps
+        its jets: the result is then stored as they are, where a straight product would store it
+        the other way round and every kernel reading it beside them would transpose it, tile by
+        tile (a packed order-5 program's [792, 64] jets: 1.7 -> 1.0 ms per call). Otherwise where
+        its result is small (TRANSPOSED_RESULT), if the kernel takes it so and not straight, or
+        with fewer entries copied dense first (none where ``b`` is a transposed activation)."""
         how = self._straight(a, b)
-        if (how != "reduction" and a.shape[0] * b.shape[1] <= TRANSPOSED_RESULT
-                and self._straight(b.t(), a.t()) == "kernel"
-                and (how == "mm" or _copied(b.t(), a.t()) < _copied(a, b))):
+        if how == "reduction" or self._straight(b.t(), a.t()) != "kernel":
+            return how
+        if a.numel() >= b.numel() and a.t().is_contiguous() and not a.is_contiguous():
+            return "transposed"
+        if a.shape[0] * b.shape[1] <= TRANSPOSED_RESULT and (how == "mm" or _copied(b.t(), a.t()) < _copied(a, b)):
             return "transposed"
         return how
 
