@@ -93,13 +93,15 @@ def analyse(n: int = 8, verbose: bool = True) -> dict:
     # the Taylor models along the mode with the largest cubic constant, against the true energy
     k = int(torch.einsum("iii->i", phi3).abs().argmax())
     q = modes[:, k]
-    along = [(s, energy(x0 + s * q).item()) for s in (0.02, 0.04, 0.08, 0.16)]
+    points = [(s, energy(x0 + s * q).item()) for s in (0.02, 0.04, 0.08, 0.16)]
     e0 = res.value.item()
+    # dᵏ/dsᵏ E(x0 + s q) at s = 0, k = 1..4, contracted from the blocks: g·q, ω_k², φ_kkk, φ_kkkk
+    d = [t.item() for t in res.along(q)]
     taylor = []
-    for s, e in along:
-        t2 = e0 + s * (g @ q).item() + s ** 2 / 2 * omega[k].item() ** 2
-        t3 = t2 + s ** 3 / 6 * phi3[k, k, k].item()
-        t4 = t3 + s ** 4 / 24 * phi4[k, k, k, k].item()
+    for s, e in points:
+        t2 = e0 + s * d[0] + s ** 2 / 2 * d[1]
+        t3 = t2 + s ** 3 / 6 * d[2]
+        t4 = t3 + s ** 4 / 24 * d[3]
         taylor.append((s, e, abs(t2 - e), abs(t3 - e), abs(t4 - e)))
     if verbose:
         print(f"{n} atoms at a minimum: energy {e0:.6f}, |gradient| {g.norm():.1e}")
@@ -114,7 +116,7 @@ def analyse(n: int = 8, verbose: bool = True) -> dict:
         for s, e, e2, e3, e4 in taylor:
             print(f"  {s:5.2f}  {e:10.6f}  {e2:8.1e}  {e3:8.1e}  {e4:8.1e}")
     return {"x0": x0, "mode": k, "gradient": g, "omega": omega, "phi3": phi3, "phi4": phi4, "cubic_error": cubic_error,
-            "quartic_error": quartic_error, "taylor": taylor}
+            "quartic_error": quartic_error, "taylor": taylor, "along": d}
 
 
 if __name__ == "__main__":

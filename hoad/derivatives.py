@@ -158,6 +158,93 @@ class Derivatives(Mapping):
         return {key: vector[..., where].reshape(lead + shape)
                 for (key, where), shape in zip(index.items(), self._slot_shapes)}
 
+    # ------------------------------------------------------------------------------- along
+    def along(self, direction) -> list[torch.Tensor]:
+        """The derivatives along a line through the point: ``[d/dt f(x + t v), …, dᴺ/dtᴺ f(x + t v)]``
+        at t = 0, each shaped like the value, so that ``f(x + s v) ≈ res.value + Σ_k sᵏ/k! ·
+        res.along(v)[k-1]`` (a Taylor model). ``direction``: v for the one wrt input; with several,
+        a tuple (wrt order) or a dict (wrt keys) with one per input, moved together (mixed blocks
+        enter with their multiplicity). A v shaped like one point of its input is shared; one with
+        leading axes of the value's (the samples under ``batch_dim``) goes entry by entry. Blocks
+        computed packed (``packed=True``) are contracted as computed: no dense block is formed."""
+        if self._spec.diagonal:
+            raise InvalidArgumentError("along() needs the mixed entries of every block, and a diagonal=True result "
+                                       "holds pure derivatives only: compile without diagonal=True")
+        if self._spec.split is not None:
+            raise InvalidArgumentError("along() needs every block, and under split_blocks each rank holds its own: "
+                                       "call res.gather().along(...) on every rank of the group")
+        vs = self._directions(direction)
+        joined = getattr(self._blocks, "by_order", None)  # (hoad.packed.PackedBlocks: orders over joined inputs)
+        out = []
+        for k in range(1, self._max_order + 1):
+            if joined is not None:
+                out.append(self._along_packed(joined.get(k), vs, k))
+                continue
+            total = torch.zeros_like(self.value)
+            for K in itertools.combinations_with_replacement(range(len(self._wrt)), k):
+                if K in self._zeros:
+                    continue
+                counts = [K.count(p) for p in set(K)]
+                weight = math.factorial(k) // math.prod(math.factorial(c) for c in counts)
+                total = total + weight * self._contracted(self._block(K), [(vs[p], self._slot_shapes[p]) for p in K])
+            out.append(total)
+        return out
+
+    def _directions(self, direction) -> list[torch.Tensor]:
+        """One direction per wrt input, each checked against the input's point shape."""
+        n = len(self._wrt)
+        if isinstance(direction, Mapping):
+            given = {self._position(k): v for k, v in direction.items()}
+            missing = [self._wrt[p] for p in range(n) if p not in given]
+            if missing:
+                raise InvalidArgumentError(f"along() takes one direction per wrt input; missing {missing}")
+            vs = [given[p] for p in range(n)]
+        elif isinstance(direction, (tuple, list)):
+            vs = list(direction)
+        else:
+            vs = [direction]
+        if len(vs) != n:
+            raise InvalidArgumentError(f"along() takes one direction per wrt input ({n}: {self._wrt}), got {len(vs)}; "
+                                       "with several inputs pass a tuple in wrt order or a dict by wrt key")
+        lead = tuple(self.value.shape)
+        for key, v, shape in zip(self._wrt, vs, self._slot_shapes):
+            if not isinstance(v, torch.Tensor):
+                raise InvalidArgumentError(f"along()'s direction for {key!r} must be a tensor, got {type(v).__name__}")
+            front = tuple(v.shape[:v.ndim - len(shape)])
+            if tuple(v.shape[v.ndim - len(shape):]) != shape or len(front) > len(lead) or front != lead[:len(front)]:
+                raise InvalidArgumentError(
+                    f"along()'s direction for {key!r} has shape {tuple(v.shape)}: it takes one point's shape {shape} "
+                    f"(shared), or that behind leading axes of the value's {lead} (entry by entry)")
+        return vs
+
+    @staticmethod
+    def _contracted(block: torch.Tensor, pairs: list[tuple[torch.Tensor, tuple]]) -> torch.Tensor:
+        """``block`` (the value's axes, then each slot's) contracted with one (direction, point
+        shape) per slot, the last slot first."""
+        for v, shape in reversed(pairs):
+            slot, front = len(shape), v.ndim - len(shape)
+            shaped = v.reshape(tuple(v.shape[:front]) + (1,) * (block.ndim - slot - front) + tuple(shape))
+            block = block * shaped
+            if slot:  # (sum over no dims would sum over all of them)
+                block = block.sum(dim=tuple(range(block.ndim - slot, block.ndim)))
+        return block
+
+    def _along_packed(self, values: torch.Tensor | None, vs: list[torch.Tensor], k: int) -> torch.Tensor:
+        """Σ over the unique entries of order k (over the joined inputs) of their multiplicity,
+        value and the product of the joined direction's entries they hold."""
+        if values is None:  # (the order is a structural zero)
+            return torch.zeros_like(self.value)
+        lead = tuple(self.value.shape)
+        fronts = [tuple(v.shape[: v.ndim - len(s)]) for v, s in zip(vs, self._slot_shapes)]
+        front = max(fronts, key=len)
+        z = torch.cat([v.reshape(f + (-1,)).expand(front + (math.prod(s),)) for v, f, s in
+                       zip(vs, fronts, self._slot_shapes)], dim=-1)
+        index = _index_map(z.shape[-1], k, z.device)
+        weights = _multiplicities(z.shape[-1], k, z.device).to(z.dtype)
+        products = z[..., index].prod(-1) * weights  # (front, M)
+        products = products.reshape(front + (1,) * (len(lead) - len(front)) + products.shape[-1:])
+        return (values * products).sum(-1)
+
     # ---------------------------------------------------------------------------------- keys
     @property
     def max_order(self) -> int:
@@ -306,6 +393,18 @@ def index_map(n: int, k: int, device=None) -> torch.Tensor:
 def _index_map(n: int, k: int, device: torch.device) -> torch.Tensor:
     index = torch.combinations(torch.arange(n, device=device), r=k, with_replacement=True)
     return index.reshape(-1, k)  # (k = 1: one column)
+
+
+@functools.lru_cache(maxsize=64)
+def _multiplicities(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """(C(n+k-1, k),): how many orderings of its k entries each multiset of :func:`index_map` has,
+    k! / Π (count of each entry)!: the times its value occurs in a dense block."""
+    index = _index_map(n, k, device)
+    same = torch.ones_like(index)
+    for j in range(1, k):  # the run length of equal entries ending at j (sorted rows)
+        same[:, j] = torch.where(index[:, j] == index[:, j - 1], same[:, j - 1] + 1, 1)
+    # k! / Π c! = k! / Π_j (run length at j): each run of c equal entries contributes 1·2·…·c
+    return math.factorial(k) / same.to(torch.float64).prod(-1)
 
 
 def each_output(results, fn):

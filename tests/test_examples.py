@@ -61,6 +61,9 @@ def test_force_constants_match_differences_and_each_order_gains_a_power():
     for order, (a, b) in enumerate(zip(small, large), start=2):
         assert b / a > 0.75 * 2 ** (order + 1), (order, a, b)  # error ~ s^(order + 1)
     assert small[0] > small[1] > small[2]
+    k, d = out["mode"], out["along"]  # res.along(q): the modal constants along q, from the Cartesian blocks
+    want = [0.0, out["omega"][k].item() ** 2, out["phi3"][k, k, k].item(), out["phi4"][k, k, k, k].item()]
+    assert abs(d[0]) < 1e-8 and all(abs(a - b) <= 1e-9 * abs(b) for a, b in zip(d[1:], want[1:])), (d, want)
 
 
 @pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
