@@ -49,8 +49,8 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     ``packed=True`` computes the unique entries of the symmetric tensor over the wrt inputs' n entries
     (C(n+k-1, k) of nᵏ at order k), never forming a dense block (:mod:`hoad.packed`): ``res.packed(key)``
     returns a block of one input's unique entries, ``res[key]`` gathers any block, dense, when read.
-    It pays where nᵏ far outgrows C(n+k-1, k): order 6 at n = 8 took 0.13x the dense program's time,
-    order 5 at n = 16 0.36x; order 4 is faster dense. Its map sums jets with alternating signs: in
+    It pays where nᵏ far outgrows C(n+k-1, k): order 6 at n = 8 took 0.16x the dense program's time,
+    order 5 at n = 16 0.43x; order 4 is faster dense. Its map sums jets with alternating signs: in
     float32 the top order loses one to two digits against the dense program (2.8e-5 relative at
     order 6, n = 8); use float64 there. ``packed="auto"`` (the default) chooses per call signature:
     packed where the top order has 50 times more dense entries than unique ones (order 5 from

@@ -21,8 +21,8 @@ PACKED_PAYS = 50
 def packed_pays(n: int, k: int) -> bool:
     """Whether order k over n entries has :data:`PACKED_PAYS` times more dense entries than unique
     ones, where computing the unique ones alone (``packed=True``) is the faster (measured: a tanh
-    MLP at a point, order 6 at n = 8 and order 5 at n = 16 ran 7.8x and 2.7x faster packed; 41x,
-    order 5 at n = 8, ran 1.5x slower). Never below order 5: the ratio stays under k!."""
+    MLP at a point, order 6 at n = 8 and order 5 at n = 16 ran 6.3x and 2.3x faster packed; 49x,
+    order 6 at n = 4, 1.4x slower). Never below order 5: the ratio stays under k!."""
     return n ** k >= PACKED_PAYS * math.comb(n + k - 1, k)
 
 
@@ -65,7 +65,7 @@ class Explanation:
         if not packed_pays(n, k):
             return ""
         return (f"order {k} over {n} entries: {n ** k} dense, {unique} unique. hoad.compile(..., packed=True) "
-                "computes the unique entries alone, from Taylor jets: 7.8x faster at order 6 over 8 entries "
+                "computes the unique entries alone, from Taylor jets: 6.3x faster at order 6 over 8 entries "
                 "(a tanh MLP, docs/guide.md)")
 
     def symmetry(self) -> tuple[int, int]:
