@@ -391,8 +391,9 @@ class AutoPacked(Compiled):
     order 5 from n = 16, order 6 from n = 5) runs the packed program (:class:`Packed`); any
     other call runs the dense one. Results read the same: ``res[key]`` is the dense block either
     way. Packed is chosen for float64 inputs only (in float32 its map costs one to two digits),
-    for a plain function whose wrt names its inputs, and outside another hoad trace or a
-    torch.func transform; where the packed program cannot be built, the call runs dense."""
+    for a plain function whose wrt names its inputs, outside another hoad trace or a torch.func
+    transform and where it reaches no FSDP-sharded module; where the packed program cannot be
+    built, the call runs dense."""
 
     def __init__(self, fn, order, wrt=0, **options):
         super().__init__(fn, order, wrt, **options)
@@ -430,8 +431,8 @@ class AutoPacked(Compiled):
     def _packed_signature(self, args: tuple, kwargs: dict) -> tuple | None:
         """The wrt inputs' shapes, dtypes and devices where this call runs packed, else None."""
         if not self._packable or get_proxy_mode() is not None or \
-                torch._C._functorch.peek_interpreter_stack() is not None:
-            return None
+                torch._C._functorch.peek_interpreter_stack() is not None or self._fully_sharded():
+            return None  # (FSDP-sharded modules it reaches: their gathering is Compiled's)
         try:
             xs = [_point_of(self.fn, e, args, kwargs) for e in self.wrt]
         except (HoadError, IndexError, ValueError):  # (dense says what is wrong with the call)

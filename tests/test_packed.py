@@ -382,11 +382,19 @@ def test_the_default_computes_packed_where_it_pays_and_dense_below():
     assert not four._ran_packed
 
 
-@pytest.mark.parametrize("case", ["float32", "packed=False", "diagonal", "parameters", "method", "nested"])
-def test_the_default_stays_dense_where_packed_does_not_serve(case):
+@pytest.mark.parametrize("case", ["float32", "packed=False", "diagonal", "parameters", "method", "nested", "fsdp"])
+def test_the_default_stays_dense_where_packed_does_not_serve(case, monkeypatch):
     """float32 inputs (the map costs digits there), packed=False, diagonal=True, module parameters,
-    a decorated method and a call inside another hoad trace all run the dense program."""
+    a decorated method, a call inside another hoad trace and a function reaching FSDP-sharded
+    modules (planted: Compiled gathers those) all run the dense program."""
+    import contextlib
+
+    import hoad.compiled
+
     f, x = _mlp(5, seed=62, dtype=torch.float32 if case == "float32" else torch.float64)
+    if case == "fsdp":
+        monkeypatch.setattr(hp.AutoPacked, "_fully_sharded", lambda self: [object()])
+        monkeypatch.setattr(hoad.compiled, "gathered", lambda states: contextlib.nullcontext())
     options = {"packed=False": dict(packed=False), "diagonal": dict(diagonal=True)}.get(case, {})
     if case == "parameters":
         class Net(nn.Module):
