@@ -1,6 +1,6 @@
 """Float64 kernels: ``hoad::mm`` and ``hoad::gram`` for CPUs with AVX-512, ``hoad::jet_sqnorm``,
 ``hoad::jet_mm`` and ``hoad::mm``'s AVX2 twin for CPUs with AVX2 and FMA (the jet kernels in
-AVX-512 on Intel's).
+AVX-512 where the CPU has it).
 
 Derivative programs multiply many small float64 matrices with short inner dimensions: a
 Jacobian [16,64] by a product of weights [64,256], per-sample Jacobians [4096,64] by a [64,64]
@@ -35,10 +35,12 @@ in registers: the jets after the layer, and their scaled operand, are never writ
 ``hoad::jet_mm`` also returns those jets X [P,S,M], stored once, for a layer whose jets the next
 one carries on. Forward-jet Laplacians spend most of their time in that product and, unfused, in
 writing and re-reading its operand and result (2 MB each at 256 points, 16 directions, 64 units).
-On one core of the AMD EPYC (AVX2) this was written on: 38-43 GFLOP/s of a 44 peak, where MKL's
-product alone runs at 22-39 on the same shapes. On Intel CPUs with AVX-512 both run strips of 16
-columns in 12 AVX-512 accumulators instead (78-92 GFLOP/s on a Xeon's core, the 8-column strips
-49-55, MKL's product alone 64), for layers of up to JET_MAX_K_MKL512 inputs (:func:`jets_suit`).
+On one core of an AMD EPYC without AVX-512, where it was written: 38-43 GFLOP/s of a 44 peak,
+where MKL's product alone runs at 22-39 on the same shapes. On CPUs with AVX-512 both run strips
+of 16 columns in 12 AVX-512 accumulators instead (78-92 GFLOP/s on a Xeon's core, the 8-column
+strips 49-55, MKL's product alone 64; on an AMD EPYC with AVX-512 the Laplacian of a 16-64-64-1
+PINN at 256 points took 0.49-0.51 ms against 0.75-0.77 with the 8-column strips), for layers of
+up to JET_MAX_K_MKL512 inputs where MKL runs AVX-512 too (:func:`jets_suit`).
 
 Eager programs keep ``aten.mm`` and ``bmm``. The operators have autograd formulas (in aten ops,
 so differentiable again; registered in C++, so a call that needs no gradient costs what an aten
