@@ -64,19 +64,20 @@ __attribute__((target("avx512f,fma"))) static void columns(int64_t M, int64_t ld
   }
 }
 
-// C[M,N] = A[M,K] @ B[K,N] for rows of A that stay in L2: B strip by strip.
+// C[M,N] = A[M,K] @ B[K,N] for rows of A that stay in L2: B strip by strip, read in place or,
+// where `packed` is given, from B's strips copied dense once per product ([K][32] each, in order).
 __attribute__((target("avx512f,fma")))
-static void strips(int64_t M, int64_t N, int64_t K, const double* A, const double* B, double* C, double* pack) {
+static void strips(int64_t M, int64_t N, int64_t K, const double* A, const double* B, double* C,
+                   const double* packed) {
   const __mmask8 full[4] = {0xFF, 0xFF, 0xFF, 0xFF};
   int64_t j = 0;
   for (; j + 32 <= N; j += 32) {
-    if (pack == nullptr) {  // (6 rows per pass over a strip read in place: 93-99 -> 110-115 GFLOP/s on
+    if (packed == nullptr) {  // (6 rows per pass over a strip read in place: 93-99 -> 110-115 GFLOP/s on
       // [64,768]@[768,768] and [3200,768]@[768,768]; a copied strip gained nothing from 6)
       columns<6, 4, false>(M, N, N, K, A, B + j, C + j, full);
       continue;
     }
-    for (int64_t k = 0; k < K; k++) std::memcpy(pack + 32 * k, B + k * N + j, 32 * sizeof(double));
-    columns<4, 4, false>(M, 32, N, K, A, pack, C + j, full);
+    columns<4, 4, false>(M, 32, N, K, A, packed + j * K, C + j, full);
   }
   if (N - j == 16) {
     columns<8, 2, false>(M, N, N, K, A, B + j, C + j, full);
@@ -106,14 +107,28 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
   }
   const int64_t panel = std::max<int64_t>(8, HOAD_PANEL_BYTES / (8 * K) / 8 * 8);
   // B's rows a power of two of 2 KB or more apart share a few cache sets, so a strip of them
-  // (K x 32) is evicted while 4 rows of A pass: such a strip is copied dense first, once per
-  // panel, where 16 rows of A or more read it. GFLOP/s before -> after: [384,768]@[768,512]
+  // (K x 32) is evicted while 4 rows of A pass: such a strip is copied dense first where 16 rows
+  // of A or more read it. GFLOP/s before -> after: [384,768]@[768,512]
   // 80 -> 96, [3200,768]@[768,512] 76 -> 93, [4096,64]@[64,256] 96 -> 114; copying lost with 8
   // rows (65 -> 49) and with rows 6 KB apart ([64,768]@[768,768] 104 -> 96).
+  // Each strip is copied once per product, not once per panel ([384,768]@[768,512]: 3.27-3.37 ->
+  // 2.88-2.90 ms, [384,512]@[512,512] 2.04-2.13 -> 1.92), into a buffer each thread keeps (a
+  // fresh one would fault its pages in at every call).
   const bool copied = N >= 256 && (N & (N - 1)) == 0 && M >= 16;
-  std::unique_ptr<double[]> strip(copied ? new double[32 * K] : nullptr);  // (every entry written before read)
-  double* pack = strip.get();
-  for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N, pack);
+  const double* packed = nullptr;
+  if (copied) {
+    thread_local std::unique_ptr<double[]> buffer;  // (every entry written before read)
+    thread_local int64_t capacity = 0;
+    const int64_t need = N / 32 * 32 * K;
+    if (need > capacity) {
+      buffer.reset(new double[need]);
+      capacity = need;
+    }
+    for (int64_t j = 0; j + 32 <= N; j += 32)
+      for (int64_t k = 0; k < K; k++) std::memcpy(buffer.get() + j * K + 32 * k, B + k * N + j, 32 * sizeof(double));
+    packed = buffer.get();
+  }
+  for (int64_t i = 0; i < M; i += panel) strips(std::min(panel, M - i), N, K, A + i * K, B, C + i * N, packed);
 }
 
 // The AVX2 twin of dgemm for CPUs without AVX-512: R rows x 8 columns of C in 2R accumulators
