@@ -237,8 +237,8 @@ class Derivatives(Mapping):
         lead = tuple(self.value.shape)
         fronts = [tuple(v.shape[: v.ndim - len(s)]) for v, s in zip(vs, self._slot_shapes)]
         front = max(fronts, key=len)
-        z = torch.cat([v.reshape(f + (-1,)).expand(front + (math.prod(s),)) for v, f, s in
-                       zip(vs, fronts, self._slot_shapes)], dim=-1)
+        z = torch.cat([v.reshape(f + (1,) * (len(front) - len(f)) + (-1,)).expand(front + (math.prod(s),))
+                       for v, f, s in zip(vs, fronts, self._slot_shapes)], dim=-1)
         index = _index_map(z.shape[-1], k, z.device)
         weights = _multiplicities(z.shape[-1], k, z.device).to(z.dtype)
         products = z[..., index].prod(-1) * weights  # (front, M)

@@ -80,6 +80,13 @@ def test_along_per_sample_with_shared_and_per_sample_directions(packed):
     for k, (g, w) in enumerate(zip(got, want), 1):
         assert g.shape == res.value.shape
         assert_close(g, w, f"order {k}")
+    # one direction per sample and output entry for x, per sample for y (leading axes of the value's)
+    VXO, VY = rand(4, 7, 3, seed=98), rand(4, 2, seed=99)
+    got = res.along((VXO, VY))
+    for i, j in ((0, 0), (1, 3), (3, 6)):
+        ref = line(lambda x, y: one(x, y)[j], (X[i], Y[i]), (VXO[i, j], VY[i]), 3)  # noqa: B023
+        for k in range(3):
+            assert_close(got[k][i, j], ref[k], f"sample {i}, entry {j}, order {k + 1}")
 
 
 def test_along_a_modules_parameters_by_name():
