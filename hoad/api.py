@@ -53,9 +53,10 @@ def compile(fn: Callable | None = None, /, order: int | None = None, wrt: Any = 
     order 5 at n = 16 0.43x; order 4 is faster dense. Its map sums jets with alternating signs: in
     float32 the top order loses one to two digits against the dense program (2.8e-5 relative at
     order 6, n = 8); use float64 there. ``packed="auto"`` (the default) chooses per call signature:
-    packed where the top order has 50 times more dense entries than unique ones (order 5 from
-    n = 16, order 6 from n = 5) and the wrt inputs are float64 inputs of a plain function, dense
-    otherwise (:class:`hoad.packed.AutoPacked`); ``packed=False`` always builds the dense program.
+    packed where the top order has far more dense entries than unique ones (order 5 from n = 7,
+    order 6 from n = 5: :func:`hoad.explanation.packed_pays`) and the wrt inputs are float64
+    inputs of a plain function, dense otherwise (:class:`hoad.packed.AutoPacked`);
+    ``packed=False`` always builds the dense program.
     """
     options = dict(backend=backend, mode=mode, batch_dim=batch_dim, diagonal=diagonal, chunk_size=chunk_size,
                    memory_budget=memory_budget, split_blocks=split_blocks)

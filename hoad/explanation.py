@@ -14,16 +14,23 @@ from tabulate import tabulate
 from hoad.algebra.multiindex import all_multi_indices
 from hoad.budget import human
 
-# dense over unique entries of the top order (nᵏ / C(n+k-1, k)) from which packed=True pays
+# dense over unique entries of the top order (nᵏ / C(n+k-1, k)) from which packed=True pays, and
+# from which it pays once the lattice has PACKED_WIDE_LATTICE directions or more
 PACKED_PAYS = 50
+PACKED_PAYS_WIDE, PACKED_WIDE_LATTICE = 35, 400
 
 
 def packed_pays(n: int, k: int) -> bool:
-    """Whether order k over n entries has :data:`PACKED_PAYS` times more dense entries than unique
-    ones, where computing the unique ones alone (``packed=True``) is the faster (measured: a tanh
-    MLP at a point, order 6 at n = 8 and order 5 at n = 16 ran 6.3x and 2.3x faster packed; 49x,
-    order 6 at n = 4, 1.4x slower). Never below order 5: the ratio stays under k!."""
-    return n ** k >= PACKED_PAYS * math.comb(n + k - 1, k)
+    """Whether computing the unique entries alone (``packed=True``) is the faster for order k over
+    n entries: where the dense entries are :data:`PACKED_PAYS` times the unique ones, or
+    :data:`PACKED_PAYS_WIDE` times with :data:`PACKED_WIDE_LATTICE` lattice directions or more.
+    Measured on a tanh MLP at a point, one thread, ms dense against packed: order 6 at n = 8
+    (153x) 23.4 vs 3.70, n = 5 (74x, 210 directions) 1.34 vs 1.01; order 5 at n = 16 (68x) 57.6
+    vs 25.0, n = 8 (41x, 792 directions) 1.38-1.40 vs 0.81-0.82, n = 7 (36x, 462) 0.58-0.61 vs
+    0.55-0.56; but n = 6 (31x, 252) 0.37 vs 0.46 and order 6 at n = 4 (49x, 84) 0.43 vs 0.60.
+    Never below order 5: the ratio stays under k!."""
+    unique = math.comb(n + k - 1, k)
+    return n ** k >= PACKED_PAYS * unique or (n ** k >= PACKED_PAYS_WIDE * unique and unique >= PACKED_WIDE_LATTICE)
 
 
 class Explanation:

@@ -388,7 +388,7 @@ class PackedExplanation:
 class AutoPacked(Compiled):
     """``hoad.compile``'s default, ``packed="auto"``: a call whose top order over the wrt inputs'
     n entries has far more dense entries than unique ones (:func:`hoad.explanation.packed_pays`:
-    order 5 from n = 16, order 6 from n = 5) runs the packed program (:class:`Packed`); any
+    order 5 from n = 7, order 6 from n = 5) runs the packed program (:class:`Packed`); any
     other call runs the dense one. Results read the same: ``res[key]`` is the dense block either
     way. Packed is chosen for float64 inputs only (in float32 its map costs one to two digits),
     for a plain function whose wrt names its inputs, outside another hoad trace or a torch.func
