@@ -184,9 +184,8 @@ class Derivatives(Mapping):
             for K in itertools.combinations_with_replacement(range(len(self._wrt)), k):
                 if K in self._zeros:
                     continue
-                counts = [K.count(p) for p in set(K)]
-                weight = math.factorial(k) // math.prod(math.factorial(c) for c in counts)
-                total = total + weight * self._contracted(self._block(K), [(vs[p], self._slot_shapes[p]) for p in K])
+                total = total + _multiplicity(K) * self._contracted(self._block(K),
+                                                                    [(vs[p], self._slot_shapes[p]) for p in K])
             out.append(total)
         return out
 
@@ -395,16 +394,17 @@ def _index_map(n: int, k: int, device: torch.device) -> torch.Tensor:
     return index.reshape(-1, k)  # (k = 1: one column)
 
 
+def _multiplicity(K: Sequence[int]) -> int:
+    """How many orderings a multiset of entries has, k! / Π (count of each entry)!: the times one
+    unique entry of a symmetric tensor occurs in the dense one."""
+    return math.factorial(len(K)) // math.prod(math.factorial(K.count(p)) for p in set(K))
+
+
 @functools.lru_cache(maxsize=64)
 def _multiplicities(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """(C(n+k-1, k),): how many orderings of its k entries each multiset of :func:`index_map` has,
-    k! / Π (count of each entry)!: the times its value occurs in a dense block."""
-    index = _index_map(n, k, device)
-    same = torch.ones_like(index)
-    for j in range(1, k):  # the run length of equal entries ending at j (sorted rows)
-        same[:, j] = torch.where(index[:, j] == index[:, j - 1], same[:, j - 1] + 1, 1)
-    # k! / Π c! = k! / Π_j (run length at j): each run of c equal entries contributes 1·2·…·c
-    return math.factorial(k) / same.to(torch.float64).prod(-1)
+    """(C(n+k-1, k),) float64: :func:`_multiplicity` of each multiset of :func:`index_map`."""
+    rows = _index_map(n, k, torch.device("cpu")).tolist()
+    return torch.tensor([_multiplicity(K) for K in rows], dtype=torch.float64, device=device)
 
 
 def each_output(results, fn):

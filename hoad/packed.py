@@ -220,6 +220,15 @@ def _entries(wrt) -> list:
     return entries
 
 
+def _takes(wrt) -> bool:
+    """Whether packed=True takes ``wrt`` (:func:`_entries` would not refuse it)."""
+    try:
+        _entries(wrt)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
 def _put(u, entry, args: list, kwargs: dict, value) -> None:
     """Replace the input ``entry`` (as :func:`hoad.directions._point_of` finds it) in a call of ``u``."""
     if isinstance(entry, int) and entry < len(args):
@@ -399,9 +408,7 @@ class AutoPacked(Compiled):
         super().__init__(fn, order, wrt, **options)
         c = self.config
         self._packable = (self.module is None and not self._method and not c.diagonal and c.split_blocks is None
-                          and self.order >= 5 and len(set(self.wrt)) == len(self.wrt) and all(
-                              isinstance(e, str) or (isinstance(e, int) and not isinstance(e, bool) and e >= 0)
-                              for e in self.wrt))
+                          and self.order >= 5 and _takes(self.wrt))
         self._choices: dict[tuple, bool] = {}  # per signature of the wrt inputs: packed or not
         self._proven: set[tuple] = set()  # signatures whose packed program ran
         self._packed: Packed | None = None

@@ -605,8 +605,8 @@ def build(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], wrt
 
 
 def _packed_advice(b: Build) -> str:
-    """Where a dense program's top order has :data:`PACKED_PAYS` times more entries than unique
-    ones, the way to compute only those (said when the build is slow enough to be reported)."""
+    """Where computing a dense program's unique entries alone pays (:func:`hoad.explanation.packed_pays`),
+    the way to do it (said when the build is slow enough to be reported)."""
     p = b.program
     if p is None or b.config.operator is not None or b.config.split_blocks is not None or any(
             isinstance(b.layout.places[leaf], StateEntry) for leaf in b.wrt_leaves):  # (packed: inputs only)
