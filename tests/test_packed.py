@@ -20,6 +20,24 @@ from hoad.derivatives import index_map
 from tests.helpers import assert_close, rand, reference
 
 
+def _in_threads(work, threads: int = 8) -> None:
+    """``work(t)`` on each of ``threads`` threads at once; the first failure of any is raised here."""
+    errors = []
+
+    def run(t):
+        try:
+            work(t)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    assert not errors, errors[0]
+
+
 def _check_packed(f, args, wrt=0, order=3, **options):
     """Every block of orders 1..order, dense and packed, against torch.func (permuted keys included)."""
     res = hoad.compile(f, order=order, wrt=wrt, packed=True, **options)(*args)
@@ -189,24 +207,15 @@ def test_threads_calling_one_packed_program_at_mixed_shapes():
     points = {n: rand(n, seed=20 + n) / 2 for n in (2, 3, 4)}
     refs = {n: reference(lambda x: torch.tanh(x).prod() + x.square().sum() ** 2, (x,), (0,), 3)
             for n, x in points.items()}
-    errors = []
 
     def work(t):
-        try:
-            for i in range(6):
-                n = (2, 3, 4)[(t + i) % 3]
-                res = cf(points[n])
-                for k in (1, 2, 3):
-                    assert_close(res[(0,) * k], refs[n][(0,) * k], f"thread {t} n={n} order {k}")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(6):
+            n = (2, 3, 4)[(t + i) % 3]
+            res = cf(points[n])
+            for k in (1, 2, 3):
+                assert_close(res[(0,) * k], refs[n][(0,) * k], f"thread {t} n={n} order {k}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    _in_threads(work)
 
 
 def test_explain_shows_each_orders_dense_and_computed_entries():
@@ -476,25 +485,16 @@ def test_threads_calling_the_default_at_sizes_on_either_side_of_the_choice():
     cf = hoad.compile(f, order=6, backend="eager")
     points = {n: rand(n, seed=66 + n) for n in (4, 5)}
     want = {n: hoad.compile(f, order=6, backend="eager", packed=False)(x) for n, x in points.items()}
-    errors = []
 
     def work(t):
-        try:
-            for i in range(6):
-                n = (4, 5)[(t + i) % 2]
-                res = cf(points[n])
-                assert isinstance(res._blocks, hp.PackedBlocks) == (n == 5), n
-                for k in (2, 6):
-                    assert_close(res[(0,) * k], want[n][(0,) * k], f"thread {t} n={n} order {k}")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(6):
+            n = (4, 5)[(t + i) % 2]
+            res = cf(points[n])
+            assert isinstance(res._blocks, hp.PackedBlocks) == (n == 5), n
+            for k in (2, 6):
+                assert_close(res[(0,) * k], want[n][(0,) * k], f"thread {t} n={n} order {k}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors[0]
+    _in_threads(work)
     cpu = torch.device("cpu")
     assert len(cf._cache) == 1 and cf._choices == {(((4,), torch.float64, cpu),): False,
                                                    (((5,), torch.float64, cpu),): True}
