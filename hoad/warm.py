@@ -1,7 +1,7 @@
-"""``python -m hoad.warm JOB``: run one background compile in a process of its own, to fill
+"""``main(JOB)`` (or ``python -m hoad.warm JOB``): run one background compile in a process of its own, to fill
 Inductor's cache (:func:`hoad.tiers._in_a_child` writes JOB, a pickled ``(module, function,
 arguments)``, and reads back only the exit status and, where it failed, the output). The process
-lowers its own priority: it is background work beside the user's."""
+runs as background work beside the user's (:func:`hoad.tiers.background_command`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import sys
 
 
 def main(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.nice(10)
     import hoad  # noqa: F401 - registers hoad's operators, which the programs call
     from hoad.lowering import kernels
 

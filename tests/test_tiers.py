@@ -4,6 +4,8 @@ program, and the results agree throughout."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -182,7 +184,6 @@ def _exit_env(tmp_path, mode="background"):
 
 
 def _script(tmp_path, where: str, mode: str = "background"):
-    import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, where], env=_exit_env(tmp_path, mode),
@@ -242,7 +243,6 @@ def test_ctrl_c_at_exit_abandons_the_background_compile_cleanly(tmp_path):
     """Ctrl-C during the exit wait stops the compile at its next Python line: the process ends
     within seconds, with status 0 and no abort from a thread left inside Inductor."""
     import signal
-    import subprocess
     import sys
     import time
 
@@ -295,7 +295,6 @@ def test_ctrl_c_at_exit_waits_until_the_abandoned_compile_has_freed_its_program(
     thread for stopped: the process went on to finalize while the compile's thread freed its
     program, and aborted ('terminate called without an active exception', 1 run in 8 with both
     cores busy). The wait now ends when the thread is gone."""
-    import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _INTERRUPTED_EXIT_SCRIPT], capture_output=True, text=True,
@@ -344,3 +343,25 @@ def test_a_program_crosses_to_a_child_unchanged(name):
             for i, t in enumerate(inputs)]
     for a, b in zip(gm(*real), again(*real)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="autogroups are Linux's")
+def test_children_run_as_background_work_from_their_first_line(background, tmp_path):
+    """A child lowers its priority before it imports anything heavy (its imports took 2 s of a core
+    at the user's priority), its autogroup too (Linux shares CPUs fairly between sessions whatever
+    their nice), and a compile's child runs so."""
+    import hoad.tiers as tiers
+
+    probe = "import sys; print(os.nice(0), open('/proc/self/autogroup').read().split()[-1], 'torch' in sys.modules)"
+    done = subprocess.run(tiers.background_command(probe), capture_output=True, text=True, start_new_session=True,
+                          timeout=60)
+    assert done.stdout.split() == ["10", "10", "False"], done.stdout + done.stderr
+
+    log = tmp_path / "priority"
+    report = f"nice > {log}; cat /proc/self/autogroup >> {log}"
+    tier = Tiered(lambda x: x, lambda: (lambda x: x), "program", {},
+                  job=lambda: ("subprocess", "run", (["sh", "-c", report],)))
+    tier.start()
+    assert tier.wait(120)
+    nice, autogroup = log.read_text().splitlines()
+    assert nice == "10" and autogroup.endswith("nice 10"), (nice, autogroup)

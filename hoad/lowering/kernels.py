@@ -68,13 +68,13 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import torch
 
 from hoad.errors import InvalidArgumentError
+from hoad.tiers import background_command
 
 log = logging.getLogger("hoad")
 
@@ -209,7 +209,7 @@ def _build_beside() -> None:
 def _build_in_a_process() -> None:
     code = "import sys; from hoad.lowering import kernels; sys.exit(0 if kernels.build() else 1)"
     try:
-        subprocess.run([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL,
+        subprocess.run(background_command(code), start_new_session=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, env=dict(os.environ, HOAD_COMPILE="wait"), check=False)
     except OSError:
         pass  # (no interpreter to start: the load after it builds, or says why not)
