@@ -239,6 +239,33 @@ def test_mm_gradients():
 
 
 @needs_kernel
+def test_mm_backward_runs_its_products_in_the_kernel():
+    """Where the backward's products are shapes the AVX-512 kernel takes, they run as hoad::mm
+    (MKL runs AVX2 code on AMD's CPUs, 3x slower at a PINN's sizes), first and second order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    a, b = rand(40, 32, seed=1).requires_grad_(True), rand(32, 32, seed=2).requires_grad_(True)
+    g = rand(40, 32, seed=3)
+    c = torch.ops.hoad.mm(a, b)
+    with Ops() as ops:
+        da, db = torch.autograd.grad(c, (a, b), g, create_graph=True)
+    assert ops.seen.count("hoad.mm") == 2 and "aten.mm" not in ops.seen, ops.seen
+    torch.testing.assert_close(da, g @ b.T, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(db, a.T @ g, rtol=1e-13, atol=1e-13)
+    torch.autograd.gradcheck(torch.ops.hoad.mm, [a, b])
+    torch.autograd.gradgradcheck(torch.ops.hoad.mm, [a, b])
+
+
+@needs_kernel
 def test_gram_gradients():
     J, w = rand(3, 4, 9, seed=3).requires_grad_(True), rand(3, 4, seed=4).requires_grad_(True)
     torch.autograd.gradcheck(torch.ops.hoad.gram, [J, w])
