@@ -53,9 +53,10 @@ def hoistable(gm: fx.GraphModule, free: Sequence[fx.Node], samples: int | None =
             idle = is_view(node) and all(u not in inside for u in node.users)
             if big or idle:
                 inside.discard(node)
-                for later in list(inside):  # whatever reads a value left in the main program goes too
-                    if node in later.all_input_nodes:
-                        inside.discard(later)
+                changed = True
+        for node in gm.graph.nodes:  # (in order) whatever reads a value left in the main program goes too
+            if node in inside and any(a not in sources and a not in inside for a in node.all_input_nodes):
+                inside.discard(node)
                 changed = True
     return inside
 

@@ -135,6 +135,28 @@ def test_hoist_splits_off_what_only_free_tensors_determine():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_hoist_keeps_in_the_main_program_whatever_reads_a_value_left_there(monkeypatch):
+    """A value too large to keep between calls stays in the main program, and so does every value
+    computed from it, however far down the chain (the biharmonic of a 768-wide network failed to
+    build: 'the hoist stage failed: KeyError: slice_1')."""
+    import hoad.passes.hoist as hoisting
+
+    def f(x, W):
+        big = W @ W.t()                 # too large to keep (the limit lowered below), read by the main program
+        near = big * 2                  # reads it
+        far = (near + 1).exp().sum(0)   # reads what reads it, and is small
+        small = W.sum(0).sin()          # hoisted still
+        return (x @ big).sum() + x @ far + x @ small
+
+    x, W = rand(2, 6, seed=1), rand(6, 6, seed=2)
+    gm = traced(f, x, W)
+    expected = gm(x, W)
+    monkeypatch.setattr(hoisting, "HOIST_LIMIT_BYTES", 100)  # (a 6 x 6 matrix takes 288 bytes)
+    prefix, main, reads = hoist(gm, 1)
+    assert reads == [0] and aten.sin.default in calls(prefix) and aten.exp.default in calls(main)
+    torch.testing.assert_close(main(x, W, *prefix(W)), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_a_prefix_runs_again_only_when_its_tensors_change():
     runs = []
     W = rand(3, seed=1)
