@@ -33,11 +33,12 @@ def test_equals_torch_mm_on_tail_shapes(m, n, k):
 
 @needs_mm
 @pytest.mark.parametrize("m, k, n", [(17, 768, 70), (5, 2048, 33), (64, 768, 768), (3, 1536, 16), (301, 768, 70),
-                                     (67, 2048, 40), (17, 512, 512), (301, 64, 256), (15, 512, 512)])
+                                     (67, 2048, 40), (17, 512, 512), (301, 64, 256), (15, 512, 512),
+                                     (256, 96, 512), (255, 96, 512)])
 def test_equals_torch_mm_over_long_inner_dimensions(m, k, n):
     """The wide layers Inductor programs now give it (inner dimensions up to MAX_K_AVX512), tall
     operands in panels of rows (40 rows of 768, 16 of 2048, the last one short), and B with rows
-    a power of two apart copied strip by strip (from 16 rows of A)."""
+    a power of two apart copied strip by strip (from 256 rows of A)."""
     a, b = rand(m, k, seed=m + k), rand(k, n, seed=n + k)
     torch.testing.assert_close(torch.ops.hoad.mm(a, b), a @ b, rtol=1e-13, atol=1e-13)
 

@@ -120,14 +120,15 @@ static void dgemm(int64_t M, int64_t N, int64_t K, const double* A, const double
   }
   const int64_t panel = std::max<int64_t>(8, HOAD_PANEL_BYTES / (8 * K) / 8 * 8);
   // B's rows a power of two of 2 KB or more apart share a few cache sets, so a strip of them
-  // (K x 32) is evicted while 4 rows of A pass: such a strip is copied dense first where 16 rows
-  // of A or more read it. GFLOP/s before -> after: [384,768]@[768,512]
-  // 80 -> 96, [3200,768]@[768,512] 76 -> 93, [4096,64]@[64,256] 96 -> 114; copying lost with 8
-  // rows (65 -> 49) and with rows 6 KB apart ([64,768]@[768,768] 104 -> 96).
+  // (K x 32) is evicted while 4 rows of A pass: such a strip is copied dense first where 256 rows
+  // of A or more read it (us, warm / B cold from memory, in place -> copied): [384,768]@[768,512]
+  // 2557/2678 -> 2496/2624, [4096,64]@[64,256] 1163/1255 -> 1107/1212. With fewer rows the copy
+  // costs more than it saves: [16,768]@[768,512] 118/193 -> 168/282, [16,512]@[512,512] 79/127 ->
+  // 127/183, [64,768]@[768,512] 426/513 -> 460/589, [128,512]@[512,512] 545/604 -> 576/660.
   // Each strip is copied once per product, not once per panel ([384,768]@[768,512]: 3.27-3.37 ->
   // 2.88-2.90 ms, [384,512]@[512,512] 2.04-2.13 -> 1.92), into a buffer each thread keeps (a
   // fresh one would fault its pages in at every call).
-  const bool copied = N >= 256 && (N & (N - 1)) == 0 && M >= 16;
+  const bool copied = N >= 256 && (N & (N - 1)) == 0 && M >= 256;
   const double* packed = nullptr;
   if (copied) {
     thread_local std::unique_ptr<double[]> buffer;  // (every entry written before read)
