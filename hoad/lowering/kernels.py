@@ -113,8 +113,9 @@ def _build_directory() -> str:
     return os.path.join(cache_root(), "kernels")
 
 
-FLAGS = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}", f"-DHOAD_MAX_K_AVX512={MAX_K_AVX512}",
-         f"-DHOAD_MAX_B_AVX512={MAX_B_AVX512}", f"-DHOAD_MIN_COLUMNS={MIN_COLUMNS}", f"-DHOAD_MIN_MACS={MIN_MACS}"]
+FLAGS = ["-O3", "-std=c++20", "-fopenmp", f"-DHOAD_THREADED_MACS={THREADED_MACS}",
+         f"-DHOAD_MAX_K_AVX512={MAX_K_AVX512}", f"-DHOAD_MAX_B_AVX512={MAX_B_AVX512}",
+         f"-DHOAD_MIN_COLUMNS={MIN_COLUMNS}", f"-DHOAD_MIN_MACS={MIN_MACS}"]
 
 
 def _library() -> tuple[str, str]:
