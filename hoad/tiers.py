@@ -60,11 +60,11 @@ Job = tuple  # (module, function, arguments): a compile a child runs to fill Ind
 # 0.60-0.63 s now (0.55-0.58 with the idle class as well, which was left out: it would starve the
 # compile for as long as the user's own threads keep every core busy).
 _BACKGROUND = """import contextlib, os
-with contextlib.suppress(OSError):
+with contextlib.suppress(OSError, AttributeError):  # (Windows has neither)
     os.nice(10)
-if os.getsid(0) == os.getpid():
-    with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
-        f.write("10")
+    if os.getsid(0) == os.getpid():
+        with open("/proc/self/autogroup", "w") as f:  # (Linux alone has it)
+            f.write("10")
 """
 
 
