@@ -58,7 +58,7 @@ class Guard:
         for step, was in self.values:
             try:
                 now = _STEP[step[0]](obj, step[1])
-                same = bool(_same(now, was))
+                same = now is was or bool(_same(now, was))  # (the same object: as _same says, faster)
             except Exception:  # noqa: BLE001
                 return step, f"{_step_name(self.parent, step)} is gone or cannot be compared"
             if not same and step[0] == "hooks":
