@@ -168,8 +168,6 @@ def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> b
     fd, path = tempfile.mkstemp(prefix="hoad-compile-", suffix=".job")
     with os.fdopen(fd, "wb") as f:
         f.write(payload)
-    output = path[: -len(".job")] + ".log"
-    env = dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0")
     slot = False
     while not slot and not _EXIT.is_set():
         slot = CHILD_SLOTS.acquire(timeout=0.1)
@@ -188,10 +186,7 @@ def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> b
     try:
         start = time.perf_counter()
         with _REGISTRY:
-            with open(output, "wb") as out:  # (a file, not a pipe: the child may outlive this process)
-                child = subprocess.Popen(background_command("import sys; from hoad.warm import main; main(sys.argv[1])")
-                                         + [path], stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=out, env=env, start_new_session=True)
+            child, output = _warm_child([path])
             _CHILDREN[child] = label
         ready.set()
         while child.poll() is None:
@@ -215,17 +210,24 @@ def _in_a_child(job: Callable[[], Job], label: str, ready: threading.Event) -> b
     return True
 
 
+def _warm_child(paths: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start :func:`hoad.warm.main` on the job files ``paths`` in a process of its own, as
+    background work; the child and the file its output goes to (a file, not a pipe: the child may
+    outlive this process)."""
+    output = paths[0][: -len(".job")] + ".log"
+    with open(output, "wb") as out:
+        child = subprocess.Popen(background_command("import sys; from hoad.warm import main; main(*sys.argv[1:])")
+                                 + paths, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                 env=dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0"), start_new_session=True)
+    return child, output
+
+
 def _in_turn(handed: list[tuple[str, str]]) -> None:
     """Start one child that runs the compiles ``handed`` over at the end of the process, one after
     another, and outlives it. Each compile starting a child of its own there ran 33 at once after a
     script that built 28 programs: 6.4 GB of interpreters on a 2-core machine."""
-    paths = [path for path, _ in handed]
-    env = dict(os.environ, HOAD_COMPILE="wait", HOAD_PROGRESS="0")
     try:
-        with open(paths[0][: -len(".job")] + ".log", "wb") as out:
-            child = subprocess.Popen(background_command("import sys; from hoad.warm import main; main(*sys.argv[1:])")
-                                     + paths, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                     start_new_session=True)
+        child, _ = _warm_child([path for path, _ in handed])
     except OSError:
         return  # (no interpreter to start: the next run compiles them)
     log.warning("hoad: Inductor goes on compiling %d program%s one after another in process %d after this one ends "
