@@ -102,6 +102,8 @@ class Explanation:
             chosen = p.stats.get("label", p.direction)
             rows = [[d, c["flops"], c["bytes"], c["calls"], c["score"], "chosen" if d == chosen else ""]
                     for d, c in costs.items()]
+            rows += [[d, "-", "-", "-", "-", f"stopped at {n} traced nodes (jets multiplied out)"]
+                     for d, n in b.stats.get("dropped", {}).items()]
             lines += ["", tabulate(rows, headers=["direction", "FLOPs", "bytes", "ATen calls", "score", ""])]
         memory = b.stats.get("memory")
         if memory:

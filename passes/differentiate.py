@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from hoad.algebra import EAGER_TARGET, Block, Lazy, Target, add, contract, force
 from hoad.algebra.block import _canonical
@@ -43,11 +43,19 @@ from hoad.rules.flat import PRODUCTS, flat_of
 DIRECTIONS = ("forward", "reverse")
 
 
+class Overgrown(Exception):  # noqa: N818 - a signal to the build, never shown to a user
+    """A transform stopped once its program had more ATen nodes than its ``node_limit``."""
+
+    def __init__(self, nodes: int):
+        super().__init__(f"{nodes} nodes")
+        self.nodes = nodes
+
+
 def differentiate(captured: Captured, order: int, direction: str = "forward",
                   where: Callable[[fx.Node], str] = lambda n: "", batch_dim: int | None = None,
                   target: Target = EAGER_TARGET, diagonal: bool = False,
                   operator: OperatorInputs | None = None, share: tuple[int, int] | None = None,
-                  shared: frozenset = frozenset()) -> Program:
+                  shared: frozenset = frozenset(), node_limit: Sequence[int] | None = None) -> Program:
     """Build the derivative program of ``captured`` up to ``order`` in the given direction.
 
     ``where(node)`` describes the user's source line of a primal node, for error messages.
@@ -61,6 +69,10 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     and the layout switches tests and nested programs use (see :class:`hoad.algebra.Target`).
     ``share=(rank, world)``: the top order's canonical blocks are dealt to ``world`` ranks,
     balanced by size (:func:`deal`), and the program returns this rank's only.
+    ``node_limit``: raise :class:`Overgrown` as soon as the traced program has more nodes than
+    ``node_limit[i]`` before the transform's i-th primal node (the last bound holds past the end):
+    the build has a smaller program already, and this one is not going to beat it. The program's
+    ``stats["traced"]`` gives the node counts before each (what a limit is made from).
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
@@ -73,13 +85,13 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         n = leaves[operator.directions].shape[0]
         slot_shapes[0] = (slot_shapes[0][0], n) if batch_dim is not None else (n,)
     interp = _Interpreter(primal, captured.wrt_leaves, slot_shapes, wrt_names, order, where, batch_dim, diagonal,
-                          operator, target, share, frozenset(shared))
+                          operator, target, share, frozenset(shared), node_limit)
     run = interp.forward_program if direction == "forward" else interp.reverse_program
     try:
         with fx_traceback.preserve_node_meta():
             gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*leaves)
-    except HoadError:
+    except (HoadError, Overgrown):
         raise
     except Exception as e:  # noqa: BLE001 - hoad's own failure: name where it happened
         node = interp.current
@@ -92,7 +104,8 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     return Program(gm, interp.keys, interp.zeros, order, direction, wrt_names, list(captured.leaf_names),
                    captured.out_shape, slot_shapes, stored=interp.stored, batch_dim=batch_dim, shared=frozenset(shared),
                    diagonal=diagonal,
-                   operator=operator, owners=interp.owners, rank=share[0] if share else 0)
+                   operator=operator, owners=interp.owners, rank=share[0] if share else 0,
+                   stats={"traced": (*interp.traced, len(gm.graph.nodes))})
 
 
 def deal(sizes: dict[MultiIndex, int], ranks: int) -> dict[MultiIndex, int]:
@@ -111,8 +124,11 @@ class _Interpreter:
 
     def __init__(self, primal: fx.GraphModule, wrt_leaves: Sequence[int], slot_shapes, wrt_names, order: int, where,
                  batch_dim: int | None = None, diagonal: bool = False, operator: OperatorInputs | None = None,
-                 target: Target = EAGER_TARGET, share: tuple[int, int] | None = None, shared: frozenset = frozenset()):
+                 target: Target = EAGER_TARGET, share: tuple[int, int] | None = None, shared: frozenset = frozenset(),
+                 node_limit: Sequence[int] | None = None):
         self.primal = primal
+        self.node_limit = node_limit
+        self.traced: list[int] = []  # the program's node count before each _apply
         self.shared = shared
         self.share = share
         self.owners: dict[MultiIndex, int] = {}
@@ -251,6 +267,11 @@ class _Interpreter:
         self.collapse = Collapse(op.collapse, frozenset((0, a) for a in summed), weights)
 
     def _apply(self, node: fx.Node, env: dict, orders, adjoint=None):
+        mode = get_proxy_mode()
+        nodes = len(mode.tracer.graph.nodes) if mode is not None else 0
+        if self.node_limit and nodes > self.node_limit[min(len(self.traced), len(self.node_limit) - 1)]:
+            raise Overgrown(nodes)
+        self.traced.append(nodes)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
             p_args, p_kwargs = fx.node.map_aggregate((args, kwargs), lambda a: a.primal if isinstance(a, Jet) else a)

@@ -1,5 +1,7 @@
 """Direction choice (the cost model), explain(), and the two directions agreeing."""
 
+import math
+
 import pytest
 import torch
 from helpers import check, rand
@@ -150,10 +152,11 @@ def test_jets_through_wide_layers_are_evaluated_where_the_estimate_says(monkeypa
     """Lazy jets reach each wide layer term by term (a 4-jet of the torch-jet paper's network: 8
     products per layer where 4 do, 43 against 23 ms): a program estimated over EVALUATED_SCORE is
     built again with its jets evaluated, and the cheaper kept, with the same results (the bound
-    lowered here, to keep the programs small)."""
+    lowered here, to keep the programs small, and every lazy candidate built in full)."""
     from hoad import pipeline
 
     monkeypatch.setattr(pipeline, "EVALUATED_SCORE", 0)
+    monkeypatch.setattr(pipeline, "LAZY_GROWTH", float("inf"))
     u = _wide_jet((6, 96, 96, 64, 1), seed=21)
     X, V = rand(8, 6, seed=22), rand(3, 6, seed=23)
     higher = (rand(3, 6, seed=24), rand(3, 6, seed=25), rand(3, 6, seed=26))
@@ -168,6 +171,33 @@ def test_jets_through_wide_layers_are_evaluated_where_the_estimate_says(monkeypa
     lazy = hoad.taylor(u, order=4, directions=V, higher=higher, batch_dim=0)(X)
     for k in range(1, 5):
         torch.testing.assert_close(res[k], lazy[k], rtol=1e-12, atol=1e-12)
+
+
+def test_lazy_jets_that_multiply_out_stop_early():
+    """Along curves the powers of t multiply lazy jets out whatever the network: a 4-32-32-1 MLP's
+    4-jets along 3 curves were estimated at 7.2e6 lazy against 3.7e6 evaluated, and built in 3.4 s
+    (lazy alone) against 1.4. From order 3 a product of two values that vary with the input has the
+    evaluated programs built first, and each lazy one stops once it has traced twice their nodes."""
+    from torch.func import jacfwd
+
+    from hoad import pipeline
+
+    u = _wide_jet((4, 32, 32, 1), seed=21)
+    X, V = rand(4, 4, seed=22), rand(3, 4, seed=23)
+    higher = (rand(3, 4, seed=24), rand(3, 4, seed=25), rand(3, 4, seed=26))
+    op = hoad.taylor(u, order=4, directions=V, higher=higher, batch_dim=0, backend="eager")
+    res = op(X)
+    e = op.explain()
+    assert set(e.build.stats["dropped"]) == {"forward", "reverse"}
+    assert set(e.build.stats["costs"]) == {"forward" + pipeline.EVALUATED, "reverse" + pipeline.EVALUATED}
+    assert e.build.program.stats["label"].endswith(pipeline.EVALUATED)
+    assert str(e).count("stopped at") == 2
+    for s in range(3):  # dᵏ/dtᵏ u(x + t v + t²/2 V₂ + t³/6 V₃ + t⁴/24 V₄) at 0, by nested jacfwd in t
+        c = [V[s], *(h[s] for h in higher)]
+        g = lambda t, c=c: u(X + sum(t ** (j + 1) / math.factorial(j + 1) * cj for j, cj in enumerate(c)))  # noqa: E731
+        for k in range(1, 5):
+            g = jacfwd(g)
+            torch.testing.assert_close(res[k][:, s], g(torch.zeros((), dtype=X.dtype)), rtol=1e-10, atol=1e-10)
 
 
 def test_lazy_jets_stay_where_the_adjoint_absorbs_them(monkeypatch):
