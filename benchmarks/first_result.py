@@ -10,7 +10,11 @@ the default) or before the first call returns (``wait``):
 - ``burgers loop``: issue 46's Burgers PINN, u_t + u u_x - ν u_xx on (x, t), the same network,
   points and steps, with ``hoad.compile(u, order=2, batch_dim=0, diagonal=True)`` (u, its gradient
   and its pure second derivatives in one program), beside autograd and ``torch.func``;
-- ``quickstart``, ``laplace_newton``: the examples, start to end.
+- ``quickstart``, ``laplace_newton``: the examples, start to end;
+- ``jets``: issue 44's general 4-jets of the torch-jet paper's network (50-768-768-512-512-1, 16
+  points, 4 curves with their higher coefficients): the time to the first result and to 100
+  calls, beside torch-jet (eager, and under ``torch.compile``) and torch.func (nested ``jacfwd``
+  in t, vmapped).
 
 One thread, the process's whole wall time (Python and torch imports included), and how long
 hoad's background processes (compiles in children, the kernels' first build) went on after it:
@@ -93,6 +97,37 @@ print(f"FIRST {first:.3f} TOTAL {time.perf_counter() - start:.3f}")
 '''
 
 
+JETS = r'''
+import os, sys, time
+start = time.perf_counter()
+sys.path.insert(0, os.getcwd())
+import torch
+torch.set_num_threads(1)
+from benchmarks.jets import ORDER, _along_curves, _jet, jet_problem
+from benchmarks.operators import PAPER_MLP
+way = sys.argv[1]
+p = jet_problem("general", PAPER_MLP, 16, 4)()
+if way == "hoad":
+    import hoad
+    u = lambda x: p.net.u(x)
+    op = hoad.taylor(u, order=ORDER, directions=p.V, higher=p.higher, batch_dim=0)
+    call = lambda: op(p.X)[ORDER]
+elif way.startswith("torch-jet"):
+    call = _jet(p, compiled=way.endswith("compiled"))[1]
+else:
+    call = lambda: _along_curves(p, zeros=False, orders=ORDER)
+first = None
+for _ in range(100):
+    call()
+    if first is None:
+        first = time.perf_counter() - start
+print(f"FIRST {first:.3f} TOTAL {time.perf_counter() - start:.3f}")
+'''
+
+WAYS = {"pinn loop": ("hoad", "autograd", "torch.func"), "burgers loop": ("hoad", "autograd", "torch.func"),
+        "jets": ("hoad", "torch-jet", "torch-jet compiled", "torch.func")}
+
+
 def _run(argv: list[str], env: dict, timeout: float = 1800) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -127,12 +162,13 @@ def _wait_for_children(timeout: float = 900) -> float:
 
 def measure(only: set[str] | None) -> list[dict]:
     rows = []
-    cases = [(loop, way) for loop in ("pinn loop", "burgers loop") for way in ("hoad", "autograd", "torch.func")] + [
-        ("quickstart", None), ("laplace_newton", None)]
+    cases = [(loop, way) for loop in ("pinn loop", "burgers loop") for way in WAYS[loop]] + [
+        ("quickstart", None), ("laplace_newton", None)] + [("jets", way) for way in WAYS["jets"]]
     with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "loop.py")
-        with open(script, "w") as fh:
-            fh.write(LOOP)
+        scripts = {"loop": os.path.join(tmp, "loop.py"), "jets": os.path.join(tmp, "jets.py")}
+        for name, text in (("loop", LOOP), ("jets", JETS)):
+            with open(scripts[name], "w") as fh:
+                fh.write(text)
         for case, way in cases:
             if only and case not in only:
                 continue
@@ -148,8 +184,11 @@ def measure(only: set[str] | None) -> list[dict]:
                     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
                     if mode != "-":
                         env["HOAD_COMPILE"] = mode
-                    loop = case.endswith(" loop")
-                    argv = [sys.executable, script, way, case.split()[0]] if loop else \
+                    else:  # (torch.compile's programs: from an empty cache too)
+                        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+                    loop = case in WAYS
+                    argv = [sys.executable, scripts["loop"], way, case.split()[0]] if case.endswith(" loop") else \
+                        [sys.executable, scripts["jets"], way] if case == "jets" else \
                         [sys.executable, str(REPO / "examples" / f"{case}.py")]
                     seconds, out = _run(argv, env)
                     row = {"case": case, "way": way or "hoad", "compile": mode, "cache": cache, "seconds": seconds,
@@ -166,7 +205,8 @@ def measure(only: set[str] | None) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.first_result", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--only", help="comma-separated cases: pinn loop, burgers loop, quickstart, laplace_newton")
+    parser.add_argument("--only", help="comma-separated cases: pinn loop, burgers loop, quickstart, laplace_newton, "
+                        "jets")
     args = parser.parse_args(argv)
     rows = measure(set(s.strip() for s in args.only.split(",")) if args.only else None)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
