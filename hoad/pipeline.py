@@ -439,8 +439,10 @@ def _evaluated_first(b: Build) -> Build | None:
     return _evaluated_twin(b)
 
 
-_PRODUCTS = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor, torch.ops.aten.mm.default,
-             torch.ops.aten.bmm.default, torch.ops.aten.matmul.default}
+_aten = torch.ops.aten
+_PRODUCTS = {_aten.mul.Tensor: (0, 1), _aten.div.Tensor: (0, 1), _aten.mm.default: (0, 1),
+             _aten.bmm.default: (0, 1), _aten.matmul.default: (0, 1), _aten.addmm.default: (1, 2),
+             _aten.baddbmm.default: (1, 2)}  # (the positions of the two factors)
 
 
 def _polynomial(captured: Captured) -> bool:
@@ -452,7 +454,8 @@ def _polynomial(captured: Captured) -> bool:
         if node.op != "call_function" or not any(a in varies for a in node.all_input_nodes):
             continue
         varies.add(node)
-        if node.target in _PRODUCTS and sum(isinstance(a, fx.Node) and a in varies for a in node.args[:2]) == 2:
+        factors = _PRODUCTS.get(node.target)
+        if factors and all(isinstance(node.args[i], fx.Node) and node.args[i] in varies for i in factors):
             return True
     return False
 
@@ -484,7 +487,12 @@ def _weigh_the_other_direction(b: Build) -> None:
             twin = stage(twin)
     except HoadError:
         return  # (the other direction cannot be built: nothing to weigh)
-    mine, theirs = b.program.stats["cost"], estimate(twin.candidates[other].gm, b.config.backend)
+    # (its lazy program, unless that stopped early, and its evaluated twin where built first)
+    built = [twin.candidates.get(other), twin.evaluated.candidates.get(other) if twin.evaluated else None]
+    costs = [estimate(p.gm, b.config.backend) for p in built if p is not None]
+    if not costs:
+        return
+    mine, theirs = b.program.stats["cost"], min(costs, key=lambda c: c["score"])
     b.stats["costs"][other] = theirs
     if mine["score"] > OTHER_COSTS_MORE * theirs["score"]:
         log.warning("hoad: %s's order-%d program in mode=%r is estimated at %.3g GFLOP and %s per call, mode=%r at "

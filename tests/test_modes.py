@@ -173,7 +173,7 @@ def test_jets_through_wide_layers_are_evaluated_where_the_estimate_says(monkeypa
         torch.testing.assert_close(res[k], lazy[k], rtol=1e-12, atol=1e-12)
 
 
-def test_lazy_jets_that_multiply_out_stop_early():
+def test_lazy_jets_that_multiply_out_stop_early(monkeypatch):
     """Along curves the powers of t multiply lazy jets out whatever the network: a 4-32-32-1 MLP's
     4-jets along 3 curves were estimated at 7.2e6 lazy against 3.7e6 evaluated, and built in 3.4 s
     (lazy alone) against 1.4. From order 3 a product of two values that vary with the input has the
@@ -198,6 +198,15 @@ def test_lazy_jets_that_multiply_out_stop_early():
         for k in range(1, 5):
             g = jacfwd(g)
             torch.testing.assert_close(res[k][:, s], g(torch.zeros((), dtype=X.dtype)), rtol=1e-10, atol=1e-10)
+    # a forced direction weighed against the other one, whose lazy program stops too
+    monkeypatch.setattr(pipeline, "WEIGH_OTHER_SCORE", 0)
+    forced = hoad.taylor(u, order=4, directions=V, higher=higher, batch_dim=0, backend="eager", mode="reverse")
+    got = forced(X)
+    e = forced.explain()
+    assert set(e.build.stats["dropped"]) == {"reverse"}
+    assert set(e.build.stats["costs"]) == {"reverse" + pipeline.EVALUATED, "forward"}
+    for k in range(1, 5):
+        torch.testing.assert_close(got[k], res[k], rtol=1e-10, atol=1e-10)
 
 
 def test_lazy_jets_stay_where_the_adjoint_absorbs_them(monkeypatch):
