@@ -421,7 +421,7 @@ def _evaluated_first(b: Build) -> Build | None:
 
     Likely: the function's own FLOPs times (order + 1)² reach EVALUATED_SCORE (the twin is built
     anyway once a lazy candidate is estimated above it), or from order 3 the function multiplies
-    two values that both vary with its input (:func:`_polynomial`). A lazy candidate whose
+    values that vary with its input to degree 3 or more (:func:`_polynomial`). A lazy candidate whose
     transform has traced more than LAZY_GROWTH times the nodes the twin's had at the same primal
     node stops there (Overgrown), and every candidate left is weighed against the twin.
 
@@ -446,17 +446,23 @@ _PRODUCTS = {_aten.mul.Tensor: (0, 1), _aten.div.Tensor: (0, 1), _aten.mm.defaul
 
 
 def _polynomial(captured: Captured) -> bool:
-    """Whether the function multiplies two values that both vary with its wrt inputs (x·x, the
-    powers of t along a curve), where lazy jets multiply out whatever the sizes."""
+    """Whether the function multiplies values that vary with its wrt inputs to degree 3 or more
+    (t·t·t: a curve's powers of t), where lazy jets multiply out whatever the sizes. Each factor
+    counts once: a product adds its two factors' degrees, any other op keeps its inputs' highest
+    (x·x alone is degree 2, and builds as before)."""
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    varies = {placeholders[i] for i in captured.wrt_leaves}
+    degree = {placeholders[i]: 1 for i in captured.wrt_leaves}
     for node in captured.gm.graph.nodes:
-        if node.op != "call_function" or not any(a in varies for a in node.all_input_nodes):
+        inputs = [degree[a] for a in node.all_input_nodes if a in degree]
+        if node.op != "call_function" or not inputs:
             continue
-        varies.add(node)
         factors = _PRODUCTS.get(node.target)
-        if factors and all(isinstance(node.args[i], fx.Node) and node.args[i] in varies for i in factors):
-            return True
+        if factors and all(isinstance(node.args[i], fx.Node) and node.args[i] in degree for i in factors):
+            degree[node] = sum(degree[node.args[i]] for i in factors)
+            if degree[node] >= 3:
+                return True
+        else:
+            degree[node] = max(inputs)
     return False
 
 
