@@ -94,10 +94,15 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     except (HoadError, Overgrown):
         raise
     except Exception as e:  # noqa: BLE001 - hoad's own failure: name where it happened
+        if interp.overgrown:
+            raise Overgrown(interp.overgrown) from e
         node = interp.current
         at = f" at node {node.name} ({node.target}){where(node)}" if node is not None else ""
         raise HoadInternalError(f"building the {direction} derivative program failed{at}: "
                                 f"{type(e).__name__}: {e}") from e
+    finally:
+        if interp.watched is not None:  # (the graph's own create_node again, for the rewrites after)
+            del interp.watched.create_node
     _apply_names(gm, interp.names, captured.leaf_names)
     slot_shapes = interp.slot_shapes if batch_dim is None else \
         [s if k in shared else s[1:] for k, s in enumerate(interp.slot_shapes)]
@@ -129,6 +134,8 @@ class _Interpreter:
         self.primal = primal
         self.node_limit = node_limit
         self.traced: list[int] = []  # the program's node count before each _apply
+        self.bound, self.watched = 0, None  # (node_limit within a rule: the graph whose nodes are counted)
+        self.overgrown = 0  # the node count at which the bound stopped the trace
         self.shared = shared
         self.share = share
         self.owners: dict[MultiIndex, int] = {}
@@ -239,6 +246,17 @@ class _Interpreter:
                     env[node] = self._apply(node, env, range(1, max_order + 1))
         return env
 
+    def _counted(self, graph: fx.Graph, create_node: Callable) -> Callable:
+        """``graph.create_node`` stopping the trace (Overgrown) once the graph is past ``self.bound``."""
+
+        def create(*args, **kwargs):
+            if len(graph.nodes) + 1 > self.bound:  # (the node it would add)
+                self.overgrown = len(graph.nodes) + 1
+                raise Overgrown(self.overgrown)
+            return create_node(*args, **kwargs)
+
+        return create
+
     def _seed(self, k: int, t: torch.Tensor) -> Block:
         """∂x/∂t for the wrt input x = t's slots: the identity, or the operator's directions."""
         if k in self.seed_of:
@@ -268,9 +286,18 @@ class _Interpreter:
 
     def _apply(self, node: fx.Node, env: dict, orders, adjoint=None):
         mode = get_proxy_mode()
-        nodes = len(mode.tracer.graph.nodes) if mode is not None else 0
-        if self.node_limit and nodes > self.node_limit[min(len(self.traced), len(self.node_limit) - 1)]:
-            raise Overgrown(nodes)
+        graph = mode.tracer.graph if mode is not None else None
+        nodes = len(graph.nodes) if graph is not None else 0
+        if self.node_limit:
+            last = len(self.node_limit) - 1
+            if nodes > self.node_limit[min(len(self.traced), last)]:
+                raise Overgrown(nodes)
+            # (within this node's rule, past the bound the next node would be checked against: one
+            # rule can multiply lazy sums out into thousands of nodes)
+            self.bound = self.node_limit[min(len(self.traced) + 1, last)]
+            if graph is not None and graph is not self.watched:
+                self.watched = graph
+                graph.create_node = self._counted(graph, graph.create_node)
         self.traced.append(nodes)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if adjoint is None:
@@ -320,9 +347,11 @@ class _Interpreter:
         try:
             with fx_traceback.annotate({"rule": rule.__name__}):
                 return rule(ctx, *args, **kwargs)
-        except HoadError:
+        except (HoadError, Overgrown):
             raise
         except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug (or the user's); name the node
+            if self.overgrown:  # (the bound was passed in the rule, and something wrapped the signal)
+                raise Overgrown(self.overgrown) from e
             if FAMILIES.get(node.target) == "user":
                 raise InvalidArgumentError(
                     f"the rule registered for {node.target} failed on node {node.name}{self.where(node)}: "

@@ -240,6 +240,7 @@ def test_lazy_jets_stay_where_the_adjoint_absorbs_them(monkeypatch):
     e = cf.explain()
     assert "reverse" + pipeline.EVALUATED in e.build.stats["costs"]
     assert "label" not in e.build.program.stats and e.direction == "reverse"
+    assert not e.build.stats.get("dropped")  # (its transform ran under the twin's bound, and stayed under)
     check(lambda x: u(x[None])[0], (x,), order=3)
     assert res[0, 0, 0].shape == (16, 16, 16)
 

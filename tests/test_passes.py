@@ -116,6 +116,34 @@ def test_lazy_jets_reassociate_the_second_order_chain():
     assert flops < 2.5e6  # 3.9e6 when the chain is evaluated layer by layer
 
 
+def test_a_node_limit_stops_the_transform_and_leaves_its_graph_as_it_was():
+    """differentiate(node_limit=...) counts the nodes before each primal node and, through the
+    graph's create_node, inside its rule; past the bound it raises Overgrown, and a transform that
+    stays under it returns the same program, whose graph creates nodes as any other."""
+    from hoad.passes.differentiate import Overgrown
+
+    W = rand(3, 3, seed=9)
+
+    def f(x):
+        return ((x * x) @ W).sin().sum()
+
+    x = rand(2, 3)
+    layout, tensors = bind_layout(f, (x,), {})
+    captured = capture(f, layout, tensors, [0])
+    free = differentiate(captured, 3, "forward")
+    counts = free.stats["traced"]
+    assert len(counts) >= 3 and counts == tuple(sorted(counts)) and counts[-1] == len(free.gm.graph.nodes)
+    bounded = differentiate(captured, 3, "forward", node_limit=counts)
+    assert bounded.stats["traced"] == counts and "create_node" not in vars(bounded.gm.graph)
+    assert str(bounded.gm.code) == str(free.gm.code)
+    grows = max(range(1, len(counts)), key=lambda i: counts[i] - counts[i - 1])  # the costliest rule
+    with pytest.raises(Overgrown) as stopped:  # stopped inside that rule, not at the next node
+        differentiate(captured, 3, "forward", node_limit=counts[:grows] + (counts[grows - 1] + 1,))
+    assert stopped.value.nodes == counts[grows - 1] + 2 < counts[grows]
+    with pytest.raises(Overgrown):
+        differentiate(captured, 3, "forward", node_limit=counts[:-1] + (counts[-1] - 1,))
+
+
 def test_hoist_splits_off_what_only_free_tensors_determine():
     W = rand(3, 3, seed=9)
 
