@@ -428,9 +428,9 @@ def _evaluated_first(b: Build) -> Build | None:
     The 4-jets along curves of the torch-jet paper's network (50-768-768-512-512-1) traced 3722
     and 4430 lazy nodes against 661 and 1135 evaluated, the evaluated reverse program was chosen
     at a third of their estimated cost, and they built in 5.8 s, 4.0 of them in the lazy
-    transforms; now in 2.2 s, the same program. Along the curves of a 4-32-32-1 MLP the lazy
+    transforms; now in 1.6-1.7 s, the same program. Along the curves of a 4-32-32-1 MLP the lazy
     program was kept (under the bound), estimated at twice the evaluated one; built in 3.4 s, now
-    1.4. Other programs build as before, lazy first."""
+    1.3. Other programs build as before, lazy first."""
     if not (b.target.lazy and b.config.target is None and b.config.sized is None and b.config.split_blocks is None):
         return None
     if estimate(b.captured.gm, b.config.backend)["flops"] * (b.config.order + 1) ** 2 < EVALUATED_SCORE and \

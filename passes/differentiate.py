@@ -70,9 +70,10 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
     ``share=(rank, world)``: the top order's canonical blocks are dealt to ``world`` ranks,
     balanced by size (:func:`deal`), and the program returns this rank's only.
     ``node_limit``: raise :class:`Overgrown` as soon as the traced program has more nodes than
-    ``node_limit[i]`` before the transform's i-th primal node (the last bound holds past the end):
-    the build has a smaller program already, and this one is not going to beat it. The program's
-    ``stats["traced"]`` gives the node counts before each (what a limit is made from).
+    ``node_limit[i]`` before the transform's i-th primal node, or would pass ``node_limit[i + 1]``
+    within its rule (the last bound holds past the end): the build has a smaller program already,
+    and this one is not going to beat it. The program's ``stats["traced"]`` gives the node counts
+    before each primal node and at the end (what a limit is made from).
     """
     if direction not in DIRECTIONS:
         raise HoadInternalError(f"unknown direction {direction!r}")
