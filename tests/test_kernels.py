@@ -708,6 +708,30 @@ def test_jets_grad_equals_autograd_of_the_definition(P, S, K, M, shared, threads
 
 
 @needs_jets
+def test_a_training_backward_through_the_jets_on_two_threads():
+    """A training step's backward (W a parameter) through hoad::jet_sqnorm and hoad::jet_mm with
+    the rows split between threads (600 rows: two chunks). The worker thread ran its chunk's
+    products under autograd's defaults and failed ("mm(): functions with out=... arguments don't
+    support automatic differentiation"): a PINN's first steps through hoad.laplacian, with the
+    default thread count."""
+    J, c = rand(300, 2, 32, seed=1), rand(300, 32, seed=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for shared in (False, True):
+            Jp = (J[0] if shared else J).clone().requires_grad_()
+            W = rand(32, 32, seed=3).requires_grad_()
+            for q in (lambda: torch.ops.hoad.jet_sqnorm(Jp, c, W), lambda: torch.ops.hoad.jet_mm(Jp, c, W)[1]):
+                W.grad = Jp.grad = None
+                q().sum().backward()
+                want = torch.autograd.grad(jets_reference(Jp, c, W).pow(2).sum(1).sum(), (W, Jp))
+                assert_close(W.grad, want[0], "dW")
+                assert_close(Jp.grad, want[1], "dJ")
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_jets
 def test_jets_grad_strided_broadcast_empty_and_float32_operands():
     """Operands in any layout (transposed, sliced, an expanded gradient), empty sizes (the aten
     formula, whose reshape once failed on an empty K or M), float32 (the aten formula) and a

@@ -693,6 +693,10 @@ static JetsGrads jets_grad_cpu(const at::Tensor& J, const at::Tensor& c, const a
   const int64_t T = at::get_num_threads();
   std::vector<at::Tensor> dWs(T), dJs(T), dus(T);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    // Below autograd on every thread, as the caller is (below<>): a worker thread starts with
+    // autograd's defaults, and there the products of an autograd backward (W requires grad)
+    // failed ("mm(): functions with out=... arguments don't support automatic differentiation")
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const int64_t t = at::get_thread_num();
     if (!dWs[t].defined()) {
       dWs[t] = at::zeros({K, M}, opts);
