@@ -431,7 +431,8 @@ def _evaluated_first(b: Build) -> Build | None:
     transforms; now in 1.6-1.7 s, the same program. Along the curves of a 4-32-32-1 MLP the lazy
     program was kept (under the bound), estimated at twice the evaluated one; built in 3.4 s, now
     1.3. Other programs build as before, lazy first."""
-    if not (b.target.lazy and b.config.target is None and b.config.sized is None and b.config.split_blocks is None):
+    if not (b.target.lazy and b.config.target is None and b.config.sized is None and b.config.split_blocks is None
+            and set(b.config.directions) <= {"forward", "reverse"}):  # (a forced forward-over-reverse: no twin)
         return None
     if estimate(b.captured.gm, b.config.backend)["flops"] * (b.config.order + 1) ** 2 < EVALUATED_SCORE and \
             not (b.config.order >= 3 and _polynomial(b.captured)):

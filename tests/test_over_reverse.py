@@ -24,6 +24,18 @@ def test_every_block_of_two_inputs_and_a_vector_output():
     check(_f, (rand(4, seed=1), rand(4, 3, seed=2)), wrt=(0, 1), order=2, mode=MODE, backend="eager")
 
 
+def test_forced_it_builds_no_twin_with_jets_evaluated(monkeypatch):
+    """A large program has its twin with jets evaluated built first, for the forward and reverse
+    candidates it weighs: forced to forward-over-reverse, neither is built, nor the twin."""
+    from hoad import pipeline
+
+    monkeypatch.setattr(pipeline, "EVALUATED_SCORE", 0)  # (every program "large")
+    cf = hoad.compile(_f, order=2, wrt=(0, 1), mode=MODE, backend="eager")
+    cf(rand(4, seed=1), rand(4, 3, seed=2))
+    build = cf.explain().build
+    assert build.evaluated is None and set(build.stats["costs"]) == {MODE}
+
+
 W = rand(5, 6, seed=3)
 
 
