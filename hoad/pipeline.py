@@ -437,7 +437,11 @@ def _evaluated_first(b: Build) -> Build | None:
     if estimate(b.captured.gm, b.config.backend)["flops"] * (b.config.order + 1) ** 2 < EVALUATED_SCORE and \
             not (b.config.order >= 3 and _polynomial(b.captured)):
         return None
-    return _evaluated_twin(b)
+    try:
+        return _evaluated_twin(b)
+    except Exception as e:  # noqa: BLE001 - a shortcut only: without it the build goes on as it did before it
+        log.debug("the evaluated twin of %s failed before the lazy candidates: %s", name_of(b.fn), e)
+        return None
 
 
 _aten = torch.ops.aten

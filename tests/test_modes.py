@@ -209,6 +209,24 @@ def test_lazy_jets_that_multiply_out_stop_early(monkeypatch):
         torch.testing.assert_close(got[k], res[k], rtol=1e-10, atol=1e-10)
 
 
+def test_a_failing_evaluated_twin_leaves_the_build_as_it_was(monkeypatch):
+    """The twin built first is a shortcut: where it fails, the lazy candidates build as they did
+    before it, unbounded, and the program is exact."""
+    from hoad import pipeline
+
+    tried = []
+
+    def planted(b):
+        tried.append(b)
+        raise RuntimeError("a planted failure")
+
+    monkeypatch.setattr(pipeline, "_evaluated_twin", planted)
+    W = rand(3, 3, seed=33)
+    f = lambda x: ((x * x * x) @ W).sin().sum()  # noqa: E731 - (degree 3: the twin comes first)
+    check(f, (rand(3, seed=34),), order=3, backend="eager")
+    assert tried
+
+
 def test_products_of_degree_three_count_as_polynomial():
     """Which functions have their evaluated programs built first whatever their size: products of
     the input nested to degree 3 (a curve's t³), not x·x or a product with a constant."""
