@@ -92,11 +92,13 @@ def differentiate(captured: Captured, order: int, direction: str = "forward",
         with fx_traceback.preserve_node_meta():
             gm = make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*leaves)
-    except (HoadError, Overgrown):
+    except Overgrown:
         raise
     except Exception as e:  # noqa: BLE001 - hoad's own failure: name where it happened
-        if interp.overgrown:
+        if interp.overgrown:  # (the bound was passed inside a rule, and the rule's errors wrapped the signal)
             raise Overgrown(interp.overgrown) from e
+        if isinstance(e, HoadError):
+            raise
         node = interp.current
         at = f" at node {node.name} ({node.target}){where(node)}" if node is not None else ""
         raise HoadInternalError(f"building the {direction} derivative program failed{at}: "
@@ -135,8 +137,8 @@ class _Interpreter:
         self.primal = primal
         self.node_limit = node_limit
         self.traced: list[int] = []  # the program's node count before each _apply
-        self.bound, self.watched = 0, None  # (node_limit within a rule: the graph whose nodes are counted)
-        self.overgrown = 0  # the node count at which the bound stopped the trace
+        self.watched = None  # (node_limit within a rule: the graph whose create_node counts)
+        self.overgrown = 0  # the node count at which the bound stopped the trace inside a rule
         self.shared = shared
         self.share = share
         self.owners: dict[MultiIndex, int] = {}
@@ -247,11 +249,15 @@ class _Interpreter:
                     env[node] = self._apply(node, env, range(1, max_order + 1))
         return env
 
+    def _bound(self) -> int:
+        """The node count the trace may not pass now: ``node_limit`` at the next primal node."""
+        return self.node_limit[min(len(self.traced), len(self.node_limit) - 1)]
+
     def _counted(self, graph: fx.Graph, create_node: Callable) -> Callable:
-        """``graph.create_node`` stopping the trace (Overgrown) once the graph is past ``self.bound``."""
+        """``graph.create_node`` stopping the trace (Overgrown) before the graph passes :meth:`_bound`."""
 
         def create(*args, **kwargs):
-            if len(graph.nodes) + 1 > self.bound:  # (the node it would add)
+            if len(graph.nodes) + 1 > self._bound():  # (the node it would add)
                 self.overgrown = len(graph.nodes) + 1
                 raise Overgrown(self.overgrown)
             return create_node(*args, **kwargs)
@@ -290,12 +296,10 @@ class _Interpreter:
         graph = mode.tracer.graph if mode is not None else None
         nodes = len(graph.nodes) if graph is not None else 0
         if self.node_limit:
-            last = len(self.node_limit) - 1
-            if nodes > self.node_limit[min(len(self.traced), last)]:
+            if nodes > self._bound():
                 raise Overgrown(nodes)
-            # (within this node's rule, past the bound the next node would be checked against: one
-            # rule can multiply lazy sums out into thousands of nodes)
-            self.bound = self.node_limit[min(len(self.traced) + 1, last)]
+            # (and within its rule, against the next node's bound: one rule can multiply lazy sums
+            # out into thousands of nodes)
             if graph is not None and graph is not self.watched:
                 self.watched = graph
                 graph.create_node = self._counted(graph, graph.create_node)
@@ -348,11 +352,9 @@ class _Interpreter:
         try:
             with fx_traceback.annotate({"rule": rule.__name__}):
                 return rule(ctx, *args, **kwargs)
-        except (HoadError, Overgrown):
+        except HoadError:
             raise
         except Exception as e:  # noqa: BLE001 - a rule failing is hoad's bug (or the user's); name the node
-            if self.overgrown:  # (the bound was passed in the rule, and something wrapped the signal)
-                raise Overgrown(self.overgrown) from e
             if FAMILIES.get(node.target) == "user":
                 raise InvalidArgumentError(
                     f"the rule registered for {node.target} failed on node {node.name}{self.where(node)}: "
