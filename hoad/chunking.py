@@ -26,6 +26,8 @@ def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
             places.append(Keyword(w))
         elif isinstance(w, str) and w in cf._positional and cf._positional.index(w) < len(args):
             places.append(Positional(cf._positional.index(w)))
+    if cf.sample_places is not None:  # (an operator's points and seeds beside the input it differentiates)
+        places += [p for p in cf.sample_places(args, kwargs) if p not in places]
     values = [args[p.index] if isinstance(p, Positional) else kwargs[p.name] for p in places]
     if not places and any(isinstance(w, str) for w in cf._expanded_wrt()):
         raise InvalidArgumentError(

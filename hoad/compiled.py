@@ -122,6 +122,9 @@ class Compiled(Rebuilt):
         self._edits = EDITS[0]    # the rule registrations the cached programs were built with
         self._last: Entry | None = None
         self._sharded: list | None = None  # FSDP2 states the function reaches (hoad.distributed.gathered)
+        # (args, kwargs) -> the places of a call's other tensors that hold samples, split with the wrt
+        # inputs by chunk_size (an operator's points and seeds: hoad.directions.PerPoint)
+        self.sample_places: Callable[[tuple, dict], list] | None = None
 
     # ------------------------------------------------------------------------------ binding
     def __get__(self, instance, owner=None):

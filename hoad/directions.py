@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch._dynamo
 
+from hoad.binding import Keyword, Positional
 from hoad.errors import InvalidArgumentError
 from hoad.methods import unbound_method
 from hoad.options import GRAPH_BREAK
@@ -150,19 +151,26 @@ def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: d
 SHIFT, SEEDS = "hoad_t", "hoad_seeds"  # the change of variables' inputs: t (zeros) and the directions
 
 
-def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The call's arguments with the operator's input ``wrt`` replaced by ``x``."""
+def _point_place(u: Callable, wrt, args: tuple, kwargs: dict) -> Positional | Keyword:
+    """Where the operator's input ``wrt`` is in a call of ``u``: a positional or a keyword argument."""
     if isinstance(wrt, int) and wrt < len(args):
-        return args[:wrt] + (x,) + args[wrt + 1:], kwargs
+        return Positional(wrt)
     name = wrt
     if isinstance(wrt, int) or wrt not in kwargs:
         sig = _signature(u)
         names = list(sig.parameters) if sig is not None else []
         if isinstance(wrt, str) and wrt in names and names.index(wrt) < len(args):
-            i = names.index(wrt)
-            return args[:i] + (x,) + args[i + 1:], kwargs
+            return Positional(names.index(wrt))
         name = names[wrt] if isinstance(wrt, int) else wrt
-    return args, {**kwargs, name: x}
+    return Keyword(name)
+
+
+def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with the operator's input ``wrt`` replaced by ``x``."""
+    place = _point_place(u, wrt, args, kwargs)
+    if isinstance(place, Positional):
+        return args[:place.index] + (x,) + args[place.index + 1:], kwargs
+    return args, {**kwargs, place.name: x}
 
 
 class PerPoint:
@@ -249,9 +257,17 @@ class PerPoint:
         count = v.shape[len(lead) + (1 if self.higher else 0)]
         if self.operator is None or count != self._count:
             self.operator, self._finish = self._make(self._shifted, count)
+            self.operator.compiled.sample_places = self._sample_places
             self._count = count
         t = torch.zeros((*lead, count), dtype=x.dtype, device=x.device)
         return self._finish(self.operator(*args, **kwargs, **{SHIFT: t, SEEDS: v}))
+
+    def _sample_places(self, args: tuple, kwargs: dict) -> list[Positional | Keyword]:
+        """Besides the shift it differentiates, what holds the samples in a call of the operator:
+        the points and their seeds (``chunk_size`` splits them together)."""
+        if self.batch_dim is None:
+            return []
+        return [_point_place(self.u, self.wrt, args, kwargs), Keyword(SEEDS)]
 
     @property
     def graph(self):

@@ -132,6 +132,29 @@ def test_curves_and_directions_per_point_keep_one_program_for_every_count():
         assert len({id(e) for e in op.operator.compiled._cache.values()}) == 2
 
 
+def test_chunk_size_splits_the_points_and_their_seeds_with_the_shift():
+    """chunk_size on curves, directions per point and a factor per point: the points and their
+    seeds hold the samples too, beside the shift the program differentiates. They were refused
+    ("the tensor argument 0 ... also has 7 rows: hoad cannot tell whether it holds samples"),
+    naming the very points the user passed as the operator's input."""
+    X, V, V2 = rand(7, 3, seed=724), rand(2, 3, seed=725), rand(2, 3, seed=726)
+    curves = hoad.taylor(u, order=3, batch_dim=0, directions=V, higher=(lambda P: V2 * P[:, None, :],), chunk_size=3)
+    got = curves(X)
+    for b in (0, 3, 6):  # (a chunk's first and the padded last one)
+        ref = zip(*[_curve_derivatives(u, X[b], (V[s], V2[s] * X[b]), 3) for s in range(2)])
+        for k, w in enumerate(ref, start=1):
+            assert_close(got[k][b], torch.stack(w), f"sample {b}, order {k}")
+    L, Y = rand(7, 3, 2, seed=727), rand(7, 2, seed=728)
+    H = vmap(hessian(u))(X)
+    lap = hoad.laplacian(two, "x", batch_dim=0, factor=L, chunk_size=3)
+    with pytest.raises(hoad.InvalidArgumentError, match="argument 0 \\(shape \\(7, 2\\)\\) also has 7 rows"):
+        lap(Y, x=X)  # (y, with a row per sample, is no input of the operator: chunk_size cannot tell)
+    res = lap(Y[0], x=X)
+    assert_close(res.laplacian, torch.einsum("bds,bde,bes->b", L, H, L) * Y[0].sum(), "factor per point, by name")
+    assert_close(res.directional, torch.einsum("bd,bds->bs", vmap(torch.func.grad(u))(X), L) * Y[0].sum(),
+                 "directional")
+
+
 def test_per_point_operators_refuse_what_they_cannot_mean():
     X = rand(5, 3, seed=709)
     with pytest.raises(hoad.InvalidArgumentError, match="factor per point must be \\(5, 3, S\\)"):
