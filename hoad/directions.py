@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Callable
 
 import torch
 import torch._dynamo
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from hoad.binding import Keyword, Positional
 from hoad.errors import InvalidArgumentError
@@ -70,10 +72,15 @@ DISTRIBUTIONS = ("normal", "rademacher")  # of randomization=(distribution, S), 
 class Resampled:
     """A randomized operator that draws new directions at every call: ``randomization=(kind, S)``
     with ``kind`` "normal" or "rademacher" (torch-jet's), from ``generator`` (the points' device's
-    default one when None). The directions V (S, *x) are made at the first call, on the points'
-    device and dtype, and written in place before every call; the operator reads V at every call,
-    so its program is built once. A seeded generator makes the sequence of results reproducible.
-    The same V serves every sample of a call (``batch_dim=0``)."""
+    default one when None). Each call draws a tensor V (S, *x) of its own, on the points' device
+    and dtype, and points the operator at it: V is an input its program reads at every call, so
+    the program is built once. ``directions`` is the last call's V. A seeded generator makes the
+    sequence of results reproducible. The same V serves every sample of a call (``batch_dim=0``).
+
+    A V is never written again once drawn: a result's backward reads the V it was computed with
+    (a loss of two calls, interior and boundary points, failed its backward when the second call
+    overwrote the first one's V in place). Calls from several threads take turns, from the draw
+    to the results (one thread's program read another's half-drawn V)."""
 
     def __init__(self, u: Callable, wrt, batch_dim, randomization, generator, make: Callable):
         kind, count = _randomization(randomization)
@@ -83,30 +90,41 @@ class Resampled:
         self.kind, self.count, self.generator, self._make = kind, count, generator, make
         self.operator = None
         self.directions: torch.Tensor | None = None
+        self._turns = threading.Lock()
 
     def resample(self, x: torch.Tensor) -> torch.Tensor:
-        """New directions for a call at points ``x``, written into V."""
+        """New directions for a call at points ``x``, which the operator reads at its next call."""
         point = tuple(x.shape[1:]) if self.batch_dim is not None else tuple(x.shape)
         g = self.generator
         if g is not None and g.device.type != x.device.type:
             raise InvalidArgumentError(f"generator is on {g.device} and the points on {x.device}: draw on the "
                                        f"points' device (torch.Generator(device={str(x.device)!r}))")
-        new = self.directions is None or tuple(self.directions.shape[1:]) != point or self.directions.device != x.device
-        if new:  # (a new shape of points: a new operator over new directions)
-            self.directions = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
+        V = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
         with torch.no_grad():
             if self.kind == "normal":
-                self.directions.normal_(generator=g)
+                V.normal_(generator=g)
             else:
-                self.directions.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
-        if new:
-            self.operator = self._make(self.directions)
-        return self.directions
+                V.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
+        last = self.directions
+        if last is None or last.shape != V.shape or last.device != V.device:
+            self.operator = self._make(V)  # (a new shape of points: a new operator)
+        else:
+            self.operator.redirect(V)
+        self.directions = V
+        return V
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
     def __call__(self, *args, **kwargs):
-        self.resample(_point_of(self.u, self.wrt, args, kwargs))
-        return self.operator(*args, **kwargs)
+        x = _point_of(self.u, self.wrt, args, kwargs)
+        if get_proxy_mode() is not None:
+            raise InvalidArgumentError(
+                "a randomized operator (randomization=) was called inside a function hoad is tracing (hoad.compile "
+                "of a loss, say): its program would keep the one draw it was traced with, and never draw again. Hold "
+                "the directions in a tensor V (S, *x) instead, build the operator with directions=V, and draw into V "
+                "before each call of the compiled function (V.normal_()): the program reads V at every call")
+        with self._turns:
+            self.resample(x)
+            return self.operator(*args, **kwargs)
 
     @property
     def graph(self):

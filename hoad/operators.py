@@ -164,6 +164,11 @@ class _Operator(_Method):
         come from (for messages)."""
         return self.directions, self.weights, "directions"
 
+    def redirect(self, directions: torch.Tensor) -> None:
+        """Read ``directions`` (S, *x), of the same S, from the next call on (a new draw of
+        :class:`~hoad.directions.Resampled`): an input of the same program."""
+        self.directions = directions
+
     def _extra(self, args: tuple, kwargs: dict) -> dict:
         x = self._point(args, kwargs)
         kwargs = dict(kwargs)
@@ -234,6 +239,10 @@ class Laplacian(_Operator):
             lam, q = torch.linalg.eigh((sym + sym.mT) / 2)
             self._eigh = (c.detach().clone(), lam, q)
         return q.mT, lam
+
+    def redirect(self, directions: torch.Tensor) -> None:
+        super().redirect(directions)
+        self._given = directions
 
     def _operator_tensors(self):
         if self._kind == "weights":
@@ -395,6 +404,13 @@ class Biharmonic(_Method):
         if estimator in ("gaussian", "pairs"):
             self.fourth = _FourthAlong(u, wrt, directions=directions, options=options)
 
+    def redirect(self, directions: torch.Tensor) -> None:
+        """Read ``directions`` (S, *x), of the same S, from the next call on, in every program."""
+        self.directions = directions
+        for op in (self.inner, self.outer, self.fourth):
+            if op is not None:
+                op.redirect(directions)
+
     @property
     def graph(self):
         """The program of the last call (the outer Laplacian's, or the fourth-order one's for
@@ -438,6 +454,10 @@ class _FourthAlong(_Operator):
         self._given = _directions(directions)
         super().__init__(u, 4, wrt, directions=self._given, weights=_unit_weights(self._given), collapse=4,
                          options=options, roots={"u": u})
+
+    def redirect(self, directions: torch.Tensor) -> None:
+        super().redirect(directions)
+        self._given = directions
 
     def _operator_tensors(self):
         if self.weights.shape[0] != self._given.shape[0]:  # V resized in place

@@ -781,6 +781,108 @@ def test_a_randomized_biharmonic_is_unbiased_and_trains():
     assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
 
 
+def _randomized(kind: str, u, **drawn):
+    """A randomized operator of ``kind`` and its value, and the same operator over given V."""
+    if kind == "laplacian":
+        return (hoad.laplacian(u, batch_dim=0, **drawn), lambda r: r.laplacian,
+                lambda V: hoad.laplacian(u, batch_dim=0, directions=V))
+    if kind == "taylor":
+        return (hoad.taylor(u, order=2, batch_dim=0, collapse=True, **drawn), lambda r: r.collapsed,
+                lambda V: hoad.taylor(u, order=2, batch_dim=0, collapse=True, directions=V))
+    return (hoad.biharmonic(u, batch_dim=0, **drawn), lambda r: r.biharmonic,
+            lambda V: hoad.biharmonic(u, batch_dim=0, directions=V))
+
+
+@pytest.mark.parametrize("kind", ["laplacian", "taylor", "biharmonic"])
+def test_a_randomized_operator_called_twice_before_one_backward(kind):
+    """A PINN's loss over interior and boundary points calls the operator twice, then backward:
+    the second call drew into the first one's V in place, and the backward failed with torch's
+    "modified by an inplace operation". Each call now draws a V of its own: values and gradients
+    are those of the operator over the V each call drew."""
+    torch.manual_seed(48)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    op, value, fixed = _randomized(kind, u, randomization=("normal", 3), generator=torch.Generator().manual_seed(9))
+    inner, edge = rand(5, 3, seed=48), rand(4, 3, seed=49)
+    a = value(op(inner))
+    Va = op.directions
+    b = value(op(edge))
+    assert op.directions is not Va and not torch.equal(op.directions, Va)
+    (a.sum() + b.pow(2).sum()).backward()
+    got = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+    net.zero_grad()
+    A, B = value(fixed(Va)(inner)), value(fixed(op.directions)(edge))
+    assert_close(a, A, "first call")
+    assert_close(b, B, "second call")
+    (A.sum() + B.pow(2).sum()).backward()
+    want = [p.grad for p in net.parameters() if p.grad is not None]
+    assert len(got) == len(want) >= 3
+    for g, w in zip(got, want):
+        assert_close(g, w, "gradient")
+
+
+def test_threads_calling_one_randomized_operator_take_turns():
+    """Threads calling one randomized operator: one thread's program read V while another drew
+    into it (Rademacher rows pass through 0/1 and 0/2 on their way to ±1), and 85-95% of 1200
+    Laplacians came back wrong. For u = Σ a_i x_i², every Rademacher estimate is exactly 2 Σ a_i."""
+    import threading
+
+    a = rand(32, seed=50).abs() + 0.5
+    op = hoad.laplacian(lambda X: (a * X * X).sum(-1), batch_dim=0, randomization=("rademacher", 8),
+                        generator=torch.Generator().manual_seed(10), backend="eager")
+    X = rand(6, 32, seed=51)
+    exact = (2 * a.sum()).expand(6)
+    assert_close(op(X).laplacian, exact, "one thread")
+    wrong = []
+
+    def calls():
+        for _ in range(100):
+            got = op(X).laplacian
+            if not torch.allclose(got, exact):
+                wrong.append(got[0].item())
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"{len(wrong)} of 400 wrong: {wrong[:3]} against {exact[0].item()}"
+
+
+def test_a_randomized_operator_inside_a_traced_loss_says_how_to_resample():
+    """Inside hoad.compile's trace (the one-program training step), a randomized operator's draw
+    would be baked into the program: refused, naming the way out, which works (directions=V,
+    drawn into V before each step)."""
+    torch.manual_seed(52)
+
+    class PINN(torch.nn.Module):
+        def __init__(self, **directions):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+            self.lap = hoad.laplacian(self.u, batch_dim=0, **directions)
+
+        def u(self, P):
+            return self.net(P).squeeze(-1)
+
+        def loss(self, P):
+            return self.lap(P).laplacian.pow(2).mean()
+
+    P = rand(8, 2, seed=52)
+    step = hoad.compile(PINN(randomization=("normal", 3)).loss, order=1, wrt=hoad.parameters)
+    with pytest.raises(hoad.InvalidArgumentError, match="build the operator with directions=V, and draw into V"):
+        step(P)
+    V = torch.empty(3, 2, dtype=DT)
+    pinn = PINN(directions=V)
+    step = hoad.compile(pinn.loss, order=1, wrt=hoad.parameters)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        V.normal_(generator=g)
+        with torch.no_grad():
+            got = step(P)
+        want = hoad.laplacian(pinn.u, batch_dim=0, directions=V.clone())(P).laplacian.pow(2).mean()
+        assert_close(got.value, want, "the step over this draw")
+
+
 @pytest.mark.parametrize("call,fragment", [
     (lambda u: hoad.laplacian(u, randomization=("uniform", 4)), "randomization must be"),
     (lambda u: hoad.laplacian(u, randomization=("normal", 0)), "randomization must be"),
