@@ -362,7 +362,8 @@ def note_a_new_object(cf, key, entry: Entry) -> None:
         log.warning("hoad: %s was traced and compiled by %d separate hoad.compile or operator objects with the same "
                     "options and arguments (this build: %.2f s); each new object builds its program anew. Build it "
                     "once, outside the loop, and call it: an operator reads directions=, weights= and factor= at "
-                    "every call, so resample by writing into them (V.copy_(torch.randn_like(V)))",
+                    "every call, so resample by writing into them (V.copy_(torch.randn_like(V))), or let it draw "
+                    "(randomization=(kind, S))",
                     name_of(cf.fn), count, seconds)
 
 
