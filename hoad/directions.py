@@ -88,7 +88,8 @@ class Resampled:
             raise InvalidArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.u, self.wrt, self.batch_dim = u, wrt, batch_dim
         self.kind, self.count, self.generator, self._make = kind, count, generator, make
-        self.operator = None
+        self.operator = None  # the last call's
+        self._operators: dict[tuple, object] = {}  # by the shape and device of V
         self.directions: torch.Tensor | None = None
         self._turns = threading.Lock()
 
@@ -105,12 +106,12 @@ class Resampled:
                 V.normal_(generator=g)
             else:
                 V.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
-        last = self.directions
-        if last is None or last.shape != V.shape or last.device != V.device:
-            self.operator = self._make(V)  # (a new shape of points: a new operator)
+        operator = self._operators.get((V.shape, V.device))
+        if operator is None:  # (a new shape of points: an operator of its own)
+            operator = self._operators[V.shape, V.device] = self._make(V)
         else:
-            self.operator.redirect(V)
-        self.directions = V
+            operator.redirect(V)
+        self.operator, self.directions = operator, V
         return V
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)
@@ -209,7 +210,8 @@ class PerPoint:
                                        f"bound method instead (self.op = {name}(self.u, ...) in __init__)")
         self.name, self.u, self.wrt, self.batch_dim = name, u, wrt, batch_dim
         self.given, self.columns, self._make, self.higher = given, columns, make, tuple(higher)
-        self.operator, self._finish, self._count = None, None, None
+        self.operator = None  # the last call's
+        self._operators: dict[int, tuple] = {}  # (operator, finish) by the number of directions
 
     def seeds(self, x: torch.Tensor) -> torch.Tensor:
         """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples), and the
@@ -273,12 +275,15 @@ class PerPoint:
         v = self.seeds(x)
         lead = (x.shape[0],) if self.batch_dim is not None else ()
         count = v.shape[len(lead) + (1 if self.higher else 0)]
-        if self.operator is None or count != self._count:
-            self.operator, self._finish = self._make(self._shifted, count)
-            self.operator.compiled.sample_places = self._sample_places
-            self._count = count
+        made = self._operators.get(count)
+        if made is None:  # (calls alternating between counts each keep their program)
+            made = self._make(self._shifted, count)
+            made[0].compiled.sample_places = self._sample_places
+            made = self._operators.setdefault(count, made)  # (another thread's, if it came first)
+        operator, finish = made
+        self.operator = operator
         t = torch.zeros((*lead, count), dtype=x.dtype, device=x.device)
-        return self._finish(self.operator(*args, **kwargs, **{SHIFT: t, SEEDS: v}))
+        return finish(operator(*args, **kwargs, **{SHIFT: t, SEEDS: v}))
 
     def _sample_places(self, args: tuple, kwargs: dict) -> list[Positional | Keyword]:
         """Besides the shift it differentiates, what holds the samples in a call of the operator:

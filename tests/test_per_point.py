@@ -132,6 +132,24 @@ def test_curves_and_directions_per_point_keep_one_program_for_every_count():
         assert len({id(e) for e in op.operator.compiled._cache.values()}) == 2
 
 
+def test_calls_alternating_between_numbers_of_directions_keep_their_programs():
+    """Directions from a function whose number S changes between calls: the operator kept one
+    program, for the last S, and built it again at every change (0.05 s each); each S now keeps
+    its own."""
+
+    def dirs(P):  # two directions for an even number of points, three for an odd one
+        return torch.stack([P * (s + 1) for s in range(2 + P.shape[0] % 2)], 1)
+
+    op = hoad.laplacian(u, batch_dim=0, directions=dirs, backend="eager")
+    kept = {}
+    for n in (4, 5, 6, 7, 4, 5, 8, 9):
+        X = rand(n, 3, seed=730 + n)
+        V = dirs(X)
+        want = torch.einsum("bsd,bde,bse->b", V, vmap(hessian(u))(X), V) / V.shape[1]
+        assert_close(op(X).laplacian, want, f"{n} points, {V.shape[1]} directions")
+        assert kept.setdefault(V.shape[1], op.operator) is op.operator, f"S = {V.shape[1]} built again"
+
+
 def test_chunk_size_splits_the_points_and_their_seeds_with_the_shift():
     """chunk_size on curves, directions per point and a factor per point: the points and their
     seeds hold the samples too, beside the shift the program differentiates. They were refused
