@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from hoad.binding import Keyword, Positional
 from hoad.errors import InvalidArgumentError
-from hoad.methods import unbound_method
+from hoad.methods import Rebuilt, unbound_method
 from hoad.options import GRAPH_BREAK
 
 
@@ -69,7 +69,7 @@ def _signature(u):
 DISTRIBUTIONS = ("normal", "rademacher")  # of randomization=(distribution, S), as torch-jet names them
 
 
-class Resampled:
+class Resampled(Rebuilt):
     """A randomized operator that draws new directions at every call: ``randomization=(kind, S)``
     with ``kind`` "normal" or "rademacher" (torch-jet's), from ``generator`` (the points' device's
     default one when None). Each call draws a tensor V (S, *x) of its own, on the points' device
@@ -80,9 +80,13 @@ class Resampled:
     A V is never written again once drawn: a result's backward reads the V it was computed with
     (a loss of two calls, interior and boundary points, failed its backward when the second call
     overwrote the first one's V in place). Calls from several threads take turns, from the draw
-    to the results (one thread's program read another's half-drawn V)."""
+    to the results (one thread's program read another's half-drawn V).
+
+    ``make(directions=V)`` builds the operator over V: a partial of its class, which copies
+    (``copy.deepcopy``, pickle) carry with the rest of the arguments (:class:`~hoad.methods.Rebuilt`)."""
 
     def __init__(self, u: Callable, wrt, batch_dim, randomization, generator, make: Callable):
+        self._keep_arguments(u, wrt, batch_dim, randomization, generator, make)
         kind, count = _randomization(randomization)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise InvalidArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
@@ -108,7 +112,7 @@ class Resampled:
                 V.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
         operator = self._operators.get((V.shape, V.device))
         if operator is None:  # (a new shape of points: an operator of its own)
-            operator = self._operators[V.shape, V.device] = self._make(V)
+            operator = self._operators[V.shape, V.device] = self._make(directions=V)
         else:
             operator.redirect(V)
         self.operator, self.directions = operator, V
@@ -192,7 +196,7 @@ def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) ->
     return args, {**kwargs, place.name: x}
 
 
-class PerPoint:
+class PerPoint(Rebuilt):
     """An operator whose directions differ from point to point, or whose curves bend.
 
     ``given`` holds the directions, or is a function of the points returning them, read at every
@@ -201,10 +205,13 @@ class PerPoint:
     point. ``higher`` (V₂, …, V_K), in the form of the rows, bends each direction's line into the
     curve x + t v + Σ_k tᵏ/k! V_k (torch-jet's jet of arbitrary coefficients). ``make(g, S)``
     builds the operator of ``g`` over the coordinate axes of its input ``hoad_t`` (S of them) and
-    returns it with the function that turns its result into this operator's."""
+    returns it with the function that turns its result into this operator's: a partial of a
+    module's function, which copies (``copy.deepcopy``, pickle) carry with the rest of the
+    arguments (:class:`~hoad.methods.Rebuilt`)."""
 
     def __init__(self, name: str, u: Callable, wrt, batch_dim, given, columns: bool, make: Callable,
                  higher: tuple = ()):
+        self._keep_arguments(name, u, wrt, batch_dim, given, columns, make, higher=higher)
         if unbound_method(u):
             raise InvalidArgumentError(f"{name} with directions per point on a method: build the operator over the "
                                        f"bound method instead (self.op = {name}(self.u, ...) in __init__)")

@@ -6,6 +6,7 @@ collapse the Laplacian uses."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -168,8 +169,8 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
         return lambda u: taylor(u, order, directions, wrt, higher=higher, collapse=collapse, weights=weights,
                                 randomization=randomization, generator=generator, **options.kwargs())
     resampled = _randomized("hoad.taylor", u, wrt, batch_dim, randomization, generator, {"directions": directions},
-                            lambda V: Taylor(u, order, wrt, directions=V, collapse=collapse, weights=weights,
-                                             options=options))
+                            functools.partial(Taylor, u, order, wrt, collapse=collapse, weights=weights,
+                                              options=options))
     if resampled is not None:
         return resampled
     if higher is not None:
@@ -184,10 +185,17 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
     if higher is not None or per_point(directions, batch_dim, columns=False):
         _check_wrt(wrt)
 
-        def along_axes(g: Callable, count: int):  # g's derivatives along its own axes t_s
-            axes = torch.eye(count, dtype=torch.float64)
-            return Taylor(g, order, SHIFT, directions=axes, collapse=collapse, weights=weights,
-                          options=options), lambda res: res
-
-        return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along_axes, higher=higher or ())
+        along = functools.partial(_along_axes, order=order, collapse=collapse, weights=weights, options=options)
+        return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along, higher=higher or ())
     return Taylor(u, order, wrt, directions=directions, collapse=collapse, weights=weights, options=options)
+
+
+def _along_axes(g: Callable, count: int, *, order: int, collapse: bool, weights, options: Options):
+    """g's Taylor jets along its own axes t_s (directions per point, curves: :class:`PerPoint`), and
+    the result they make (the jets themselves)."""
+    axes = torch.eye(count, dtype=torch.float64)
+    return Taylor(g, order, SHIFT, directions=axes, collapse=collapse, weights=weights, options=options), _same
+
+
+def _same(res):
+    return res

@@ -17,6 +17,7 @@ adjoint form) is built, and the cost model keeps the cheaper, as for :func:`hoad
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -512,7 +513,7 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
     options = Options(batch_dim, backend, mode, chunk_size, memory_budget)
     resampled = _randomized("hoad.laplacian", u, wrt, batch_dim, randomization, generator,
                             {"weights": weights, "factor": factor, "directions": directions},
-                            lambda V: Laplacian(u, wrt, directions=V, options=options))
+                            functools.partial(Laplacian, u, wrt, options=options))
     if resampled is not None:
         return resampled
     if per_point(weights, batch_dim, columns=True):  # (C per point is (B, D, D), as a factor (B, D, S))
@@ -523,16 +524,17 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
         if given is not None and per_point(given, batch_dim, columns):
             _check_wrt(wrt)
             return PerPoint("hoad.laplacian", u, wrt, batch_dim, given, columns,
-                            lambda g, count, columns=columns: _laplacian_along_axes(
-                                g, count, 1.0 if columns else 1.0 / count, options))
+                            functools.partial(_laplacian_along_axes, mean=not columns, options=options))
     return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, options=options)
 
 
-def _laplacian_along_axes(g: Callable, count: int, scale: float, options: Options):
+def _laplacian_along_axes(g: Callable, count: int, *, mean: bool, options: Options):
     """The Laplacian of g in its input ``hoad_t`` (directions per point: :class:`PerPoint`), and
-    the result it makes: Σ_s ∂²u[v_s, v_s] times ``scale``; ``.directional`` the first derivatives
-    along each point's directions, no ``.gradient`` (as for a shared factor or directions)."""
+    the result it makes: Σ_s ∂²u[v_s, v_s], divided by S where ``mean`` (directions; a factor's
+    columns are summed); ``.directional`` the first derivatives along each point's directions, no
+    ``.gradient`` (as for a shared factor or directions)."""
     op = Laplacian(g, SHIFT, options=options)
+    scale = 1.0 / count if mean else 1.0
 
     def finish(res):
         return leafwise(lambda r: OperatorResult(value=r.value, directional=r.directional, gradient=None,
@@ -573,7 +575,7 @@ def biharmonic(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None
                                        f"S >= 2, got randomization={randomization!r}")
     resampled = _randomized("hoad.biharmonic", u, wrt, batch_dim, randomization, generator,
                             {"weights": weights, "factor": factor, "directions": directions},
-                            lambda V: Biharmonic(u, wrt, directions=V, estimator=estimator, options=options))
+                            functools.partial(Biharmonic, u, wrt, estimator=estimator, options=options))
     if resampled is not None:
         return resampled
     return Biharmonic(u, wrt, weights=weights, factor=factor, directions=directions, estimator=estimator,

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_close, rand
-from torch.func import functional_call, jacfwd, jacrev
+from torch.func import functional_call, hessian, jacfwd, jacrev, vmap
 
 import hoad
 
@@ -289,6 +289,58 @@ def test_a_method_whose_first_parameter_is_not_named_self():
     assert_close(net.energy(x)["x", "W"], jacfwd(jacrev(f), argnums=1)(x, net.W.detach()), "mixed")
     with pytest.raises(hoad.InvalidArgumentError, match=r"valid names are \('x', 'W'\)"):
         net.wrong(x)
+
+
+class HoldsDrawnAndPerPoint(nn.Module):
+    """Operators whose directions are drawn at every call, given per point, or bent into curves."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(DT)
+        self.V, self.V2 = rand(2, 3, seed=9), rand(2, 3, seed=10)
+        self.drawn = hoad.laplacian(self.u, batch_dim=0, randomization=("rademacher", 3),
+                                    generator=torch.Generator().manual_seed(11), backend="eager")
+        self.per = hoad.laplacian(self.u, batch_dim=0, factor=self.factor, backend="eager")
+        self.curves = hoad.taylor(self.u, order=2, batch_dim=0, directions=self.V, higher=(self.V2,), backend="eager")
+
+    def u(self, x):
+        return self.net(x).squeeze(-1)
+
+    def factor(self, X):  # (B, 3, 2)
+        return torch.stack([X, X.flip(-1)], -1)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_module_differentiates_the_copy_with_drawn_and_per_point_directions(how):
+    """A randomized operator's copy failed to deep-copy (c9cd3f5's lock) and to pickle (a local
+    function, before it), as did pickling operators with directions per point; each copy now
+    differentiates the copy's network, each original its own."""
+    import copy
+    import io
+
+    m, X = HoldsDrawnAndPerPoint(), rand(4, 3, seed=12)
+    m.drawn(X), m.per(X), m.curves(X)
+    if how == "deepcopy":
+        twin = copy.deepcopy(m)
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    for name, module in (("copy", twin), ("original", m)):
+        H = vmap(hessian(lambda x: module.u(x[None])[0]))(X)
+        g = vmap(torch.func.grad(lambda x: module.u(x[None])[0]))(X)
+        drawn = module.drawn(X).laplacian
+        V = module.drawn.directions
+        assert_close(drawn, torch.einsum("sd,bde,se->b", V, H, V) / 3, f"{how}, {name}: drawn")
+        L = module.factor(X)
+        assert_close(module.per(X).laplacian, torch.einsum("bds,bde,bes->b", L, H, L), f"{how}, {name}: per point")
+        want = torch.einsum("sd,bde,se->bs", module.V, H, module.V) + g @ module.V2.T
+        assert_close(module.curves(X)[2], want, f"{how}, {name}: curves")
 
 
 class HoldsOperators(nn.Module):
