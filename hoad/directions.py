@@ -112,7 +112,11 @@ class Resampled(Rebuilt):
                 V.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
         operator = self._operators.get((V.shape, V.device))
         if operator is None:  # (a new shape of points: an operator of its own)
-            operator = self._operators[V.shape, V.device] = self._make(directions=V)
+            # made outside inference mode: the operator's own tensors (its weights 1/S) outlive this
+            # call, and made in a first call under torch.inference_mode() every later call that
+            # trains failed ("Inference tensors cannot be saved for backward")
+            with torch.inference_mode(False):
+                operator = self._operators[V.shape, V.device] = self._make(directions=V)
         else:
             operator.redirect(V)
         self.operator, self.directions = operator, V
@@ -284,7 +288,8 @@ class PerPoint(Rebuilt):
         count = v.shape[len(lead) + (1 if self.higher else 0)]
         made = self._operators.get(count)
         if made is None:  # (calls alternating between counts each keep their program)
-            made = self._make(self._shifted, count)
+            with torch.inference_mode(False):  # (its tensors outlive this call: see Resampled.resample)
+                made = self._make(self._shifted, count)
             made[0].compiled.sample_places = self._sample_places
             made = self._operators.setdefault(count, made)  # (another thread's, if it came first)
         operator, finish = made

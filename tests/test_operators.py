@@ -821,6 +821,33 @@ def test_a_randomized_operator_called_twice_before_one_backward(kind):
         assert_close(g, w, "gradient")
 
 
+@pytest.mark.parametrize("kind", ["laplacian", "taylor", "biharmonic", "curves"])
+def test_an_operator_first_called_under_inference_mode_then_trains(kind):
+    """An evaluation under torch.inference_mode() first, training after: the operators hoad makes
+    at a first call (drawn directions, curves) kept tensors made in inference mode, and every
+    training call after failed ("Inference tensors cannot be saved for backward", as a bug in hoad)."""
+    torch.manual_seed(53)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)).double()
+    u = lambda X: net(X).squeeze(-1)  # noqa: E731
+    X, V, V2 = rand(5, 3, seed=53), rand(2, 3, seed=54), rand(2, 3, seed=55)
+    if kind == "curves":
+        op, value = hoad.taylor(u, order=2, batch_dim=0, directions=V, higher=(V2,), backend="eager"), lambda r: r[2]
+        fixed = None
+    else:
+        op, value, fixed = _randomized(kind, u, randomization=("normal", 3), backend="eager")
+    with torch.inference_mode():
+        value(op(X))
+    got = value(op(X))
+    got.pow(2).sum().backward()
+    assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+    if fixed is not None:
+        assert_close(got, value(fixed(op.directions)(X)), "against the operator over the drawn V")
+    else:
+        H = vmap(hessian(lambda x: u(x[None])[0]))(X)
+        g = vmap(torch.func.grad(lambda x: u(x[None])[0]))(X)
+        assert_close(got, torch.einsum("sd,bde,se->bs", V, H, V) + g @ V2.T, "along the curves")
+
+
 def test_threads_calling_one_randomized_operator_take_turns():
     """Threads calling one randomized operator: one thread's program read V while another drew
     into it (Rademacher rows pass through 0/1 and 0/2 on their way to ±1), and 85-95% of 1200
