@@ -228,18 +228,30 @@ class PerPoint(Rebuilt):
         """This call's directions as rows, ``(B, S, *x)`` (``(S, *x)`` without samples), and the
         curves' higher coefficients after them along a new axis after the samples' (``(B, K, S,
         *x)``: the samples lead, so that one program serves every number of them)."""
-        rows = self._rows(self.given, x, "directions" if not self.columns else "factor", self.columns)
+        given = [(self.given, "directions" if not self.columns else "factor", self.columns)]
+        given += [(h, f"higher[{k}] (V_{k + 2})", False) for k, h in enumerate(self.higher)]
+        made = [self._rows(g, x, what, columns) for g, what, columns in given]
+        self._check_finite([(raw, what) for (raw, _), (_, what, _) in zip(made, given)])
+        rows, more = made[0][1], [m for _, m in made[1:]]
         if not self.higher:
             return rows
-        more = [self._rows(h, x, f"higher[{k}] (V_{k + 2})", False) for k, h in enumerate(self.higher)]
         for k, h in enumerate(more):
             if h.shape != rows.shape:
                 raise InvalidArgumentError(f"{self.name}: higher[{k}] (V_{k + 2}) has shape {tuple(h.shape)}, and "
                                            f"the directions {tuple(rows.shape)}: one coefficient per direction")
         return torch.stack([rows, *more], dim=1 if self.batch_dim is not None else 0)
 
-    def _rows(self, given, x: torch.Tensor, what: str, columns: bool) -> torch.Tensor:
-        v = given(x) if callable(given) and not isinstance(given, torch.Tensor) else given
+    def _check_finite(self, given: list[tuple[torch.Tensor, str]]) -> None:
+        """Refuse NaN or infinite entries in any of the call's direction tensors, as given (before a
+        shared one is spread over the samples): one host sync for all of them."""
+        flags = [torch.isfinite(t.detach()).all() if t.device.type != "meta" else None for t, _ in given]
+        if any(f is None for f in flags) or not bool(flags[0] if len(flags) == 1 else torch.stack(flags).all()):
+            what = next(w for (_, w), f in zip(given, flags) if f is None or not bool(f))
+            raise InvalidArgumentError(f"{self.name}: the {what} have entries that are NaN or infinite")
+
+    def _rows(self, given, x: torch.Tensor, what: str, columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor ``given`` is or returns, and its rows for this call."""
+        v = raw = given(x) if callable(given) and not isinstance(given, torch.Tensor) else given
         batched = self.batch_dim is not None
         point = tuple(x.shape[1:]) if batched else tuple(x.shape)
         d = math.prod(point)
@@ -261,9 +273,7 @@ class PerPoint(Rebuilt):
                     v.ndim != len(lead) + 1 + len(point) or v.shape[len(lead)] == 0:
                 raise InvalidArgumentError(f"{self.name}: {what} must be {want} for points of shape "
                                            f"{tuple(x.shape)}, got {tuple(v.shape)}")
-        if v.device.type == "meta" or not bool(torch.isfinite(v.detach()).all()):
-            raise InvalidArgumentError(f"{self.name}: the {what} have entries that are NaN or infinite")
-        return v.to(dtype=x.dtype, device=x.device)
+        return raw, v.to(dtype=x.dtype, device=x.device)
 
     def _shifted(self, *args, hoad_t: torch.Tensor, hoad_seeds: torch.Tensor, **kwargs):
         """u at x + Σ_s t_s v_s (curves: + Σ_s Σ_k t_sᵏ/k! V_k,s)."""

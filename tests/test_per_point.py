@@ -190,6 +190,14 @@ def test_per_point_operators_refuse_what_they_cannot_mean():
         hoad.taylor(u, order=3, directions=V, higher=(V, V, V))
     with pytest.raises(hoad.InvalidArgumentError, match="one coefficient per direction"):
         hoad.taylor(u, order=3, directions=V, higher=(rand(3, 3, seed=717),))(X[0])
+    bad = V.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(hoad.InvalidArgumentError, match="the higher\\[1\\] \\(V_3\\) have entries that are NaN"):
+        hoad.taylor(u, order=3, batch_dim=0, directions=V, higher=(V, bad))(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="the directions have entries that are NaN or infinite"):
+        hoad.taylor(u, order=2, batch_dim=0, directions=lambda P: bad.expand(5, 2, 3) * P.sum())(X)
+    with pytest.raises(hoad.InvalidArgumentError, match="the factor have entries that are NaN or infinite"):
+        hoad.laplacian(u, batch_dim=0, factor=lambda P: bad.mT.expand(5, 3, 2) / 0)(X)
 
 
 def test_per_point_operators_take_a_bound_method_and_refuse_an_unbound_one():
