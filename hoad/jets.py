@@ -15,7 +15,7 @@ import torch._dynamo
 
 from hoad.directions import SHIFT, PerPoint, _randomized, per_point
 from hoad.errors import InvalidArgumentError
-from hoad.operators import _check_wrt, _directions, _Operator, _refuse_grad, _unit_weights, leafwise
+from hoad.operators import _check_wrt, _directions, _Operator, _unit_weights, leafwise
 from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, plain_int, refuse_unknown
 
 
@@ -74,8 +74,7 @@ def _direction_weights(w, V: torch.Tensor) -> torch.Tensor:
             else type(w).__name__
         raise InvalidArgumentError(f"weights must be a floating-point tensor of shape (S,) = ({V.shape[0]},), one per "
                                    f"direction, got {shown}")
-    _refuse_grad(w)
-    return w
+    return w  # (it may require grad: the collapsed top order is linear in it)
 
 
 class TaylorResult:

@@ -156,6 +156,21 @@ def test_a_collapsed_taylor_jet_sums_the_top_order(mode):
     assert_close(op(x)[3], -2 * first, "weights written in place")
 
 
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_weights_of_a_collapsed_jet_are_differentiable(backend):
+    """Σ_s w_s ∂^K u[v_s^K] is linear in w: its gradient in w_s is ∂^K u[v_s^K]. Weights that
+    required grad were refused with the Laplacian's message for a matrix C ("hoad factors C
+    (eigh) ... pass factor=L"), which meant nothing here: learnable weights of directions train."""
+    X, V = rand(5, 4, seed=618), rand(3, 4, seed=619)
+    for K in (1, 2, 3):
+        w = rand(3, seed=620 + K).requires_grad_()
+        res = hoad.taylor(mlp, order=K, directions=V, collapse=True, weights=w, batch_dim=0, backend=backend)(X)
+        (got,) = torch.autograd.grad(res.collapsed.pow(2).sum(), w)
+        along = torch.stack([torch.stack([_along(mlp, X[b], V[s], K) for s in range(3)]) for b in range(5)])
+        assert_close(res.collapsed, along @ w.detach(), f"order {K}")
+        assert_close(got, 2 * (along @ w.detach()) @ along, f"order {K}: gradient in the weights")
+
+
 def test_a_collapsed_taylor_jet_per_sample_and_randomized():
     X, V = rand(5, 4, seed=614), rand(3, 4, seed=615)
     res = hoad.taylor(mlp, order=3, directions=V, collapse=True, batch_dim=0)(X)
