@@ -139,6 +139,32 @@ def _leaf_name(path, params: list[str]) -> str:
     return "_".join(parts)
 
 
+def holder_of(path: str, names: Sequence[str]) -> str | None:
+    """The argument a name addresses a path inside (``"batch"`` for ``"batch['u']"``, and for
+    ``"pair[0]"`` or ``"cfg.scale"``), or None when it names no path inside one of ``names``."""
+    held = [n for n in names if isinstance(n, str) and len(path) > len(n) and path.startswith(n)
+            and path[len(n)] in "[."]
+    return max(held, key=len) if held else None
+
+
+def at_or_under(key: str, path: str) -> bool:
+    """Whether the tensor named ``key`` (its path) is at ``path`` or inside the container there."""
+    return key == path or (key.startswith(path) and key[len(path)] in "[.")
+
+
+def tensor_at(path: str, name: str, container) -> torch.Tensor | None:
+    """The tensor at ``path`` (``name`` followed by keys) inside ``container``, or None."""
+    for keys, leaf in pytree.tree_flatten_with_path(container)[0]:
+        if name + pytree.keystr(keys) == path and isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def with_tensor_at(path: str, name: str, container, x: torch.Tensor):
+    """``container`` with the tensor at ``path`` (``name`` followed by keys) replaced by ``x``."""
+    return pytree.tree_map_with_path(lambda keys, leaf: x if name + pytree.keystr(keys) == path else leaf, container)
+
+
 def positional_names(fn: Callable) -> list[str]:
     """Names of the parameters that positional arguments bind to, in order."""
     try:

@@ -4,8 +4,9 @@ results joined as each chunk finishes."""
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
-from hoad.binding import Keyword, Positional
+from hoad.binding import Keyword, Positional, holder_of
 from hoad.cache import Entry
 from hoad.derivatives import Derivatives
 from hoad.errors import InvalidArgumentError
@@ -26,6 +27,12 @@ def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
             places.append(Keyword(w))
         elif isinstance(w, str) and w in cf._positional and cf._positional.index(w) < len(args):
             places.append(Positional(cf._positional.index(w)))
+    inside = [w for w in cf._expanded_wrt() if isinstance(w, str) and holder_of(w, list(cf._positional) + list(kwargs))
+              and w not in kwargs and w not in cf._positional]
+    if inside:
+        raise InvalidArgumentError(
+            f"chunk_size splits tensor arguments along dim 0, and wrt names {inside[0]!r}, inside a container "
+            "argument: pass the tensors that hold the samples as arguments of their own, or drop chunk_size")
     if cf.sample_places is not None:  # (an operator's points and seeds beside the input it differentiates)
         places += [p for p in cf.sample_places(args, kwargs) if p not in places]
     values = [args[p.index] if isinstance(p, Positional) else kwargs[p.name] for p in places]
@@ -45,6 +52,8 @@ def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
     wrt_ids = {id(v) for v in values}
     others = [(f"argument {i}", a) for i, a in enumerate(args)] + [
         (repr(k), v) for k, v in kwargs.items() if not k.startswith("hoad_")]  # (an operator's own: shared)
+    others = [(name + pytree.keystr(path), t) for name, a in others  # (and the tensors inside containers)
+              for path, t in pytree.tree_flatten_with_path(a)[0]]
     for name, t in others:
         if isinstance(t, torch.Tensor) and id(t) not in wrt_ids and t.ndim > 0 and t.shape[0] == samples:
             # which of them hold samples, chunk_size cannot tell: a shared (B, ...) tensor split

@@ -20,7 +20,17 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.algebra import Target
-from hoad.binding import CallLayout, Keyword, Positional, StateEntry, _reachable, bind_layout, positional_names
+from hoad.binding import (
+    CallLayout,
+    Keyword,
+    Positional,
+    StateEntry,
+    _reachable,
+    at_or_under,
+    bind_layout,
+    holder_of,
+    positional_names,
+)
 from hoad.cache import (
     Entry,
     Family,
@@ -602,7 +612,8 @@ class Compiled(Rebuilt):
                 raise InvalidArgumentError(
                     f"wrt={w} but {getattr(self.fn, '__name__', 'the function')} takes {len(self._positional)} "
                     f"positional arguments {tuple(self._positional)}")
-            if isinstance(w, str) and w not in params and w not in state and not var_keyword:
+            if isinstance(w, str) and w not in params and w not in state and not var_keyword and \
+                    holder_of(w, list(params)) is None:
                 tied = tied_names(self.module).get(w) if self.module is not None else None
                 if tied is not None:
                     raise InvalidArgumentError(
@@ -615,9 +626,9 @@ class Compiled(Rebuilt):
                                            f"valid names are {known}")
 
     def _expanded_containers(self, wrt: tuple, args: tuple, kwargs: dict, stateful: bool) -> tuple[tuple, dict]:
-        """wrt with each entry that names a tuple, list or dict argument replaced by that
-        argument's tensors, each named by its path (``"batch['u']"``, ``"pair[0]"``), and the
-        tensor-leaf index of each such path."""
+        """wrt with each entry that names a tuple, list or dict argument, or a path inside one (a
+        leaf, ``"batch['u']"``, or a subtree, ``"batch['w']"``), replaced by the tensors there, each
+        named by its path (``"batch['u']"``, ``"pair[0]"``), and the tensor-leaf index of each such path."""
         flat = pytree.tree_flatten_with_path((args, kwargs))[0]
         tensor_paths = [path for path, leaf in flat if isinstance(leaf, torch.Tensor)]
         user_args = args[1:] if stateful else args
@@ -631,6 +642,20 @@ class Compiled(Rebuilt):
             elif isinstance(w, str) and w in self._positional and self._positional.index(w) < len(user_args):
                 i = self._positional.index(w)
                 prefix, value, name = (pytree.SequenceKey(0), pytree.SequenceKey(i + stateful)), user_args[i], w
+            elif isinstance(w, str) and (holder := self._container_holding(w, user_args, kwargs, stateful)):
+                # a path inside a container argument ("batch['u']", "params['layer1']"): the tensors at or under it
+                name, prefix = holder
+                keys = [(leaf, name + pytree.keystr(path[2:])) for leaf, path in enumerate(tensor_paths)
+                        if path[:2] == prefix]
+                under = [(leaf, key) for leaf, key in keys if at_or_under(key, w)]
+                if not under:
+                    raise InvalidArgumentError(
+                        f"wrt names {w!r}, which holds no tensor of argument {name!r}; the tensors in it are "
+                        f"{[key for _, key in keys] or 'none'}: name one of them, or a container holding some")
+                for leaf, key in under:
+                    inside[key] = leaf
+                    out.append(key)
+                continue
             else:
                 out.append(w)
                 continue
@@ -646,6 +671,21 @@ class Compiled(Rebuilt):
                 raise InvalidArgumentError(f"wrt input {w!r} is a {type(value).__name__} holding no tensor; hoad "
                                            "differentiates with respect to tensors")
         return tuple(out), inside
+
+    def _container_holding(self, w: str, args: tuple, kwargs: dict, stateful: bool) -> tuple | None:
+        """(its name, its path among the call's leaves) of the container argument (tuple, list, dict)
+        that wrt entry ``w`` addresses a path inside, or None (``args`` without the state)."""
+        name = holder_of(w, list(self._positional) + list(kwargs))
+        if name is None:
+            return None
+        if name in kwargs:
+            prefix, value = (pytree.SequenceKey(1), pytree.MappingKey(name)), kwargs[name]
+        elif self._positional.index(name) < len(args):
+            i = self._positional.index(name)
+            prefix, value = (pytree.SequenceKey(0), pytree.SequenceKey(i + stateful)), args[i]
+        else:
+            return None
+        return (name, prefix) if isinstance(value, (tuple, list, dict)) else None
 
     def _resolve_wrt(self, w, layout: CallLayout, args: tuple, kwargs: dict) -> int:
         """The tensor-leaf index of wrt entry ``w`` in this call (``args`` without the state)."""

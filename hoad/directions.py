@@ -22,7 +22,7 @@ import torch
 import torch._dynamo
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from hoad.binding import Keyword, Positional
+from hoad.binding import Keyword, Positional, holder_of, tensor_at, with_tensor_at
 from hoad.errors import InvalidArgumentError
 from hoad.methods import Rebuilt, unbound_method
 from hoad.options import GRAPH_BREAK
@@ -44,6 +44,11 @@ def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
         if x is None:
             names = parameter_names(u)
             x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
+            holder = _holder(u, wrt, kwargs)
+            if holder is not None:  # a tensor inside a container argument ("inputs['x']")
+                place = _point_place(u, wrt, args, kwargs)
+                container = args[place.index] if isinstance(place, Positional) else kwargs.get(place.name)
+                x = tensor_at(wrt, holder, container)
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
@@ -178,23 +183,38 @@ def _randomized(name: str, u, wrt, batch_dim, randomization, generator, given: d
 SHIFT, SEEDS = "hoad_t", "hoad_seeds"  # the change of variables' inputs: t (zeros) and the directions
 
 
+def _holder(u: Callable, wrt, kwargs: dict) -> str | None:
+    """The container argument of u that ``wrt`` addresses a tensor inside (``"inputs"`` for
+    ``"inputs['x']"``), or None where ``wrt`` names an argument itself."""
+    names = parameter_names(u)
+    if not isinstance(wrt, str) or wrt in kwargs or wrt in names:
+        return None
+    return holder_of(wrt, names + list(kwargs))
+
+
 def _point_place(u: Callable, wrt, args: tuple, kwargs: dict) -> Positional | Keyword:
-    """Where the operator's input ``wrt`` is in a call of ``u``: a positional or a keyword argument."""
+    """Where the operator's input ``wrt`` is in a call of ``u``: a positional or a keyword argument
+    (for a tensor inside a container argument, ``"inputs['x']"``, that argument's place)."""
     if isinstance(wrt, int) and wrt < len(args):
         return Positional(wrt)
     name = wrt
     if isinstance(wrt, int) or wrt not in kwargs:
-        sig = _signature(u)
-        names = list(sig.parameters) if sig is not None else []
-        if isinstance(wrt, str) and wrt in names and names.index(wrt) < len(args):
-            return Positional(names.index(wrt))
-        name = names[wrt] if isinstance(wrt, int) else wrt
+        names = parameter_names(u)
+        name = _holder(u, wrt, kwargs) or wrt
+        if name in kwargs:
+            return Keyword(name)
+        if isinstance(name, str) and name in names and names.index(name) < len(args):
+            return Positional(names.index(name))
+        name = names[wrt] if isinstance(wrt, int) else name
     return Keyword(name)
 
 
 def _with_point(u: Callable, wrt, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
     """The call's arguments with the operator's input ``wrt`` replaced by ``x``."""
     place = _point_place(u, wrt, args, kwargs)
+    holder = _holder(u, wrt, kwargs)
+    if holder is not None:  # a tensor inside a container argument: the container with x in its place
+        x = with_tensor_at(wrt, holder, args[place.index] if isinstance(place, Positional) else kwargs[place.name], x)
     if isinstance(place, Positional):
         return args[:place.index] + (x,) + args[place.index + 1:], kwargs
     return args, {**kwargs, place.name: x}
@@ -312,6 +332,10 @@ class PerPoint(Rebuilt):
         the points and their seeds (``chunk_size`` splits them together)."""
         if self.batch_dim is None:
             return []
+        if _holder(self.u, self.wrt, kwargs) is not None:
+            raise InvalidArgumentError(
+                f"chunk_size splits tensor arguments along dim 0, and the operator's input {self.wrt!r} is inside a "
+                "container argument: pass the points as a tensor argument of their own, or drop chunk_size")
         return [_point_place(self.u, self.wrt, args, kwargs), Keyword(SEEDS)]
 
     @property

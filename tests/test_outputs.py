@@ -174,3 +174,64 @@ def test_a_tuple_argument_per_sample():
 def test_a_container_without_tensors_is_refused():
     with pytest.raises(hoad.InvalidArgumentError, match="holding no tensor"):
         hoad.compile(lambda x, opts: x.sin().sum() * opts["k"], order=1, wrt="opts")(rand(3, seed=26), {"k": 2.0})
+
+
+# ------------------------------------------------------------- a leaf or a subtree of a container
+def test_wrt_addresses_a_leaf_or_a_subtree_inside_a_container():
+    """A wrt entry may name a path inside a container argument: a leaf ("batch['v']"), a subtree
+    ("batch['w']", each tensor under it), beside other entries. It was refused ("not an argument
+    of the function")."""
+    x = rand(3, seed=27)
+    batch = {"u": rand(3, seed=28), "v": rand(2, seed=29), "w": {"deep": rand(2, seed=30), "flat": rand(1, seed=31)}}
+
+    def f(x, batch):
+        return _with_batch(x, batch) * batch["w"]["flat"].sum().cos()
+
+    res = hoad.compile(f, order=2, wrt=("batch['w']", 0, "batch['v']"))(x, batch)
+    assert list(res.wrt) == ["batch['w']['deep']", "batch['w']['flat']", 0, "batch['v']"]
+    h = jacfwd(jacrev(f, argnums=(0, 1)), argnums=(0, 1))(x, batch)
+    assert_close(res["batch['w']['deep']", "batch['w']['flat']"], h[1]["w"]["deep"][1]["w"]["flat"], "in the subtree")
+    assert_close(res["batch['v']", "batch['w']['flat']"], h[1]["v"][1]["w"]["flat"], "leaf and subtree")
+    assert_close(res["x", "batch['v']"], h[0][1]["v"], "with the plain input")
+    assert res.flat().shape == (8, 8), "2 + 1 + 3 + 2 entries"
+    with pytest.raises(hoad.InvalidArgumentError, match="holds no tensor of argument 'batch'; the tensors in it are"):
+        hoad.compile(f, order=2, wrt="batch['z']")(x, batch)
+    with pytest.raises(hoad.InvalidArgumentError, match="not an argument of the function"):
+        hoad.compile(f, order=2, wrt="bacth['u']")
+
+
+def test_operators_differentiate_a_tensor_inside_a_container():
+    """A space-time PINN's u({"x": X, "t": T}): the Laplacian, randomized Laplacian and jets
+    along curves in x alone, per sample, against torch.func; chunk_size, which splits tensor
+    arguments, is refused naming the way out."""
+    W = rand(2, 4, seed=32)
+
+    def u(inputs):
+        return torch.tanh(inputs["x"] @ W + inputs["t"][..., None]).sum(-1) * (1 + inputs["t"] ** 2)
+
+    X, T = rand(5, 2, seed=33), rand(5, seed=34)
+    H = vmap(lambda x, t: hessian(lambda y: u({"x": y, "t": t}))(x))(X, T)
+    G = vmap(lambda x, t: torch.func.grad(lambda y: u({"x": y, "t": t}))(x))(X, T)
+    lap = hoad.laplacian(u, "inputs['x']", batch_dim=0)({"x": X, "t": T})
+    assert_close(lap.laplacian, H.diagonal(dim1=-2, dim2=-1).sum(-1), "Laplacian in x")
+    drawn = hoad.laplacian(u, "inputs['x']", batch_dim=0, randomization=("normal", 3))
+    got = drawn({"x": X, "t": T}).laplacian
+    assert_close(got, torch.einsum("sd,bde,se->b", drawn.directions, H, drawn.directions) / 3, "drawn directions")
+    V, V2 = rand(2, 2, seed=35), rand(2, 2, seed=36)
+    curves = hoad.taylor(u, order=2, wrt="inputs['x']", batch_dim=0, directions=V, higher=(V2,))({"x": X, "t": T})
+    assert_close(curves[2], torch.einsum("sd,bde,se->bs", V, H, V) + G @ V2.T, "along curves in x")
+    with pytest.raises(hoad.InvalidArgumentError, match="inside a container argument: pass the points"):
+        hoad.taylor(u, order=2, wrt="inputs['x']", batch_dim=0, directions=V, higher=(V2,), chunk_size=2)(
+            {"x": X, "t": T})
+    with pytest.raises(hoad.InvalidArgumentError, match="inside a container"):
+        hoad.compile(u, order=2, wrt="inputs['x']", batch_dim=0, chunk_size=2)({"x": X, "t": T})
+
+
+def test_chunk_size_refuses_samples_it_cannot_split_inside_a_container():
+    """chunk_size splits the wrt inputs; another tensor with a row per sample, kept whole, would
+    be silently wrong (a mean over it) or fail to broadcast, so it is refused. One inside a
+    container argument went unseen."""
+    X, C = rand(6, 3, seed=37), rand(6, 3, seed=38)
+    f = lambda x, extra: (x.sin() * extra["c"].mean(0)).sum(-1)  # noqa: E731
+    with pytest.raises(hoad.InvalidArgumentError, match=r"the tensor argument 1\['c'\] \(shape \(6, 3\)\) also has 6"):
+        hoad.compile(f, order=2, batch_dim=0, chunk_size=4)(X, {"c": C})
