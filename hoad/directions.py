@@ -146,6 +146,12 @@ class Resampled(Rebuilt):
             raise InvalidArgumentError("call the operator once before asking for its graph")
         return self.operator.graph
 
+    def explain(self):
+        """The explanation of the last call's program (one program serves every draw)."""
+        if self.operator is None:
+            raise InvalidArgumentError("call the operator once before asking for its explanation")
+        return self.operator.explain()
+
     def __repr__(self) -> str:
         name = getattr(self.u, "__qualname__", type(self.u).__name__).split("<locals>.")[-1]
         return f"<hoad randomized operator of {name}: {self.kind}, S={self.count}>"

@@ -780,6 +780,7 @@ def test_randomization_draws_new_directions_at_every_call(kind):
     assert not torch.equal(draws[0], draws[1])
     if kind == "rademacher":
         assert set(op.directions.unique().tolist()) <= {-1.0, 1.0}
+    assert "reverse" in str(op.explain()) or "forward" in str(op.explain()), "explain(), as any operator's"
 
 
 def test_a_randomized_biharmonic_is_unbiased_and_trains():
