@@ -311,16 +311,11 @@ class HoldsDrawnAndPerPoint(nn.Module):
         return torch.stack([X, X.flip(-1)], -1)
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
-def test_a_copied_module_differentiates_the_copy_with_drawn_and_per_point_directions(how):
-    """A randomized operator's copy failed to deep-copy (c9cd3f5's lock) and to pickle (a local
-    function, before it), as did pickling operators with directions per point; each copy now
-    differentiates the copy's network, each original its own."""
+def _halved_copy(m: nn.Module, how: str) -> nn.Module:
+    """A copy of ``m`` made by ``how`` (deepcopy, or torch.save and load), its weights halved."""
     import copy
     import io
 
-    m, X = HoldsDrawnAndPerPoint(), rand(4, 3, seed=12)
-    m.drawn(X), m.per(X), m.curves(X)
     if how == "deepcopy":
         twin = copy.deepcopy(m)
     else:
@@ -331,6 +326,17 @@ def test_a_copied_module_differentiates_the_copy_with_drawn_and_per_point_direct
     with torch.no_grad():
         for p in twin.parameters():
             p.mul_(0.5)
+    return twin
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copied_module_differentiates_the_copy_with_drawn_and_per_point_directions(how):
+    """A randomized operator's copy failed to deep-copy (c9cd3f5's lock) and to pickle (a local
+    function, before it), as did pickling operators with directions per point; each copy now
+    differentiates the copy's network, each original its own."""
+    m, X = HoldsDrawnAndPerPoint(), rand(4, 3, seed=12)
+    m.drawn(X), m.per(X), m.curves(X)
+    twin = _halved_copy(m, how)
     for name, module in (("copy", twin), ("original", m)):
         H = vmap(hessian(lambda x: module.u(x[None])[0]))(X)
         g = vmap(torch.func.grad(lambda x: module.u(x[None])[0]))(X)
@@ -364,25 +370,13 @@ def test_a_copied_module_differentiates_the_copy(how, when):
     """A deep copy before the first call differentiated the original module (its program closed
     over the original's u); after a biharmonic call deepcopy and torch.save failed (a local
     function, a getset_descriptor)."""
-    import copy
-    import io
-
     m, X = HoldsOperators(), rand(4, 3, seed=7)
     if when != "before the first call":
         m.lap(X), m.bih(X), m.hess(X)
         with torch.no_grad():
             m.net[0].weight.add_(0.1)
         m.bih(X)
-    if how == "deepcopy":
-        twin = copy.deepcopy(m)
-    else:
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)
-    with torch.no_grad():
-        for p in twin.parameters():
-            p.mul_(0.5)
+    twin = _halved_copy(m, how)
 
     def lap_of(module):
         def one(x):
