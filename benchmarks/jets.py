@@ -388,23 +388,30 @@ LAPLACIAN_SAMPLES = (6, 50)  # of the paper's 1, 6, 11, ..., 50 (D = 50)
 BIHARMONIC_SAMPLES = (4, 36)  # of the paper's 1, 4, 8, ..., 36 (D = 5)
 
 
-def workloads(Workload) -> list:
+# points of the jets, the Laplacian and the biharmonic: cut to one CPU thread, and on a GPU those
+# of the paper's figures (2048 for the Laplacian, 256 for the biharmonic; 256 for the jets)
+CPU_POINTS = (16, 64, 16)
+GPU_POINTS = (256, 2048, 256)
+
+
+def workloads(Workload, group: str = "9. Taylor jets and randomized operators, torch-jet paper's network (issue 44)",
+              prefix: str = "", points: tuple[int, int, int] = CPU_POINTS) -> list:
     """Issue 44's rows; none in --quick (an order-4 program of the paper's network takes a while
-    to build, and its torch.func reference longer)."""
-    group = "9. Taylor jets and randomized operators, torch-jet paper's network (issue 44)"
+    to build, and its torch.func reference longer). ``prefix`` and ``points`` make the GPU-sized
+    ones (``"cuda/"``, :data:`GPU_POINTS`)."""
     net = "-".join(map(str, PAPER_MLP))
     small = (5, *PAPER_MLP[1:])
     small_net = "-".join(map(str, small))
-    N, S = 16, 4
+    (N, n_lap, n_bih), S = points, 4
     rows = [  # (id, label, kind, sizes, points, directions)
         (f"taylor/general-4jet/{net}/N{N}-S{S}", f"general 4-jets along {S} curves, {net}, {N} points",
          "general", PAPER_MLP, N, S),
         (f"taylor/collapsed-4jet/{net}/N{N}-S{S}", f"collapsed 4-jets along {S} curves, {net}, {N} points",
          "collapsed", PAPER_MLP, N, S),
-        *((f"laplacian/randomized-S{s}/{net}/N64", f"randomized Laplacian, {s} normal directions per call, {net}, "
-           "64 points", "random-laplacian", PAPER_MLP, 64, s) for s in LAPLACIAN_SAMPLES),
-        *((f"biharmonic/randomized-S{s}/{small_net}/N16", f"randomized biharmonic (Gaussian), {s} directions per "
-           f"call, {small_net}, 16 points", "random-biharmonic", small, 16, s) for s in BIHARMONIC_SAMPLES),
+        *((f"laplacian/randomized-S{s}/{net}/N{n_lap}", f"randomized Laplacian, {s} normal directions per call, "
+           f"{net}, {n_lap} points", "random-laplacian", PAPER_MLP, n_lap, s) for s in LAPLACIAN_SAMPLES),
+        *((f"biharmonic/randomized-S{s}/{small_net}/N{n_bih}", f"randomized biharmonic (Gaussian), {s} directions "
+           f"per call, {small_net}, {n_bih} points", "random-biharmonic", small, n_bih, s) for s in BIHARMONIC_SAMPLES),
     ]
-    return [Workload(id_, group, label, jet_problem(kind, sizes, points, directions))
+    return [Workload(prefix + id_, group, label, jet_problem(kind, sizes, points, directions))
             for id_, label, kind, sizes, points, directions in rows]

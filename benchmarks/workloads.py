@@ -386,6 +386,8 @@ CUDA_WORKLOADS: list[Workload] = [
     Workload(f"cuda/train/16-64-64-1/N{CUDA_POINTS}", _CUDA_GROUP,
              f"training step (Δu + f)², tanh MLP 16-64-64-1, {CUDA_POINTS} points",
              operators.train_problem((16, 64, 64, 1), CUDA_POINTS)),
+    # issue 44's rows at the paper's sizes (the jets and randomized operators of its network)
+    *jets.workloads(Workload, _CUDA_GROUP, "cuda/", jets.GPU_POINTS),
 ]
 CUDA_WORKLOADS = [Workload(w.id, w.group, w.label, w.build, quick=True, compile_in_quick=True, device="cuda")
                   for w in CUDA_WORKLOADS]
