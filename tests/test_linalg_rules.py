@@ -223,6 +223,7 @@ def _exp_of_a_curved_matrix(X):
     return torch.linalg.matrix_exp(M).sum((-1, -2))
 
 
+@pytest.mark.slow  # (9 s of the default suite's 10 minutes; matrix_exp runs per sample in test_batch)
 def test_matrix_exp_under_the_operators():
     """Pure derivatives, collapsed jets and the Laplacian of exp(A(x)), per sample. The collapsed
     top order of A entered Mathias' block matrix without its direction axes (a HoadInternalError
