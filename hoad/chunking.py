@@ -27,8 +27,10 @@ def split(cf, n: int, args: tuple, kwargs: dict) -> list | None:
             places.append(Keyword(w))
         elif isinstance(w, str) and w in cf._positional and cf._positional.index(w) < len(args):
             places.append(Positional(cf._positional.index(w)))
-    inside = [w for w in cf._expanded_wrt() if isinstance(w, str) and holder_of(w, list(cf._positional) + list(kwargs))
-              and w not in kwargs and w not in cf._positional]
+    state = {n for n, _ in cf.module.named_parameters()} | {n for n, _ in cf.module.named_buffers()} \
+        if cf.module is not None else set()
+    inside = [w for w in cf._expanded_wrt() if isinstance(w, str) and w not in state and w not in kwargs
+              and w not in cf._positional and holder_of(w, list(cf._positional) + list(kwargs))]
     if inside:
         raise InvalidArgumentError(
             f"chunk_size splits tensor arguments along dim 0, and wrt names {inside[0]!r}, inside a container "

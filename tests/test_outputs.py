@@ -235,3 +235,22 @@ def test_chunk_size_refuses_samples_it_cannot_split_inside_a_container():
     f = lambda x, extra: (x.sin() * extra["c"].mean(0)).sum(-1)  # noqa: E731
     with pytest.raises(hoad.InvalidArgumentError, match=r"the tensor argument 1\['c'\] \(shape \(6, 3\)\) also has 6"):
         hoad.compile(f, order=2, batch_dim=0, chunk_size=4)(X, {"c": C})
+
+
+def test_chunk_size_takes_parameter_names_for_parameters():
+    """A parameter's name ("net.0.weight") is no path inside an argument named like its submodule
+    (``net``): chunk_size, which refuses a wrt inside a container argument, took it for one."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+
+        def forward(self, net):  # (the points, named like the submodule)
+            return self.net(net).squeeze(-1)
+
+    m, X = Model(), rand(5, 2, seed=39)
+    whole = hoad.compile(m, order=2, wrt=(0, hoad.parameters), batch_dim=0)(X)
+    chunked = hoad.compile(m, order=2, wrt=(0, hoad.parameters), batch_dim=0, chunk_size=2)(X)
+    for key in ((0,), ("net.0.weight",), (0, "net.0.weight")):
+        assert_close(chunked[key], whole[key], f"{key}, in chunks of 2")
