@@ -29,26 +29,18 @@ from hoad.options import GRAPH_BREAK
 
 
 def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The operator's input ``wrt`` in a call of ``u``."""
-    if isinstance(wrt, int):
-        if wrt < len(args):
-            x = args[wrt]
-        else:  # the wrt-th parameter, passed by name
-            names = parameter_names(u)
-            x = kwargs.get(names[wrt]) if wrt < len(names) else None
-            if x is None:
-                raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
-                                           "and not that parameter by name")
-    else:
-        x = kwargs.get(wrt)
-        if x is None:
-            names = parameter_names(u)
-            x = args[names.index(wrt)] if wrt in names and names.index(wrt) < len(args) else None
-            holder = _holder(u, wrt, kwargs)
-            if holder is not None:  # a tensor inside a container argument ("inputs['x']")
-                place = _point_place(u, wrt, args, kwargs)
-                container = args[place.index] if isinstance(place, Positional) else kwargs.get(place.name)
-                x = tensor_at(wrt, holder, container)
+    """The operator's input ``wrt`` in a call of ``u``: at its place (:func:`_point_place`), or
+    inside the container argument there."""
+    if isinstance(wrt, int) and wrt >= len(args):  # (the wrt-th parameter, passed by name)
+        names = parameter_names(u)
+        if wrt >= len(names) or kwargs.get(names[wrt]) is None:
+            raise InvalidArgumentError(f"wrt={wrt} but the call passes {len(args)} positional arguments "
+                                       "and not that parameter by name")
+    place = _point_place(u, wrt, args, kwargs)
+    x = args[place.index] if isinstance(place, Positional) else kwargs.get(place.name)
+    holder = _holder(u, wrt, kwargs)
+    if holder is not None:  # a tensor inside a container argument ("inputs['x']")
+        x = tensor_at(wrt, holder, x)
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
@@ -192,10 +184,10 @@ SHIFT, SEEDS = "hoad_t", "hoad_seeds"  # the change of variables' inputs: t (zer
 def _holder(u: Callable, wrt, kwargs: dict) -> str | None:
     """The container argument of u that ``wrt`` addresses a tensor inside (``"inputs"`` for
     ``"inputs['x']"``), or None where ``wrt`` names an argument itself."""
-    names = parameter_names(u)
-    if not isinstance(wrt, str) or wrt in kwargs or wrt in names:
+    if not isinstance(wrt, str) or wrt in kwargs:
         return None
-    return holder_of(wrt, names + list(kwargs))
+    names = parameter_names(u)
+    return None if wrt in names else holder_of(wrt, names + list(kwargs))
 
 
 def _point_place(u: Callable, wrt, args: tuple, kwargs: dict) -> Positional | Keyword:
