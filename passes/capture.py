@@ -63,13 +63,23 @@ def _joined(out, batched: bool, tree: list):
     appended to ``tree``). Anything else is left for the output check to name."""
     if isinstance(out, torch.Tensor):
         return out
-    leaves, treedef = pytree.tree_flatten(out)
-    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves) or treedef.num_nodes == 1:
+    pathed, treedef = pytree.tree_flatten_with_path(out)
+    if not pathed:
+        raise OutputError(f"the function returns an empty {type(out).__name__}: there is no tensor to differentiate")
+    if treedef.num_nodes == 1:
         return out
+    for path, leaf in pathed:
+        if not isinstance(leaf, torch.Tensor):
+            raise OutputError(f"the function's output{pytree.keystr(path)} is {_describe(leaf)}, not a tensor: every "
+                              "value in a returned tuple, list or dict must be a tensor; return other values from "
+                              "another function")
+    leaves = [t for _, t in pathed]
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in leaves})
     if len(dtypes) > 1:
-        raise OutputError(f"the function returns several tensors of different dtypes ({', '.join(dtypes)}); hoad "
-                          "differentiates them in one program: give them one dtype")
+        each = ", ".join(f"output{pytree.keystr(path)} {str(t.dtype).removeprefix('torch.')}" for path, t in pathed)
+        raise OutputError(f"the function returns tensors of different dtypes ({each}); hoad differentiates them in "
+                          "one program: give them one floating-point dtype, and return integer or boolean values "
+                          "from another function")
     if batched and (any(t.ndim == 0 for t in leaves) or len({t.shape[0] for t in leaves}) > 1):
         raise OutputError("under batch_dim=0 every tensor the function returns holds its samples along dim 0; got "
                           f"shapes {[tuple(t.shape) for t in leaves]}")
@@ -433,6 +443,8 @@ def _describe(x) -> str:
         return f"a {'tuple' if isinstance(x, tuple) else 'list'} of {len(x)} values"
     if isinstance(x, dict):
         return "a dict"
+    if x is None or isinstance(x, (bool, int, float, complex, str)):
+        return repr(x)
     return type(x).__name__
 
 

@@ -5,6 +5,8 @@ its tensors then a wrt entry named by its path."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import assert_close, rand
@@ -130,12 +132,17 @@ def test_chunks_join_each_output():
 
 
 @pytest.mark.parametrize("f,options,fragment", [
-    (lambda x: (x.sin().sum(), x.float().cos().sum()), {}, "different dtypes (float32, float64)"),
+    (lambda x: (x.sin().sum(), x.float().cos().sum()), {}, "different dtypes (output[0] float64, output[1] float32)"),
+    (lambda x: {"u": x.sin(), "mask": x > 0}, {}, "output['mask'] bool); hoad differentiates them in one program"),
     (lambda X: (X.sin().sum(), X.cos()), {"batch_dim": 0}, "holds its samples along dim 0"),
-    (lambda x: (x.sin().sum(), "label"), {}, "several tensors may come as a tuple, list or dict"),
+    (lambda x: (x.sin().sum(), "label"), {}, "output[1] is 'label', not a tensor"),
+    (lambda x: {"u": [x.sin(), None]}, {}, "output['u'][1] is None, not a tensor"),
+    (lambda x: {}, {}, "returns an empty dict: there is no tensor to differentiate"),
 ])
 def test_outputs_that_cannot_be_joined_are_refused(f, options, fragment):
-    with pytest.raises(hoad.OutputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    """Each refusal names the output that cannot be joined (a message naming only the container
+    said "must return a single tensor, got a dict" of a dict holding a None)."""
+    with pytest.raises(hoad.OutputError, match=re.escape(fragment)):
         hoad.compile(f, order=1, **options)(rand(4, 2, seed=11) if options else rand(3, seed=11))
 
 
