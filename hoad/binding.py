@@ -152,12 +152,16 @@ def at_or_under(key: str, path: str) -> bool:
     return key == path or (key.startswith(path) and key[len(path)] in "[.")
 
 
-def tensor_at(path: str, name: str, container) -> torch.Tensor | None:
-    """The tensor at ``path`` (``name`` followed by keys) inside ``container``, or None."""
+def leaf_at(path: str, name: str, container):
+    """The value at ``path`` (``name`` followed by keys) inside ``container``: a tensor or any other
+    leaf; ``MISSING`` where nothing is there."""
     for keys, leaf in pytree.tree_flatten_with_path(container)[0]:
-        if name + pytree.keystr(keys) == path and isinstance(leaf, torch.Tensor):
+        if name + pytree.keystr(keys) == path:
             return leaf
-    return None
+    return MISSING
+
+
+MISSING = object()  # leaf_at's answer for a path that holds nothing
 
 
 def with_tensor_at(path: str, name: str, container, x: torch.Tensor):

@@ -648,6 +648,12 @@ class Compiled(Rebuilt):
                 keys = [(leaf, name + pytree.keystr(path[2:])) for leaf, path in enumerate(tensor_paths)
                         if path[:2] == prefix]
                 under = [(leaf, key) for leaf, key in keys if at_or_under(key, w)]
+                held = [leaf for path, leaf in flat if path[:2] == prefix and name + pytree.keystr(path[2:]) == w]
+                if not under and held:
+                    raise InvalidArgumentError(
+                        f"wrt names {w!r}, which holds {held[0]!r} ({type(held[0]).__name__}), not a tensor: pass it "
+                        f"as a tensor (torch.tensor({held[0]!r}, dtype=torch.float64)) to differentiate with respect "
+                        "to it")
                 if not under:
                     raise InvalidArgumentError(
                         f"wrt names {w!r}, which holds no tensor of argument {name!r}; the tensors in it are "

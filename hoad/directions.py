@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo
+import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from hoad.binding import Keyword, Positional, holder_of, tensor_at, with_tensor_at
+from hoad.binding import MISSING, Keyword, Positional, holder_of, leaf_at, with_tensor_at
 from hoad.errors import InvalidArgumentError
 from hoad.methods import Rebuilt, unbound_method
 from hoad.options import GRAPH_BREAK
@@ -40,9 +41,14 @@ def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
     x = args[place.index] if isinstance(place, Positional) else kwargs.get(place.name)
     holder = _holder(u, wrt, kwargs)
     if holder is not None:  # a tensor inside a container argument ("inputs['x']")
-        x = tensor_at(wrt, holder, x)
+        container, x = x, leaf_at(wrt, holder, x)
+        if x is MISSING:
+            paths = [holder + pytree.keystr(keys) for keys, leaf in pytree.tree_flatten_with_path(container)[0]
+                     if isinstance(leaf, torch.Tensor)]
+            raise InvalidArgumentError(f"the operator's input {wrt!r} is not in the call's argument {holder!r}; the "
+                                       f"tensors in it are {paths or 'none'}")
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"{x!r} ({type(x).__name__})"
         raise InvalidArgumentError(f"the operator's input {wrt!r} must be a floating-point tensor, got {got}")
     return x
 

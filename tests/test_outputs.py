@@ -234,6 +234,24 @@ def test_operators_differentiate_a_tensor_inside_a_container():
         hoad.compile(u, order=2, wrt="inputs['x']", batch_dim=0, chunk_size=2)({"x": X, "t": T})
 
 
+def test_a_path_to_a_number_or_to_nothing_says_what_is_there():
+    """A wrt path at a Python float inside a container was refused as holding "no tensor" (by
+    hoad.compile) or as "a NoneType" (by the operators); a path to nothing, too, was "a NoneType"."""
+    x = rand(3, seed=37)
+
+    def u(x, b):
+        return b["s"] * (b["t"] * x.sin()).sum()
+
+    b = {"s": 2.0, "t": rand(3, seed=38)}
+    with pytest.raises(hoad.InvalidArgumentError, match=re.escape("holds 2.0 (float), not a tensor: pass it as")):
+        hoad.compile(u, order=2, wrt="b['s']")(x, b)
+    with pytest.raises(hoad.InvalidArgumentError, match=re.escape("must be a floating-point tensor, got 2.0 (float)")):
+        hoad.laplacian(u, "b['s']")(x, b)
+    with pytest.raises(hoad.InvalidArgumentError, match=re.escape("is not in the call's argument 'b'; the tensors "
+                                                                  "in it are [\"b['t']\"]")):
+        hoad.laplacian(u, "b['z']")(x, b)
+
+
 def test_chunk_size_refuses_samples_it_cannot_split_inside_a_container():
     """chunk_size splits the wrt inputs; another tensor with a row per sample, kept whole, would
     be silently wrong (a mean over it) or fail to broadcast, so it is refused. One inside a
