@@ -20,9 +20,13 @@ def _val(n):
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``b`` can stand in for ``a``: the same shape, dtype and strides. ``x * 1`` of an
+    expanded or transposed x is a dense copy, and the program's views of it were traced on that
+    layout (a factor ``V.T.expand(B, D, S) * 1.0`` inside a traced loss: a later view of it could
+    not be taken on the expand)."""
     va, vb = _val(a), _val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
-            and va.dtype == vb.dtype)
+            and va.dtype == vb.dtype and va.stride() == vb.stride())
 
 
 def _scalar(x) -> bool:
@@ -41,7 +45,7 @@ def _replacement(node: fx.Node):
     if t in (aten.add.Tensor, aten.sub.Tensor) and len(a) == 2 and _scalar(a[1]) and a[1] == 0 and not node.kwargs:
         return a[0] if _same_meta(node, a[0]) else None
     if t == aten.neg.default and isinstance(a[0], fx.Node) and a[0].target == aten.neg.default:
-        return a[0].args[0]
+        return a[0].args[0] if _same_meta(node, a[0].args[0]) else None
     if t == aten.mul.Tensor and len(a) == 2 and _scalar(a[1]) and isinstance(a[0], fx.Node):
         inner = a[0]
         if (inner.target == aten.mul.Tensor and len(inner.args) == 2 and _scalar(inner.args[1])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.fx as fx
-from helpers import compiled, rand
+from helpers import assert_close, compiled, rand
 from op_cases import CASES
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -40,6 +40,28 @@ def test_prune_removes_trivial_arithmetic():
     out = gm(x)
     torch.testing.assert_close(out[0], x * 6.0)
     torch.testing.assert_close(out[1], x * -4.0)
+
+
+def test_prune_keeps_a_multiplication_by_one_that_lays_out_its_operand():
+    """x * 1 of an expanded, transposed x is a dense copy: the view after it was traced on that
+    copy and cannot be taken on the expand (a factor V.T.expand(B, D, S) * 1.0 in a one-program
+    training step failed with "view size is not compatible")."""
+    def f(v):
+        return (v.t().expand(4, 3, 2) * 1.0).permute(0, 2, 1).view(8, 3).sin()
+
+    v = rand(2, 3)
+    gm = prune(traced(f, v))
+    assert aten.mul.Tensor in calls(gm)
+    torch.testing.assert_close(gm(v), f(v))
+    negated = prune(traced(lambda v: (-(-v.t().expand(4, 3, 2))).permute(0, 2, 1).view(8, 3), v))  # noqa: B002
+    assert aten.neg.default in calls(negated)
+    torch.testing.assert_close(negated(v), v.t().expand(4, 3, 2).permute(0, 2, 1).reshape(8, 3))
+
+    def g(x):  # the same inside hoad.compile: "a bug in hoad" from its own program, on a closed-over v or on x
+        return (x * (v.t().expand(4, 3, 2) * 1.0).permute(0, 2, 1).reshape(8, 3)).sin().sum() + f(x[:2]).sum()
+
+    x = rand(8, 3, seed=1)
+    assert_close(hoad.compile(g, order=2)(x)[0, 0], torch.func.hessian(g)(x), "Hessian")
 
 
 def test_clean_folds_layout_and_merges_duplicates():
