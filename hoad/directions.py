@@ -13,6 +13,7 @@ A curve x + t v + Σ_k tᵏ/k! V_k is the same change of variables with powers o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import threading
@@ -22,6 +23,7 @@ import torch
 import torch._dynamo
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hoad.binding import MISSING, Keyword, Positional, holder_of, leaf_at, with_tensor_at
 from hoad.errors import InvalidArgumentError
@@ -267,7 +269,11 @@ class PerPoint(Rebuilt):
 
     def _check_finite(self, given: list[tuple[torch.Tensor, str]]) -> None:
         """Refuse NaN or infinite entries in any of the call's direction tensors, as given (before a
-        shared one is spread over the samples): one host sync for all of them."""
+        shared one is spread over the samples): one host sync for all of them. Inside a function hoad
+        is tracing (a loss compiled into one training step) there are no values to look at yet: the
+        program reads the directions at each of its calls, and NaN in them gives NaN out."""
+        if get_proxy_mode() is not None:
+            return
         flags = [torch.isfinite(t.detach()).all() if t.device.type != "meta" else None for t, _ in given]
         if any(f is None for f in flags) or not bool(flags[0] if len(flags) == 1 else torch.stack(flags).all()):
             what = next(w for (_, w), f in zip(given, flags) if f is None or not bool(f))
@@ -322,7 +328,10 @@ class PerPoint(Rebuilt):
         count = v.shape[len(lead) + (1 if self.higher else 0)]
         made = self._operators.get(count)
         if made is None:  # (calls alternating between counts each keep their program)
-            with torch.inference_mode(False):  # (its tensors outlive this call: see Resampled.resample)
+            # its tensors outlive this call: made outside inference mode (see Resampled.resample) and
+            # outside a trace that calls it (a loss compiled into one training step), as real tensors
+            with torch.inference_mode(False), \
+                    (_disable_current_modes() if get_proxy_mode() is not None else contextlib.nullcontext()):
                 made = self._make(self._shifted, count)
             made[0].compiled.sample_places = self._sample_places
             made = self._operators.setdefault(count, made)  # (another thread's, if it came first)

@@ -221,3 +221,55 @@ def test_per_point_operators_take_a_bound_method_and_refuse_an_unbound_one():
     assert torch.isfinite(drawn(x).laplacian).all()
     with pytest.raises(hoad.InvalidArgumentError, match="build the operator over the bound method"):
         hoad.laplacian(Net.u, randomization=("normal", 4))
+
+
+@pytest.mark.parametrize("kind", ["curves", "directions per point", "factor per point"])
+def test_per_point_operators_inside_a_one_program_training_step(kind):
+    """A loss calling curves, directions per point or a factor function, compiled into one
+    program returning the loss and its gradient (the guide's PINN step). Curves and directions
+    per point were refused as data-dependent control flow blaming the user's loss: the operator
+    was made inside the trace, checking fake tensors for NaN. A factor ``V.T.expand(B, D, S) *
+    1.0`` failed with "a bug in hoad": prune took x * 1 for x and lost the copy a view needed.
+    The loss and gradient equal torch.func's, and the operator made in the trace serves eager
+    calls afterwards."""
+    V, V2, VP = rand(2, 3, seed=730), rand(2, 3, seed=731), rand(5, 2, 3, seed=732)
+    X = rand(5, 3, seed=733)
+
+    class PINN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+            self.op = {"curves": lambda: hoad.taylor(self.u, order=2, directions=V, higher=(V2,), batch_dim=0),
+                       "directions per point": lambda: hoad.taylor(self.u, order=2, batch_dim=0,
+                                                                    directions=lambda X: VP[:X.shape[0]] * 1.0),
+                       "factor per point": lambda: hoad.laplacian(self.u, batch_dim=0,
+                                                                  factor=lambda X: V.T.expand(X.shape[0], 3, 2) * 1.0),
+                       }[kind]()
+
+        def u(self, X):
+            return self.net(X).squeeze(-1)
+
+        def residual(self, X):
+            res = self.op(X)
+            return res.laplacian if kind == "factor per point" else res[2].sum(-1)
+
+        def loss(self, X):
+            return (self.residual(X) ** 2).mean()
+
+    pinn = PINN()
+    params = {k: p.detach() for k, p in pinn.net.named_parameters()}
+
+    def reference(params):
+        def one(x, b):
+            f = lambda y: torch.func.functional_call(pinn.net, params, (y,)).squeeze(-1)  # noqa: E731
+            rows = {"curves": (V, V2), "directions per point": (VP[b], 0 * V), "factor per point": (V, 0 * V)}[kind]
+            return sum(_curve_derivatives(f, x, (rows[0][s], rows[1][s]), 2)[1] for s in range(2))
+        return (torch.stack([one(X[b], b) for b in range(5)]) ** 2).mean()
+
+    with torch.no_grad():
+        step = hoad.compile(pinn.loss, order=1, wrt=hoad.parameters)(X)
+    assert_close(step.value, reference(params), "the loss")
+    gradient = torch.func.grad(reference)(params)
+    for name in params:
+        assert_close(step[f"net.{name}"], gradient[name], f"∂loss/∂{name}")
+    assert_close((pinn.residual(X) ** 2).mean(), reference(params), "an eager call afterwards")
