@@ -31,7 +31,9 @@ MAX_NODE_ENTRIES = 24  # intermediates may grow a little (broadcasting, expand, 
 MAX_OUTPUT_ENTRIES = 12
 MAX_RANK = 3
 
-UNARY = ["sin", "cos", "tanh", "sigmoid", "softplus", "exp_tanh", "square", "log1p_square"]
+# times_one and neg_neg compute nothing new: prune removes them, which once lost the copy a later
+# view of an expanded or transposed operand was traced on
+UNARY = ["sin", "cos", "tanh", "sigmoid", "softplus", "exp_tanh", "square", "log1p_square", "times_one", "neg_neg"]
 BINARY = ["add", "mul", "sub", "div_soft"]
 
 
@@ -83,6 +85,10 @@ def apply(op, params, xs, b, w=None):
         return x * x
     if op == "log1p_square":
         return torch.log1p(x * x)
+    if op == "times_one":
+        return x * 1.0
+    if op == "neg_neg":
+        return -(-x)  # noqa: B002
     if op in BINARY:
         x, y = _aligned(x, xs[1], b)
         if op == "add":
