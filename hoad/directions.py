@@ -56,6 +56,17 @@ def _point_of(u: Callable, wrt, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 
+def values_hidden() -> bool:
+    """Whether a tensor's values cannot steer Python here: inside a function hoad is tracing (its
+    program reads each call's tensors), or inside ``torch.func.vmap`` (one call for every sample)."""
+    if get_proxy_mode() is not None:
+        return True
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
 def parameter_names(u) -> list[str]:
     """The names of u's parameters, in order (none where its signature cannot be read)."""
     sig = _signature(u)
@@ -109,12 +120,20 @@ class Resampled(Rebuilt):
         if g is not None and g.device.type != x.device.type:
             raise InvalidArgumentError(f"generator is on {g.device} and the points on {x.device}: draw on the "
                                        f"points' device (torch.Generator(device={str(x.device)!r}))")
-        V = torch.empty((self.count, *point), dtype=x.dtype, device=x.device)
-        with torch.no_grad():
-            if self.kind == "normal":
-                V.normal_(generator=g)
-            else:
-                V.bernoulli_(0.5, generator=g).mul_(2).sub_(1)
+        shape = (self.count, *point)
+        try:
+            with torch.no_grad():  # (drawn out of place: under vmap(randomness="different") a draw per sample)
+                if self.kind == "normal":
+                    V = torch.randn(shape, dtype=x.dtype, device=x.device, generator=g)
+                else:
+                    V = torch.randint(0, 2, shape, device=x.device, generator=g).to(x.dtype) * 2 - 1
+        except RuntimeError as e:
+            if "vmap" not in str(e) or "randomness" not in str(e):
+                raise
+            raise InvalidArgumentError(
+                "a randomized operator (randomization=) called inside torch.func.vmap draws its directions there: "
+                "pass randomness='different' to vmap (a draw per sample, as torch-jet's paper times it) or "
+                "randomness='same' (one draw for every sample, which batch_dim=0 gives without vmap)") from e
         operator = self._operators.get((V.shape, V.device))
         if operator is None:  # (a new shape of points: an operator of its own)
             # made outside inference mode: the operator's own tensors (its weights 1/S) outlive this
@@ -271,8 +290,9 @@ class PerPoint(Rebuilt):
         """Refuse NaN or infinite entries in any of the call's direction tensors, as given (before a
         shared one is spread over the samples): one host sync for all of them. Inside a function hoad
         is tracing (a loss compiled into one training step) there are no values to look at yet: the
-        program reads the directions at each of its calls, and NaN in them gives NaN out."""
-        if get_proxy_mode() is not None:
+        program reads the directions at each of its calls, and NaN in them gives NaN out), nor
+        inside torch.func.vmap."""
+        if values_hidden():
             return
         flags = [torch.isfinite(t.detach()).all() if t.device.type != "meta" else None for t, _ in given]
         if any(f is None for f in flags) or not bool(flags[0] if len(flags) == 1 else torch.stack(flags).all()):

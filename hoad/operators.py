@@ -30,7 +30,16 @@ import torch.utils._pytree as pytree
 
 from hoad.compiled import Compiled
 from hoad.derivatives import Derivatives
-from hoad.directions import SHIFT, PerPoint, _point_of, _randomization, _randomized, _signature, per_point
+from hoad.directions import (
+    SHIFT,
+    PerPoint,
+    _point_of,
+    _randomization,
+    _randomized,
+    _signature,
+    per_point,
+    values_hidden,
+)
 from hoad.errors import InvalidArgumentError
 from hoad.methods import Rebuilt, bind_per_instance, in_class_body
 from hoad.options import DEFAULT_OPTIONS, GRAPH_BREAK, Options, refuse_unknown
@@ -307,6 +316,8 @@ def _matrix(m: torch.Tensor, name: str, square: bool = True) -> torch.Tensor:
 def _check_values(t: torch.Tensor, name: str) -> None:
     if t.device.type == "meta":
         raise InvalidArgumentError(f"{name} is a meta tensor, which holds no values: pass it on the points' device")
+    if values_hidden():  # (torch.func.vmap over the directions, say)
+        return
     if not bool(torch.isfinite(t).all()):
         raise InvalidArgumentError(f"{name} has entries that are NaN or infinite")
 

@@ -938,6 +938,37 @@ def test_a_randomized_operator_inside_a_traced_loss_says_how_to_resample():
         assert_close(got.value, want, "the step over this draw")
 
 
+@pytest.mark.parametrize("kind", ["normal", "rademacher"])
+def test_operators_under_vmap_over_points_and_directions(kind):
+    """torch-jet's users vmap their operators. A randomized one under vmap(randomness="different")
+    (how torch-jet's paper times it) raised torch's "Cannot ask for different inplace randomness":
+    it now draws per point, and "same" once for all; vmap's default mode gets hoad's refusal
+    naming both. Directions passed through vmap (one set per point) raised torch's
+    "data-dependent control flow" from the NaN check: each point now gets its own directions,
+    and NaN in one point's gives NaN in that point's result only."""
+    u = mlp
+    X, VP = rand(5, 4, seed=60), rand(5, 2, 4, seed=61)
+    H = hessians(u, X)
+    op = hoad.laplacian(u, randomization=(kind, 3), generator=torch.Generator().manual_seed(0))
+
+    def drawn(x):
+        return op(x).laplacian, op.directions
+
+    for randomness in ("different", "same"):
+        got, V = vmap(drawn, randomness=randomness)(X)
+        assert_close(got, torch.einsum("bsd,bde,bse->b", V, H, V) / 3, f"randomness={randomness!r}")
+        assert torch.equal(V[0], V[1]) == (randomness == "same")
+    with pytest.raises(hoad.InvalidArgumentError, match="randomness='different' to vmap"):
+        vmap(drawn)(X)
+    assert_close(op(X[0]).laplacian, torch.einsum("sd,de,se->", op.directions, H[0], op.directions) / 3,
+                 "a plain call after")
+    along = vmap(lambda x, v: hoad.taylor(u, order=2, directions=v)(x)[2])(X, VP)
+    assert_close(along, torch.einsum("bsd,bde,bse->bs", VP, H, VP), "directions through vmap")
+    VP[1, 0, 0] = float("nan")
+    along = vmap(lambda x, v: hoad.taylor(u, order=2, directions=v)(x)[2])(X, VP)
+    assert along.isnan().any(-1).tolist() == [False, True, False, False, False]
+
+
 @pytest.mark.parametrize("call,fragment", [
     (lambda u: hoad.laplacian(u, randomization=("uniform", 4)), "randomization must be"),
     (lambda u: hoad.laplacian(u, randomization=("normal", 0)), "randomization must be"),
