@@ -261,32 +261,54 @@ def find_sources(roots: dict, tensors: Sequence[torch.Tensor]) -> list[Source | 
     Breadth-first, so the shortest chain wins (a parameter is found through its module, not
     through some other object that also holds the module).
     """
+    return [paths[0] if paths else None for paths in _search(roots, tensors, every=False)]
+
+
+def every_source(roots: dict, tensors: Sequence[torch.Tensor]) -> list[tuple[Source, ...]]:
+    """Each tensor's sources, shortest first: every chain that reaches it (up to MAX_PATHS). A
+    tensor held in two places (a module's parameter that a list, a closure or an operator holds
+    too) is the same object only while both hold it: a call checks that they still do."""
+    return _search(roots, tensors, every=True)
+
+
+def aliases_of(free: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int]
+               ) -> tuple[tuple[int, int], ...]:
+    """The (free tensor, wrt placeholder) pairs of one tensor object: a free tensor that is one of
+    the inputs differentiated."""
+    wrt = {id(tensors[j]): j for j in wrt_leaves}
+    return tuple((i, wrt[id(t)]) for i, t in enumerate(free) if id(t) in wrt)
+
+
+MAX_PATHS = 4  # of one tensor's sources that every_source keeps
+
+
+def _search(roots: dict, tensors: Sequence[torch.Tensor], every: bool) -> list[tuple[Source, ...]]:
     wanted = {id(t): i for i, t in enumerate(tensors)}
-    found: list[Source | None] = [None] * len(tensors)
+    found: list[list[Source]] = [[] for _ in tensors]
     left = len(wanted)
     seen: set[int] = set()
     frontier = [(name, obj, ()) for name, obj in roots.items()]
     for _depth in range(MAX_DEPTH + 1):
         following = []
         for root, obj, steps in frontier:
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.Tensor):
+            if isinstance(obj, torch.Tensor):  # (a tensor ends a chain: each chain to it counts)
                 i = wanted.get(id(obj))
                 if i is None and torch._is_functional_tensor(obj):
                     # a value of a trace in progress (a loss hoad.compile traces calls this
                     # function): the tensor the trace's functionalization wraps is the one seen
                     i = wanted.get(id(torch._from_functional_tensor(obj)))
-                if i is not None and found[i] is None:
-                    found[i] = Source(root, steps)
-                    left -= 1
+                if i is not None and len(found[i]) < (MAX_PATHS if every else 1):
+                    left -= not found[i]
+                    found[i].append(Source(root, steps))
                 continue
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
             following += [(root, child, steps + (step,)) for step, child in _children(obj)]
-        if not left or not following:
+        if (not left and not every) or not following:
             break
         frontier = following
-    return found
+    return [tuple(paths) for paths in found]
 
 
 # -------------------------------------------- what the guards (hoad.guards) read from here

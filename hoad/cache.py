@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from hoad.binding import find_sources, untouched
+from hoad.binding import aliases_of, find_sources, untouched
 from hoad.derivatives import Derivatives, ResultSpec
 from hoad.distributed import Split, note_outputs, quiet_hooks, record_nested, synchronized
 from hoad.errors import ExecutionError, HoadError, InvalidArgumentError, first_line
@@ -38,6 +38,13 @@ class Family:
         return leaves[self.rows[0]].shape[0]
 
 
+def _resolves_to(src, roots: dict, t: torch.Tensor) -> bool:
+    try:
+        return src.resolve(roots) is t
+    except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+        return False
+
+
 class Entry:
     """One compiled signature: the program, the free tensors it reads, how to wrap its outputs."""
 
@@ -57,6 +64,8 @@ class Entry:
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
         free = b.captured.free
+        # free tensors that were wrt inputs themselves, read as them (passes.capture._read_as_inputs)
+        self.aliases, self.wrt_leaves = b.captured.aliases, b.captured.wrt_leaves
         self.roots = roots
         self.guards = find_guards(roots)
         self.values = self.values_now()
@@ -68,6 +77,8 @@ class Entry:
         # those the function calls, always; the wrapper of a decorated method's module, while gradients are on
         self.ddp = [(d, True) for d in b.captured.ddp]
         self.sources = list(b.sources)
+        # the other places each free tensor was found in: it is one tensor while they all hold it
+        self.also = list(b.also) if b.also else [()] * len(b.sources)
         self.metas = [_meta(t) for t in free]
         # numbers the program keeps from .item() of free tensors (narrow's start): where they are
         # read from now, and the number (the program is built again when it changes)
@@ -93,10 +104,12 @@ class Entry:
         """The Python values :attr:`guards` watch, as they are now (None if one is gone)."""
         return tuple(guard.now(self.roots) for guard in self.guards)
 
-    def read_free(self) -> list[torch.Tensor] | None:
+    def read_free(self, tensors: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or
-        its source is gone), or a Python value the function reaches changed (:class:`Guard`):
-        then the program must be traced again, and ``why`` says why."""
+        its source is gone), or a Python value the function reaches changed (:class:`Guard`), or
+        one is now, or is no longer, one of the call's ``tensors`` it differentiates (its
+        arguments' tensors, a module's state first): then the program must be traced again, and
+        ``why`` says why."""
         for guard in self.guards:
             changed = guard.changed(self.roots)
             if changed is not None:
@@ -117,7 +130,7 @@ class Entry:
         if not self.metas:
             return []
         out = []
-        for src, meta, held in zip(self.sources, self.metas, self.held):
+        for src, meta, held, also in zip(self.sources, self.metas, self.held, self.also):
             if isinstance(held, FakeTensor) and get_proxy_mode() is not self.trace:
                 # a value of the trace that built this program (an operator called inside a
                 # traced loss, reading it through an object hoad does not follow): it belongs to
@@ -135,7 +148,17 @@ class Entry:
                 self.why = "a tensor it reads changed its shape, dtype, device or layout (or is gone)"
                 self.expected = True
                 return None
+            if also and not all(_resolves_to(other, self.roots, t) for other in also):
+                self.why = (f"a tensor it reads, held both at {src.name} and at {also[0].name}, is now two tensors "
+                            "(one of those places was given another)")
+                self.expected = True
+                return None
             out.append(t)
+        if tensors is not None and aliases_of(out, tensors, self.wrt_leaves) != self.aliases:
+            self.why = ("a tensor it reaches another way than through its arguments (a list, a closure, an operator "
+                        "holding it) is now another tensor than an input it differentiates, or the same one")
+            self.expected = True
+            return None
         return out
 
     def result(self, tensors, free) -> Derivatives:

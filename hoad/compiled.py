@@ -231,7 +231,8 @@ class Compiled(Rebuilt):
                 return hit
         call = self._key(args, kwargs, nested, transformed)
         entry = self._cache.get(call.key)
-        free = entry.read_free() if entry is not None else None
+        tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
+        free = entry.read_free(tensors) if entry is not None else None
         if free is None:
             with BUILDS:  # (threads that called at once with other values: the first value's program
                 # makes the next one trace the float as an input, and the rest find that program)
@@ -240,10 +241,9 @@ class Compiled(Rebuilt):
                 if lifted:
                     call = self._key(args, kwargs, nested, transformed)  # the changed floats now as inputs
                 entry, free, call = self._build_lifting(call, args, kwargs, nested, transformed, lifted)
-        leaves = call.leaves
         if not nested:
             self._last = entry
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
         return entry.result(tensors, free), entry
 
     def _check_call(self, args: tuple, kwargs: dict) -> bool:
@@ -281,11 +281,12 @@ class Compiled(Rebuilt):
         if key is None:
             return None
         entry = self._cache.get(key)
-        free = entry.read_free() if entry is not None else None
+        tensors = list(args) + list(kwargs.values()) if kwargs else args
+        free = entry.read_free(tensors) if entry is not None else None
         if free is None:
             return None
         self._last = entry
-        return entry.result(list(args) + list(kwargs.values()) if kwargs else args, free), entry
+        return entry.result(tensors, free), entry
 
     def _tensor_key(self, args: tuple, kwargs: dict) -> tuple | None:
         """The key of a call of tensors only, without a pytree; None for any other call."""
@@ -379,12 +380,13 @@ class Compiled(Rebuilt):
                                                              call.treedef, call.extra, call.config)
         with BUILDS:  # one build at a time (make_fx and Inductor keep process-wide state)
             entry = self._cache.get(key)  # another thread may have built it meanwhile
-            free = entry.read_free() if entry is not None else None
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            free = entry.read_free(tensors) if entry is not None else None
             if free is not None:
                 return entry, free
             if entry is not None:
                 twin = self._twins.get((key, entry.values_now()))
-                free = twin.read_free() if twin is not None else None
+                free = twin.read_free(tensors) if twin is not None else None
                 if free is not None:  # built before for these Python values (train/eval, say)
                     self._cache[key] = twin
                     return twin, free
@@ -404,7 +406,7 @@ class Compiled(Rebuilt):
             self._twins[(key, entry.values)] = entry
             while len(self._twins) > MAX_PROGRAMS:
                 del self._twins[next(iter(self._twins))]
-            free = entry.read_free()
+            free = entry.read_free(tensors)
             if free is None:
                 raise InvalidArgumentError(
                     f"{name_of(self.fn)}: {entry.why} between the trace and the check that follows it: "

@@ -22,7 +22,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from hoad.algebra import EAGER, Target
 from hoad.algebra.multiindex import key_name
 from hoad.algebra.target import Recorded
-from hoad.binding import CallLayout, Keyword, Source, StateEntry, find_sources, untouched
+from hoad.binding import CallLayout, Keyword, Source, StateEntry, every_source, untouched
 from hoad.budget import Budget, default_budget, human
 from hoad.distributed import share_of
 from hoad.errors import CaptureError, HoadError, HoadInternalError, InvalidArgumentError, first_line
@@ -134,6 +134,7 @@ class Build:
     config: Config
     roots: dict = field(default_factory=dict)   # where free tensors are searched for (hoad.binding)
     sources: list[Source | None] = field(default_factory=list)   # one per free tensor
+    also: list[tuple[Source, ...]] = field(default_factory=list)  # each free tensor's other sources
     target: Target | None = None
     lowerings: dict[str, Recorded] = field(default_factory=dict)  # each candidate's, its choices recorded
     captured: Captured | None = None
@@ -177,7 +178,8 @@ class Build:
 
 def _capture(b: Build) -> Build:
     def name_free(free: list[torch.Tensor]) -> list[str]:
-        b.sources = find_sources(b.roots, free)
+        paths = every_source(b.roots, free)
+        b.sources, b.also = [p[0] if p else None for p in paths], [p[1:] for p in paths]
         return [s.name if s is not None else f"c{i}" for i, s in enumerate(b.sources)]
 
     rewrites: dict = {}

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hoad.binding import CallLayout, _identifier, _unique
+from hoad.binding import CallLayout, _identifier, _unique, aliases_of
 from hoad.distributed import traced_as_module
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError, first_line
 from hoad.passes.branches import safe_branches, squares_of_norms
@@ -110,6 +110,8 @@ class Captured:
     out_tree: OutputTree | None = None
     # positions of the inputs the program writes into (copy_: a running statistic)
     written: set[int] = field(default_factory=set)
+    # (free tensor, wrt placeholder) pairs: a free tensor that is a wrt input itself, read as it
+    aliases: tuple[tuple[int, int], ...] = ()
 
     def samples(self, batch_dim: int | None) -> int | None:
         """The number of samples under ``batch_dim`` where there are several (the count the
@@ -157,6 +159,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                     traced_as_module([]) as ddp, torch.enable_grad():
                 gm = traced(*fresh)
             free = _lift_free_tensors(gm)
+            aliases = _read_as_inputs(gm, tensors, wrt_leaves, free)
             _stand_in_traced_free(gm, len(fresh))
             gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
         except CaptureError:
@@ -221,7 +224,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
     return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=state.strided_reads > 0,
                     values=list(state.value_reads), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None,
-                    written=writes)
+                    written=writes, aliases=aliases)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:
@@ -276,6 +279,30 @@ def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
                 delattr(gm, name)
         gm.recompile()
     return free
+
+
+def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
+                    free: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """A free tensor that is a wrt input itself, reached another way than the input (a module's
+    parameter that a list, a closure or an operator also holds: ``hoad.taylor(self.u, ...,
+    weights=self.w)``), read as that input, in place: the derivatives follow every path to it, where
+    as a free tensor of its own it was a constant and the derivatives along that path were lost.
+    Returns the pairs (:func:`aliases_of`); each call checks that they still hold
+    (``Entry.read_free``)."""
+    pairs = aliases_of(free, tensors, wrt_leaves)
+    if not pairs:
+        return pairs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    own = len(placeholders) - len(free)
+    for i, j in pairs:
+        if not tensors[j].is_contiguous():  # (traced on a dense copy: its views would not be the free tensor's)
+            raise CaptureError(
+                f"the function reaches the input it differentiates at position {j} also another way than "
+                "through its arguments (a parameter a list, a closure or an operator holds), and that tensor is "
+                "not contiguous: make it contiguous (nn.Parameter(w.contiguous())), or reach it one way only")
+        placeholders[own + i].replace_all_uses_with(placeholders[j])
+    gm.recompile()
+    return pairs
 
 
 def _stand_in_traced_free(gm: fx.GraphModule, own: int) -> None:

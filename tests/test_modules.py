@@ -685,6 +685,51 @@ def test_tied_weights_count_every_use(mode):
         assert_close(res["emb.weight", "emb.weight"], jacfwd(jacrev(plain))(E), "Hessian")
 
 
+@pytest.mark.parametrize("holder", ["list", "closure"])
+def test_a_parameter_also_reached_another_way_counts_every_use(holder):
+    """A parameter the module reaches both as its attribute and through a list or a closure it
+    keeps: the second path read the live tensor as a constant, and with wrt=hoad.parameters the
+    gradient was off by 0.76 and the Hessian by 3.6, silently. When the two places later hold two
+    tensors (the parameter replaced, the list keeping the old one; then the list given another)
+    each call follows what the function reads."""
+    torch.manual_seed(15)
+
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2).double()
+            w = self.lin.weight
+            self.held = [w] if holder == "list" else (lambda: w)
+
+        def other(self):
+            return self.held[0] if holder == "list" else self.held()
+
+        def forward(self, x):
+            return (torch.tanh(self.lin(x)) * (x @ self.other())).sum()
+
+    m, x = Held(), rand(2, seed=16)
+    cf = hoad.compile(m, order=2, wrt=hoad.parameters)
+
+    def expected():  # autograd on the module itself, which follows both paths
+        params = dict(m.named_parameters())
+        g = torch.autograd.grad(m(x), list(params.values()), create_graph=True)
+        w = params["lin.weight"]
+        H = torch.stack([torch.autograd.grad(gi, w, retain_graph=True)[0] for gi in g[0].reshape(-1)])
+        return g[0], H.reshape(2, 2, 2, 2)
+
+    for step in ("first", "parameter replaced", "list given the parameter", "list given another"):
+        if step == "parameter replaced":
+            m.lin.weight = nn.Parameter(rand(2, 2, seed=17))
+        elif step == "list given the parameter" and holder == "list":
+            m.held[0] = m.lin.weight
+        elif step == "list given another" and holder == "list":
+            m.held[0] = rand(2, 2, seed=18)
+        res = cf(x)
+        g, H = expected()
+        assert_close(res["lin.weight"], g, f"gradient, {step}")
+        assert_close(res["lin.weight", "lin.weight"], H, f"Hessian, {step}")
+
+
 # --------------------------------------------------------------- state the function stores
 def _plain_tensors(module: nn.Module) -> bool:
     return all(type(t) in (torch.Tensor, nn.Parameter) for t in [*module.parameters(), *module.buffers()])

@@ -171,6 +171,41 @@ def test_the_weights_of_a_collapsed_jet_are_differentiable(backend):
         assert_close(got, 2 * (along @ w.detach()) @ along, f"order {K}: gradient in the weights")
 
 
+def test_learnable_weights_of_a_collapsed_jet_train_in_the_one_program_step():
+    """A module's parameter w given to its operator (weights=self.w), trained through the step that
+    returns the loss and its gradient: the operator reads w another way than the module's
+    attribute, and the step's ∂loss/∂w was silently 0 (autograd's was right)."""
+    V, X = rand(3, 4, seed=621), rand(5, 4, seed=622)
+
+    class Jets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(rand(3, seed=623))
+            self.scale = torch.nn.Parameter(rand(4, seed=624))
+            self.op = hoad.taylor(self.u, order=2, directions=V, collapse=True, weights=self.w, batch_dim=0)
+
+        def u(self, X):
+            return mlp(X * self.scale)
+
+        def loss(self, X):
+            return self.op(X).collapsed.pow(2).mean()
+
+    m = Jets()
+    with torch.no_grad():
+        step = hoad.compile(m.loss, order=1, wrt=hoad.parameters)(X)
+
+    def reference(w, scale):
+        along = torch.stack([torch.stack([_along(lambda x: mlp(x * scale), X[b], V[s], 2) for s in range(3)])
+                             for b in range(5)])
+        return (along @ w).pow(2).mean()
+
+    w, scale = m.w.detach(), m.scale.detach()
+    assert_close(step.value, reference(w, scale), "the loss")
+    dw, dscale = torch.func.grad(reference, argnums=(0, 1))(w, scale)
+    assert_close(step["w"], dw, "∂loss/∂w")
+    assert_close(step["scale"], dscale, "∂loss/∂scale")
+
+
 def test_a_collapsed_taylor_jet_per_sample_and_randomized():
     X, V = rand(5, 4, seed=614), rand(3, 4, seed=615)
     res = hoad.taylor(mlp, order=3, directions=V, collapse=True, batch_dim=0)(X)
