@@ -159,7 +159,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                     traced_as_module([]) as ddp, torch.enable_grad():
                 gm = traced(*fresh)
             free = _lift_free_tensors(gm)
-            aliases = _read_as_inputs(gm, tensors, wrt_leaves, free)
+            aliases = _read_as_inputs(gm, tensors, wrt_leaves, free, list(layout.names))
             _stand_in_traced_free(gm, len(fresh))
             gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
         except CaptureError:
@@ -282,7 +282,7 @@ def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
 
 
 def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
-                    free: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+                    free: list[torch.Tensor], names: list[str]) -> tuple[tuple[int, int], ...]:
     """A free tensor that is a wrt input itself, reached another way than the input (a module's
     parameter that a list, a closure or an operator also holds: ``hoad.taylor(self.u, ...,
     weights=self.w)``), read as that input, in place: the derivatives follow every path to it, where
@@ -290,6 +290,14 @@ def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_lea
     Returns the pairs (:func:`aliases_of`); each call checks that they still hold
     (``Entry.read_free``)."""
     pairs = aliases_of(free, tensors, wrt_leaves)
+    wrt = {id(tensors[j]): j for j in wrt_leaves}
+    for t in free:  # a view of such an input, made before the call and kept, autograd follows; hoad cannot
+        if t.requires_grad and t._base is not None and id(t._base) in wrt:
+            raise CaptureError(
+                f"the function reads a {tuple(t.shape)} view of {names[wrt[id(t._base)]]!r}, which it differentiates, "
+                "made before the call and kept (self.wT = self.lin.weight.t(), say): "
+                "hoad differentiates that input where the function reads it, not through a view made outside. "
+                "Make the view inside the function (self.lin.weight.t() in forward)")
     if not pairs:
         return pairs
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -297,7 +305,7 @@ def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_lea
     for i, j in pairs:
         if not tensors[j].is_contiguous():  # (traced on a dense copy: its views would not be the free tensor's)
             raise CaptureError(
-                f"the function reaches the input it differentiates at position {j} also another way than "
+                f"the function reaches {names[j]!r}, which it differentiates, also another way than "
                 "through its arguments (a parameter a list, a closure or an operator holds), and that tensor is "
                 "not contiguous: make it contiguous (nn.Parameter(w.contiguous())), or reach it one way only")
         placeholders[own + i].replace_all_uses_with(placeholders[j])

@@ -730,6 +730,30 @@ def test_a_parameter_also_reached_another_way_counts_every_use(holder):
         assert_close(res["lin.weight", "lin.weight"], H, f"Hessian, {step}")
 
 
+def test_a_view_of_a_parameter_made_before_the_call_is_refused():
+    """A transpose of a parameter kept from __init__ (self.wT = self.lin.weight.t()): autograd
+    follows it to the parameter, hoad read it as a constant (gradient off by 2.1, silently). It is
+    refused where that parameter is differentiated, and read live where it is not; a
+    non-contiguous input also reached another way is refused too (its dense copy is traced)."""
+    class Kept(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2).double()
+            self.wT = self.lin.weight.t()
+
+        def forward(self, x):
+            return (torch.tanh(self.lin(x)) * (x @ self.wT)).sum()
+
+    m, x = Kept(), rand(2, seed=19)
+    with pytest.raises(hoad.CaptureError, match=r"view of 'lin_weight', which it differentiates, made before the call"):
+        hoad.compile(m, order=1, wrt=hoad.parameters)(x)
+    res = hoad.compile(m, order=2)(x)
+    assert_close(res[0, 0], hessian(lambda x: m(x))(x), "the view read live, x differentiated")
+    W = rand(3, 2, seed=20).t()
+    with pytest.raises(hoad.CaptureError, match="also another way than through its arguments"):
+        hoad.compile(lambda w: (w * W).sum(), order=1)(W)
+
+
 # --------------------------------------------------------------- state the function stores
 def _plain_tensors(module: nn.Module) -> bool:
     return all(type(t) in (torch.Tensor, nn.Parameter) for t in [*module.parameters(), *module.buffers()])
