@@ -65,7 +65,7 @@ class Entry:
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
         free = b.captured.free
         # free tensors that were wrt inputs themselves, read as them (passes.capture._read_as_inputs)
-        self.aliases, self.wrt_leaves = b.captured.aliases, b.captured.wrt_leaves
+        self.aliases, self.joinable = b.captured.aliases, b.captured.joinable
         self.roots = roots
         self.guards = find_guards(roots)
         self.values = self.values_now()
@@ -154,7 +154,7 @@ class Entry:
                 self.expected = True
                 return None
             out.append(t)
-        if tensors is not None and aliases_of(out, tensors, self.wrt_leaves) != self.aliases:
+        if tensors is not None and aliases_of(out, tensors, self.joinable) != self.aliases:
             self.why = ("a tensor it reaches another way than through its arguments (a list, a closure, an operator "
                         "holding it) is now another tensor than an input it differentiates, or the same one")
             self.expected = True

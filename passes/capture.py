@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hoad.binding import CallLayout, _identifier, _unique, aliases_of
+from hoad.binding import CallLayout, StateEntry, _identifier, _unique, aliases_of
 from hoad.distributed import traced_as_module
 from hoad.errors import CaptureError, DataDependentControlFlowError, HoadError, OutputError, RandomnessError, first_line
 from hoad.passes.branches import safe_branches, squares_of_norms
@@ -112,6 +112,7 @@ class Captured:
     written: set[int] = field(default_factory=set)
     # (free tensor, wrt placeholder) pairs: a free tensor that is a wrt input itself, read as it
     aliases: tuple[tuple[int, int], ...] = ()
+    joinable: list[int] = field(default_factory=list)  # the wrt placeholders a free tensor may be read as
 
     def samples(self, batch_dim: int | None) -> int | None:
         """The number of samples under ``batch_dim`` where there are several (the count the
@@ -159,7 +160,10 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                     traced_as_module([]) as ddp, torch.enable_grad():
                 gm = traced(*fresh)
             free = _lift_free_tensors(gm)
-            aliases = _read_as_inputs(gm, tensors, wrt_leaves, free, list(layout.names))
+            # (a module's parameter is the same variable wherever it is read; an argument's tensor held
+            # elsewhere too is other data that equals it at this call, as under torch.func)
+            joinable = [j for j in wrt_leaves if isinstance(layout.places[j], StateEntry)]
+            aliases = _read_as_inputs(gm, tensors, joinable, free, list(layout.names))
             _stand_in_traced_free(gm, len(fresh))
             gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
         except CaptureError:
@@ -224,7 +228,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
                 "the first call's number. Keep the computation in tensor ops (BatchNorm: a momentum, or eval())")
     return Captured(gm, names, list(wrt_leaves), tuple(val.shape), free, strided=state.strided_reads > 0,
                     values=list(state.value_reads), ddp=list(dict.fromkeys(ddp)), out_tree=tree[-1] if tree else None,
-                    written=writes, aliases=aliases)
+                    written=writes, aliases=aliases, joinable=joinable)
 
 
 def _unique_after(taken: list[str], names: list[str]) -> list[str]:
@@ -283,12 +287,13 @@ def _lift_free_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
 
 def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int],
                     free: list[torch.Tensor], names: list[str]) -> tuple[tuple[int, int], ...]:
-    """A free tensor that is a wrt input itself, reached another way than the input (a module's
-    parameter that a list, a closure or an operator also holds: ``hoad.taylor(self.u, ...,
-    weights=self.w)``), read as that input, in place: the derivatives follow every path to it, where
-    as a free tensor of its own it was a constant and the derivatives along that path were lost.
-    Returns the pairs (:func:`aliases_of`); each call checks that they still hold
-    (``Entry.read_free``)."""
+    """A free tensor that is a differentiated parameter of the module itself, reached another way
+    than the module's attribute (a list, a closure or an operator holding it: ``hoad.taylor(self.u,
+    ..., weights=self.w)``), read as that parameter, in place: the derivatives follow every path to
+    it, where as a free tensor of its own it was a constant and the derivatives along that path
+    were lost. ``wrt_leaves``: the module's parameters in wrt (an argument's tensor held elsewhere
+    too is other data that equals it at this call, a constant as under torch.func). Returns the
+    pairs (:func:`aliases_of`); each call checks that they still hold (``Entry.read_free``)."""
     pairs = aliases_of(free, tensors, wrt_leaves)
     wrt = {id(tensors[j]): j for j in wrt_leaves}
     for t in free:  # a view of such an input, made before the call and kept, autograd follows; hoad cannot
