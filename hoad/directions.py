@@ -110,7 +110,7 @@ class Resampled(Rebuilt):
         self.kind, self.count, self.generator, self._make = kind, count, generator, make
         self.operator = None  # the last call's
         self._operators: dict[tuple, object] = {}  # by the shape and device of V
-        self.directions: torch.Tensor | None = None
+        self._drawn: torch.Tensor | None = None  # the last call's V (directions)
         self._turns = threading.Lock()
 
     def resample(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,18 @@ class Resampled(Rebuilt):
                 operator = self._operators[V.shape, V.device] = self._make(directions=V)
         else:
             operator.redirect(V)
-        self.operator, self.directions = operator, V
+        self.operator, self._drawn = operator, V
+        return V
+
+    @property
+    def directions(self) -> torch.Tensor | None:
+        """The last call's V (S, *x); under ``torch.func.vmap`` one per sample, readable inside it."""
+        V = self._drawn
+        if V is not None and torch._C._functorch.is_batchedtensor(V) and not values_hidden():
+            raise InvalidArgumentError(
+                "the last call of this randomized operator ran inside torch.func.vmap, which drew its directions "
+                "per sample: they exist only inside the vmapped function. Read op.directions there (return it "
+                "from the function), or call the operator outside vmap")
         return V
 
     @torch._dynamo.disable(reason=GRAPH_BREAK)  # (a graph break under torch.compile, as hoad.compile's call)

@@ -1049,6 +1049,9 @@ def test_operators_under_vmap_over_points_and_directions(kind):
         got, V = vmap(drawn, randomness=randomness)(X)
         assert_close(got, torch.einsum("bsd,bde,bse->b", V, H, V) / 3, f"randomness={randomness!r}")
         assert torch.equal(V[0], V[1]) == (randomness == "same")
+        if randomness == "different":  # (drawn per sample, they escaped vmap: torch's raw error on reading them)
+            with pytest.raises(hoad.InvalidArgumentError, match="exist only inside the vmapped function"):
+                op.directions  # noqa: B018
     with pytest.raises(hoad.InvalidArgumentError, match="randomness='different' to vmap"):
         vmap(drawn)(X)
     assert_close(op(X[0]).laplacian, torch.einsum("sd,de,se->", op.directions, H[0], op.directions) / 3,
