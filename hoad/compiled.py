@@ -622,7 +622,7 @@ class Compiled(Rebuilt):
                         f"wrt names {w!r}, which is the same parameter as {tied!r} (tied weights): the module lists "
                         f"it once, as {tied!r}; name that, and its derivatives cover every use")
                 bound = list(params)[:1] if self.module is not None else []  # (the module itself)
-                known = tuple(n for n in params if n not in bound) + tuple(state)
+                known = tuple(n for n in params if n not in bound and not n.startswith("hoad_")) + tuple(state)
                 nor = " nor a parameter or buffer of the module" if self.module is not None else ""
                 raise InvalidArgumentError(f"wrt names {w!r}, which is not an argument of the function{nor}; "
                                            f"valid names are {known}")

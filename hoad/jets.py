@@ -182,7 +182,7 @@ def taylor(u: Callable | None = None, order: int | None = None, directions: torc
             raise InvalidArgumentError("hoad.taylor: higher= bends given directions into curves; it cannot be "
                                        "combined with randomization=")
     if higher is not None or per_point(directions, batch_dim, columns=False):
-        _check_wrt(wrt)
+        _check_wrt(wrt, u)
 
         along = functools.partial(_along_axes, order=order, collapse=collapse, weights=weights, options=options)
         return PerPoint("hoad.taylor", u, wrt, batch_dim, directions, False, along, higher=higher or ())

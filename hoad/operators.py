@@ -37,6 +37,7 @@ from hoad.directions import (
     _randomization,
     _randomized,
     _signature,
+    parameter_names,
     per_point,
     values_hidden,
 )
@@ -99,10 +100,17 @@ def _wrapper(u: Callable, extra: tuple[str, ...]) -> Callable:
     return wrapped
 
 
-def _check_wrt(wrt) -> None:
+def _check_wrt(wrt, u=None) -> None:
     if isinstance(wrt, bool) or not isinstance(wrt, (int, str)) or (isinstance(wrt, int) and wrt < 0):
         raise InvalidArgumentError(f"an operator differentiates with respect to one input: wrt must be an argnum "
                                    f"(int >= 0) or an argument name, got {wrt!r}")
+    module = u if isinstance(u, torch.nn.Module) else getattr(u, "__self__", None)
+    if isinstance(wrt, str) and isinstance(module, torch.nn.Module) and wrt not in parameter_names(u) and \
+            wrt in dict(module.named_parameters()) | dict(module.named_buffers()):
+        raise InvalidArgumentError(
+            f"wrt names {wrt!r}, a parameter of the module: an operator differentiates with respect to an input "
+            f"of the function. Along directions in parameter space, hoad.compile(module, order=K, wrt=[{wrt!r}]) "
+            "gives every derivative block, and res.along(v) their Taylor model along v")
 
 
 class _Method(Rebuilt):
@@ -145,7 +153,7 @@ class _Operator(_Method):
                  roots: dict | None = None, nestable: bool = False):
         if not callable(u):
             raise InvalidArgumentError(f"expected a function, got {type(u).__name__}")
-        _check_wrt(wrt)
+        _check_wrt(wrt, u)
         self.u, self.wrt, self.batch_dim = u, wrt, options.batch_dim
         self.directions, self.weights = directions, weights
         extra = tuple(n for n, t in ((DIRECTIONS, directions), (WEIGHTS, weights)) if t is not None)
@@ -533,7 +541,7 @@ def laplacian(u: Callable | None = None, wrt=0, *, batch_dim: int | None = None,
                                    "(torch.linalg.cholesky(C) for a positive definite C)")
     for given, columns in ((factor, True), (directions, False)):
         if given is not None and per_point(given, batch_dim, columns):
-            _check_wrt(wrt)
+            _check_wrt(wrt, u)
             return PerPoint("hoad.laplacian", u, wrt, batch_dim, given, columns,
                             functools.partial(_laplacian_along_axes, mean=not columns, options=options))
     return Laplacian(u, wrt, weights=weights, factor=factor, directions=directions, options=options)

@@ -1074,3 +1074,27 @@ def test_operators_under_vmap_over_points_and_directions(kind):
 def test_bad_randomization_is_refused(call, fragment):
     with pytest.raises(hoad.InvalidArgumentError, match=fragment):
         call(lambda x: x.sin().sum())
+
+
+def test_a_parameter_named_as_the_operators_input_points_to_the_way():
+    """An operator of a module with wrt naming one of its parameters was refused as "not an
+    argument of the function; valid names are ('input', 'hoad_directions')", an internal name
+    among them. It now says what the operators differentiate, and how to go along directions in
+    parameter space (that way checked against nested jvp)."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    x, v = rand(3, seed=70), rand(4, 3, seed=71)
+    for make in (lambda: hoad.taylor(m, order=2, directions=v[None], wrt="0.weight"),
+                 lambda: hoad.laplacian(m, wrt="0.weight"),
+                 lambda: hoad.taylor(m, order=2, directions=v[None], higher=(v[None],), wrt="0.weight")):
+        with pytest.raises(hoad.InvalidArgumentError, match=r"'0.weight', a parameter of the module: .*res.along"):
+            make()(x)
+    res = hoad.compile(m, order=2, wrt=["0.weight"])(x)
+    params = {k: p.detach() for k, p in m.named_parameters()}
+
+    def along(t):
+        return torch.func.functional_call(m, {**params, "0.weight": params["0.weight"] + t * v}, (x,))
+
+    t0 = torch.zeros((), dtype=DT)
+    assert_close(res.along(v)[1], _along(along, t0, torch.ones((), dtype=DT), 2), "the second derivative along v")
+    with pytest.raises(hoad.InvalidArgumentError, match=r"valid names are \('x',\)"):
+        hoad.taylor(lambda x: m(x).sum(), order=2, directions=v[None], wrt="0.weight")(x)
