@@ -300,9 +300,9 @@ class PerPoint(Rebuilt):
     def _check_finite(self, given: list[tuple[torch.Tensor, str]]) -> None:
         """Refuse NaN or infinite entries in any of the call's direction tensors, as given (before a
         shared one is spread over the samples): one host sync for all of them. Inside a function hoad
-        is tracing (a loss compiled into one training step) there are no values to look at yet: the
-        program reads the directions at each of its calls, and NaN in them gives NaN out), nor
-        inside torch.func.vmap."""
+        is tracing (a loss compiled into one training step) or inside torch.func.vmap there are no
+        values to look at: the program reads the directions at each of its calls, and NaN in them
+        gives NaN out."""
         if values_hidden():
             return
         flags = [torch.isfinite(t.detach()).all() if t.device.type != "meta" else None for t, _ in given]

@@ -163,7 +163,7 @@ def capture(fn: Callable, layout: CallLayout, tensors: Sequence[torch.Tensor], w
             # (a module's parameter is the same variable wherever it is read; an argument's tensor held
             # elsewhere too is other data that equals it at this call, as under torch.func)
             joinable = [j for j in wrt_leaves if isinstance(layout.places[j], StateEntry)]
-            aliases = _read_as_inputs(gm, tensors, joinable, free, list(layout.names))
+            aliases = _read_as_inputs(gm, tensors, joinable, free, [getattr(p, 'name', None) for p in layout.places])
             _stand_in_traced_free(gm, len(fresh))
             gm = _functional(gm, fresh + [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in free])
         except CaptureError:
@@ -310,9 +310,9 @@ def _read_as_inputs(gm: fx.GraphModule, tensors: Sequence[torch.Tensor], wrt_lea
     for i, j in pairs:
         if not tensors[j].is_contiguous():  # (traced on a dense copy: its views would not be the free tensor's)
             raise CaptureError(
-                f"the function reaches {names[j]!r}, which it differentiates, also another way than "
-                "through its arguments (a parameter a list, a closure or an operator holds), and that tensor is "
-                "not contiguous: make it contiguous (nn.Parameter(w.contiguous())), or reach it one way only")
+                f"the module's parameter {names[j]!r}, which the function differentiates, is also held by a list, "
+                "a closure or an operator it reads, and it is not contiguous: make it contiguous "
+                "(nn.Parameter(w.contiguous())), or read it one way only")
         placeholders[own + i].replace_all_uses_with(placeholders[j])
     gm.recompile()
     return pairs
