@@ -363,7 +363,9 @@ def untouched(roots: dict):
                                "initialized yet; call it once on an example batch before hoad traces it")
         if isinstance(obj, torch.Tensor) and not obj.is_inference():
             tensors.setdefault(id(obj), obj)
-    holders = [(obj, table, table.copy()) for obj in _reachable(roots, into_hoad=False) for table in _tables(obj)]
+    reached = list(_reachable(roots, into_hoad=False))
+    holders = [(obj, table, table.copy()) for obj in reached for table in _tables(obj)]
+    caches = {id(c): (c, c.cache_info().misses) for obj in reached for c in _lru_caches(obj)}
     before = [(t, t._version, t.detach().clone() if _copied(t) else None) for t in tensors.values()]
     rebound: list[Rebinding] = []
     try:
@@ -379,12 +381,29 @@ def untouched(roots: dict):
                         t.copy_(copy)
         for obj, table, old in holders:
             rebound += _restore_stores(obj, table, old)
+        for cache, misses in caches.values():
+            # a functools.lru_cache (or cache) the trace filled holds the trace's stand-ins, which the
+            # user's own calls would get back afterwards: emptied (a pure cache computes them again)
+            if cache.cache_info().misses != misses:
+                cache.cache_clear()
+                rebound.append(Rebinding(f"the lru_cache of {getattr(cache, '__qualname__', 'a function')}", None,
+                                         False, cache=True))
     if lost:
         t = lost[0]
         raise CaptureError(
             f"tracing the function wrote into a {'parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} "
             f"{tuple(t.shape)} it reaches; a derivative program replays such writes at every call, and hoad can undo "
             "the trace's own write only for small buffers. Move the update out of the function")
+
+
+def _lru_caches(obj) -> list:
+    """The functools.lru_cache wrappers ``obj`` is or its user-defined class holds (a cached method)."""
+    if isinstance(obj, functools._lru_cache_wrapper):
+        return [obj]
+    if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)) or not _user_class(type(obj)):
+        return []
+    return [v for c in type(obj).__mro__ if c is not object and _user_class(c) for v in vars(c).values()
+            if isinstance(v, functools._lru_cache_wrapper)]
 
 
 @dataclass(frozen=True)
@@ -395,6 +414,7 @@ class Rebinding:
     where: str
     old: object
     buffer: bool
+    cache: bool = False  # a functools.lru_cache the trace filled, emptied
 
 
 def _tables(obj) -> list:

@@ -243,7 +243,11 @@ def _check_stores(b: Build, rebound: list) -> None:
     activation) is a value of the trace's Python, which calls do not run: a warning."""
     n = b.n_user
     written = {id(b.tensors[i]) for i in b.written if i >= n}
-    left = [r for r in rebound if not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
+    caches = [r.where for r in rebound if r.cache]
+    if caches:
+        log.info("hoad: tracing %s filled %s with values of its trace; hoad emptied them, so that calls outside "
+                 "compute those values again", name_of(b.fn), ", ".join(caches))
+    left = [r for r in rebound if not r.cache and not (isinstance(r.old, torch.Tensor) and id(r.old) in written)]
     if any(isinstance(place, StateEntry) for place in b.layout.places):
         # a compiled module: its state is the program's input, assignments were written back
         # (hoad.api), and what is left in its tables is reparametrization's

@@ -1,5 +1,7 @@
 """@hoad.compile on nn.Module methods: parameters and buffers are live inputs and wrt targets."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -835,6 +837,42 @@ def test_a_buffer_assigned_by_a_closed_over_module_is_refused():
     with pytest.raises(hoad.CaptureError, match=r"_Smoothed\.ema.*in place"):
         hoad.compile(lambda x: m(x), order=2, backend="eager")(rand(5, 4, seed=58))
     assert _plain_tensors(m) and m.ema.abs().sum() == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _frequencies(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float64) * 0.5 + 1.0
+
+
+def test_an_lru_cache_the_trace_fills_is_emptied(caplog):
+    """A memoized helper (functools.lru_cache, or functools.cache on a method) first called inside
+    hoad's trace kept the trace's stand-in: afterwards the user's own f(x) returned a fake tensor
+    wrapped in a FunctionalTensor, silently, and torch.func computed garbage from it. The cache is
+    emptied after the trace, with an info line; the next call outside computes the value again."""
+
+    class Basis(nn.Module):
+        @functools.cache  # noqa: B019 (what users write; the test is about it)
+        def basis(self, n):
+            return torch.arange(n, dtype=torch.float64) + 1.0
+
+        def forward(self, x):
+            return (x * self.basis(3)).sin().sum()
+
+    def f(x):
+        return (x * _frequencies(3)).sin().sum()
+
+    _frequencies.cache_clear()
+    x = rand(3, seed=23)
+    for fn, values in ((f, torch.arange(3, dtype=torch.float64) * 0.5 + 1.0),
+                       (Basis(), torch.arange(3, dtype=torch.float64) + 1.0)):
+        with caplog.at_level("INFO", logger="hoad"):
+            res = hoad.compile(fn, order=2)(x)
+        after = fn(x)
+        assert type(after) is torch.Tensor and not torch._is_functional_tensor(after)
+        assert_close(after, (x * values).sin().sum(), "the function called afterwards")
+        assert "lru_cache of" in caplog.text and "emptied them" in caplog.text
+        assert_close(res[0, 0], torch.diag(-(values ** 2) * (x * values).sin()), "the Hessian")
+        caplog.clear()
 
 
 def test_values_saved_by_a_hook_are_put_back_with_a_warning(caplog):
