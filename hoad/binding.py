@@ -364,8 +364,10 @@ def untouched(roots: dict):
         if isinstance(obj, torch.Tensor) and not obj.is_inference():
             tensors.setdefault(id(obj), obj)
     reached = list(_reachable(roots, into_hoad=False))
-    holders = [(obj, table, table.copy()) for obj in reached for table in _tables(obj)]
-    caches = {id(c): (c, c.cache_info().misses) for obj in reached for c in _lru_caches(obj)}
+    reached += [held for obj in reached for held in _class_held(obj)]  # (a memo a class keeps for its instances)
+    tables = {id(table): (obj, table) for obj in reached for table in _tables(obj)}
+    holders = [(obj, table, table.copy()) for obj, table in tables.values()]
+    caches = {id(c): (c, c.cache_info().misses) for c in reached if isinstance(c, functools._lru_cache_wrapper)}
     before = [(t, t._version, t.detach().clone() if _copied(t) else None) for t in tensors.values()]
     rebound: list[Rebinding] = []
     try:
@@ -396,14 +398,13 @@ def untouched(roots: dict):
             "the trace's own write only for small buffers. Move the update out of the function")
 
 
-def _lru_caches(obj) -> list:
-    """The functools.lru_cache wrappers ``obj`` is or its user-defined class holds (a cached method)."""
-    if isinstance(obj, functools._lru_cache_wrapper):
-        return [obj]
+def _class_held(obj) -> list:
+    """What the user-defined classes of ``obj`` keep for all their instances and their code may
+    fill: a functools.lru_cache on a method, a dict or list class attribute (``_cache = {}``)."""
     if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)) or not _user_class(type(obj)):
         return []
     return [v for c in type(obj).__mro__ if c is not object and _user_class(c) for v in vars(c).values()
-            if isinstance(v, functools._lru_cache_wrapper)]
+            if isinstance(v, (functools._lru_cache_wrapper, dict, list))]
 
 
 @dataclass(frozen=True)

@@ -845,10 +845,11 @@ def _frequencies(n: int) -> torch.Tensor:
 
 
 def test_an_lru_cache_the_trace_fills_is_emptied(caplog):
-    """A memoized helper (functools.lru_cache, or functools.cache on a method) first called inside
-    hoad's trace kept the trace's stand-in: afterwards the user's own f(x) returned a fake tensor
-    wrapped in a FunctionalTensor, silently, and torch.func computed garbage from it. The cache is
-    emptied after the trace, with an info line; the next call outside computes the value again."""
+    """A memoized helper (functools.lru_cache, functools.cache on a method, a dict a class keeps for
+    its instances) first called inside hoad's trace kept the trace's stand-in: afterwards the user's
+    own f(x) returned a fake tensor wrapped in a FunctionalTensor, silently, and torch.func computed
+    garbage from it. An lru_cache is emptied after the trace, with an info line, and the class's
+    dict gets its entry taken back, with a warning; the next call outside computes it again."""
 
     class Basis(nn.Module):
         @functools.cache  # noqa: B019 (what users write; the test is about it)
@@ -858,19 +859,29 @@ def test_an_lru_cache_the_trace_fills_is_emptied(caplog):
         def forward(self, x):
             return (x * self.basis(3)).sin().sum()
 
+    class Memo(nn.Module):
+        _cache: dict = {}  # (a class attribute every instance fills)
+
+        def forward(self, x):
+            if 3 not in self._cache:
+                self._cache[3] = torch.arange(3, dtype=torch.float64) + 2.0
+            return (x * self._cache[3]).sin().sum()
+
     def f(x):
         return (x * _frequencies(3)).sin().sum()
 
     _frequencies.cache_clear()
     x = rand(3, seed=23)
     for fn, values in ((f, torch.arange(3, dtype=torch.float64) * 0.5 + 1.0),
-                       (Basis(), torch.arange(3, dtype=torch.float64) + 1.0)):
+                       (Basis(), torch.arange(3, dtype=torch.float64) + 1.0),
+                       (Memo(), torch.arange(3, dtype=torch.float64) + 2.0)):
         with caplog.at_level("INFO", logger="hoad"):
             res = hoad.compile(fn, order=2)(x)
         after = fn(x)
         assert type(after) is torch.Tensor and not torch._is_functional_tensor(after)
         assert_close(after, (x * values).sin().sum(), "the function called afterwards")
-        assert "lru_cache of" in caplog.text and "emptied them" in caplog.text
+        assert ("lru_cache of" in caplog.text and "emptied them" in caplog.text) if not isinstance(fn, Memo) else \
+            "a dict's entry 3" in caplog.text
         assert_close(res[0, 0], torch.diag(-(values ** 2) * (x * values).sin()), "the Hessian")
         caplog.clear()
 
