@@ -364,7 +364,7 @@ def untouched(roots: dict):
         if isinstance(obj, torch.Tensor) and not obj.is_inference():
             tensors.setdefault(id(obj), obj)
     reached = list(_reachable(roots, into_hoad=False))
-    reached += [held for obj in reached for held in _class_held(obj)]  # (a memo a class keeps for its instances)
+    reached += [held for obj in reached for held in _shared_memos(obj)]  # (a class's or a module's memo)
     tables = {id(table): (obj, table) for obj in reached for table in _tables(obj)}
     holders = [(obj, table, table.copy()) for obj, table in tables.values()]
     caches = {id(c): (c, c.cache_info().misses) for c in reached if isinstance(c, functools._lru_cache_wrapper)}
@@ -398,13 +398,19 @@ def untouched(roots: dict):
             "the trace's own write only for small buffers. Move the update out of the function")
 
 
-def _class_held(obj) -> list:
-    """What the user-defined classes of ``obj`` keep for all their instances and their code may
-    fill: a functools.lru_cache on a method, a dict or list class attribute (``_cache = {}``)."""
-    if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)) or not _user_class(type(obj)):
+def _shared_memos(obj) -> list:
+    """What code may fill beside ``obj`` and keep between calls: for an instance of a user-defined
+    class, what its classes keep for all their instances (a functools.lru_cache on a method, a dict
+    or list class attribute, ``_cache = {}``); for a user's module, its own (a ``_CACHE = {}`` its
+    functions fill)."""
+    memo = (functools._lru_cache_wrapper, dict, list)
+    if isinstance(obj, types.ModuleType):
+        return [v for k, v in vars(obj).items() if isinstance(v, memo) and not k.startswith("__")] \
+            if _user_module(obj) else []
+    if isinstance(obj, (type, types.FunctionType, types.MethodType)) or not _user_class(type(obj)):
         return []
     return [v for c in type(obj).__mro__ if c is not object and _user_class(c) for v in vars(c).values()
-            if isinstance(v, (functools._lru_cache_wrapper, dict, list))]
+            if isinstance(v, memo)]
 
 
 @dataclass(frozen=True)

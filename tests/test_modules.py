@@ -886,6 +886,27 @@ def test_an_lru_cache_the_trace_fills_is_emptied(caplog):
         caplog.clear()
 
 
+def test_a_memo_of_the_users_module_gets_its_entry_back(tmp_path, monkeypatch):
+    """A helper module of the user's whose function fills a module-level dict (_CACHE[n] = ...),
+    called as helpers.basis(3): the trace's stand-in stayed in _CACHE, and the function called
+    afterwards returned a FakeTensor inside a FunctionalTensor, silently."""
+    (tmp_path / "memo_helpers.py").write_text(
+        "import torch\n_CACHE = {}\n\n\ndef basis(n):\n    if n not in _CACHE:\n"
+        "        _CACHE[n] = torch.arange(n, dtype=torch.float64) + 1.0\n    return _CACHE[n]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helpers = __import__("memo_helpers")
+
+    def f(x):
+        return (x * helpers.basis(3)).sin().sum()
+
+    x = rand(3, seed=24)
+    values = torch.arange(3, dtype=torch.float64) + 1.0
+    assert_close(hoad.compile(f, order=2)(x)[0, 0], torch.diag(-(values ** 2) * (x * values).sin()), "the Hessian")
+    after = f(x)
+    assert not torch._is_functional_tensor(after)
+    assert_close(after, (x * values).sin().sum(), "the function called afterwards")
+
+
 def test_values_saved_by_a_hook_are_put_back_with_a_warning(caplog):
     """A forward hook saving features held a trace stand-in after the call (its .item() returned
     a symbol); the dict gets its old content back and a warning says why."""
