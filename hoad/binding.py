@@ -354,8 +354,10 @@ def untouched(roots: dict):
     tensor changed by the trace is refused.
 
     A tensor the trace stores on an object (``self.ema = ...``, a hook's ``features[name] = out``,
-    spectral norm's ``self._u = normalize(..., out=self._u)``) is one of the trace's stand-ins: the
-    object gets its old value back, and the caller decides what the store means."""
+    spectral norm's ``self._u = normalize(..., out=self._u)``, a memo a class or a user's module
+    keeps, :func:`_shared_memos`) is one of the trace's stand-ins: the object gets its old value
+    back, and the caller decides what the store means. A ``functools.lru_cache`` the trace filled
+    is emptied (its entries cannot be put back one by one)."""
     tensors: dict[int, torch.Tensor] = {}
     for obj in _reachable(roots):
         if isinstance(obj, torch.nn.parameter.UninitializedTensorMixin):
