@@ -274,7 +274,9 @@ def every_source(roots: dict, tensors: Sequence[torch.Tensor]) -> list[tuple[Sou
 def aliases_of(free: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], wrt_leaves: Sequence[int]
                ) -> tuple[tuple[int, int], ...]:
     """The (free tensor, wrt placeholder) pairs of one tensor object: a free tensor that is one of
-    the inputs differentiated."""
+    the inputs differentiated (``wrt_leaves``: those a free tensor may be read as)."""
+    if not wrt_leaves or not free:  # (a plain function's: every call, nothing to compare)
+        return ()
     wrt = {id(tensors[j]): j for j in wrt_leaves}
     return tuple((i, wrt[id(t)]) for i, t in enumerate(free) if id(t) in wrt)
 

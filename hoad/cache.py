@@ -64,7 +64,7 @@ class Entry:
         self.trainable = Trainable(p.gm, f"the order-{p.order} {p.direction} program", p.prefix, p.prefix_reads,
                                    self.n_user, b.samples) if b.config.backend == "inductor" else None
         free = b.captured.free
-        # free tensors that were wrt inputs themselves, read as them (passes.capture._read_as_inputs)
+        # free tensors that were the module's differentiated parameters, read as them (passes.capture._read_as_inputs)
         self.aliases, self.joinable = b.captured.aliases, b.captured.joinable
         self.roots = roots
         self.guards = find_guards(roots)
@@ -107,9 +107,9 @@ class Entry:
     def read_free(self, tensors: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """The free tensors as they are now, or None if one changed shape, dtype or device (or
         its source is gone), or a Python value the function reaches changed (:class:`Guard`), or
-        one is now, or is no longer, one of the call's ``tensors`` it differentiates (its
-        arguments' tensors, a module's state first): then the program must be traced again, and
-        ``why`` says why."""
+        one is now, or is no longer, one of the module's parameters it differentiates among the
+        call's ``tensors`` (its arguments' tensors, the module's state first): then the program must
+        be traced again, and ``why`` says why."""
         for guard in self.guards:
             changed = guard.changed(self.roots)
             if changed is not None:

@@ -241,9 +241,9 @@ class Compiled(Rebuilt):
                 if lifted:
                     call = self._key(args, kwargs, nested, transformed)  # the changed floats now as inputs
                 entry, free, call = self._build_lifting(call, args, kwargs, nested, transformed, lifted)
+                tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
         if not nested:
             self._last = entry
-        tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
         return entry.result(tensors, free), entry
 
     def _check_call(self, args: tuple, kwargs: dict) -> bool:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch._dynamo
 import torch.utils._pytree as pytree
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -61,9 +63,6 @@ def values_hidden() -> bool:
     program reads each call's tensors), or inside ``torch.func.vmap`` (one call for every sample)."""
     if get_proxy_mode() is not None:
         return True
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
     return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 

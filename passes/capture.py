@@ -110,7 +110,7 @@ class Captured:
     out_tree: OutputTree | None = None
     # positions of the inputs the program writes into (copy_: a running statistic)
     written: set[int] = field(default_factory=set)
-    # (free tensor, wrt placeholder) pairs: a free tensor that is a wrt input itself, read as it
+    # (free tensor, wrt placeholder) pairs: a free tensor that is a differentiated parameter of the module, read as it
     aliases: tuple[tuple[int, int], ...] = ()
     joinable: list[int] = field(default_factory=list)  # the wrt placeholders a free tensor may be read as
 
